@@ -1,0 +1,79 @@
+"""Frozen configuration, validated once (DESIGN.md principle 4).
+
+`EngineConfig` is what a user sets (CLI flags map onto it one to one).
+`ModelConfig` is what the model's own files say, resolved at load time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything needed to build an LLMEngine.
+
+    model: a default-model alias (see engine.models_hub), a local HF directory,
+        a local .gguf file, or a Hub id.
+    kv_cache_memory_bytes: budget for the KV block pool; num_blocks overrides it.
+    sliding_window: force a window on any model (None: the model's own, if any).
+    num_sink_tokens: with a window, the first S tokens stay visible forever.
+    """
+
+    model: str
+    dtype: str = "float32"
+    device: str = "cpu"
+    max_model_len: int | None = None
+    block_size: int = 16
+    kv_cache_memory_bytes: int = 512 * 1024 * 1024
+    num_blocks: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    sliding_window: int | None = None
+    num_sink_tokens: int = 0
+    enable_prefix_caching: bool = True
+    num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
+        if self.dtype == "float16" and not self.device.startswith("cuda"):
+            raise ValueError("dtype float16 is only supported on CUDA; use float32 or bfloat16 on CPU")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be positive, got {self.sliding_window}")
+        if self.num_sink_tokens < 0:
+            raise ValueError(f"num_sink_tokens must be non-negative, got {self.num_sink_tokens}")
+        if self.num_blocks is not None and self.num_blocks < 2:
+            raise ValueError(f"num_blocks must be at least 2, got {self.num_blocks}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture facts read from config.json or GGUF metadata.
+
+    `hf_config` keeps the full transformers config for architecture-specific
+    fields (rope scaling, norm eps, ...); everything the engine itself needs is
+    a named field.
+    """
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    sliding_window: int | None
+    hf_config: Any = field(compare=False, repr=False)

@@ -1,0 +1,83 @@
+"""What the engine hands back each step: plain dataclasses, deltas only."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+FINISH_STOP = "stop"
+FINISH_LENGTH = "length"
+FINISH_ABORT = "abort"
+
+
+@dataclass
+class TokenLogprob:
+    """Logprob of one generated token and its `top` alternatives (token_id, logprob), best first."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class CompletionOutput:
+    """The new part of one sample (index among the request's n) since the last step."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" once finished
+    stop_reason: str | int | None = None  # the stop string or stop token that ended it
+    num_generated_tokens: int = 0  # total so far, including this delta
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """One step's news for one request: only the samples that changed."""
+
+    request_id: str
+    outputs: list[CompletionOutput]
+    prompt_token_ids: list[int]
+    finished: bool  # every sample of the request has finished
+    arrival_time: float = 0.0
+    first_scheduled_time: float | None = None  # time.monotonic() when first scheduled
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+@dataclass
+class GenerationResult:
+    """A whole finished sample, as returned by LLMEngine.generate()."""
+
+    request_id: str
+    index: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass
+class EngineStats:
+    """A snapshot of engine counters for /metrics."""
+
+    num_running: int
+    num_waiting: int
+    num_used_blocks: int
+    num_total_blocks: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    num_prompt_tokens: int
+    num_generation_tokens: int
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.num_used_blocks / self.num_total_blocks if self.num_total_blocks else 0.0
