@@ -1,0 +1,141 @@
+"""Attention over the paged KV cache, and the dense reference it must equal.
+
+Layout of one layer's cache: key_cache, value_cache: [num_blocks, block_size,
+num_kv_heads, head_dim]. A token at position p of a sequence lives in slot
+`block_table[p // block_size] * block_size + p % block_size` of the flattened
+cache. Block 0 is the null block: table entries of blocks released by the
+sliding window point at it, and masks never let a query see it.
+
+Per step the runner builds one `AttentionMetadata` for the whole flat batch
+(every layer reuses it): which cache slots each new token writes, which slots
+each sequence's queries read, and the boolean mask (causal, window, sinks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    """Tensors describing one step's flat batch of T new tokens from B sequences.
+
+    slot_mapping:   [T]           cache slot each new token's K/V is written to
+    key_slots:      [B, K]        cache slots each sequence's queries may read (padded with 0)
+    attn_mask:      [B, Q, K]     True where query q of sequence b may see key k
+    query_index:    [B, Q]        flat token index of each padded query (padding -> T, a scratch row)
+    is_decode_only: every sequence has exactly one new token (Q == 1, query_index is arange)
+    """
+
+    slot_mapping: torch.Tensor
+    key_slots: torch.Tensor
+    attn_mask: torch.Tensor
+    query_index: torch.Tensor
+    is_decode_only: bool
+
+    @property
+    def num_seqs(self) -> int:
+        return self.key_slots.shape[0]
+
+
+def visible_mask(
+    query_positions: torch.Tensor,
+    key_positions: torch.Tensor,
+    sliding_window: int | None,
+    num_sink_tokens: int,
+) -> torch.Tensor:
+    """Bool [..., Q, K]: key j visible to query p iff j <= p, and within the window or a sink.
+
+    Negative key positions mark padding and are never visible.
+    query_positions: [..., Q], key_positions: [..., K].
+    """
+    q = query_positions.unsqueeze(-1)
+    k = key_positions.unsqueeze(-2)
+    mask = (k >= 0) & (k <= q)
+    if sliding_window is not None:
+        mask &= ((q - k) < sliding_window) | (k < num_sink_tokens)
+    return mask
+
+
+def write_kv(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store new keys/values [T, H_kv, D] into their cache slots."""
+    num_kv_heads, head_dim = key.shape[1], key.shape[2]
+    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
+    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of T flat queries [T, H_q, D] over the paged cache -> [T, H_q, D].
+
+    The new tokens' K/V must already be written (write_kv). Torch ops only, so
+    the same code runs on CPU and CUDA.
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = key_cache.shape[2]
+    flat_keys = key_cache.view(-1, num_kv_heads, head_dim)
+    flat_values = value_cache.view(-1, num_kv_heads, head_dim)
+    # [B, K, H_kv, D] -> [B, H_kv, K, D]
+    keys = flat_keys[meta.key_slots].transpose(1, 2)
+    values = flat_values[meta.key_slots].transpose(1, 2)
+    num_seqs = meta.key_slots.shape[0]
+    if meta.is_decode_only:
+        padded_query = query.view(num_seqs, 1, num_heads, head_dim)
+    else:
+        # One scratch row at index T receives the padding queries.
+        scratch = torch.cat([query, query.new_zeros(1, num_heads, head_dim)])
+        padded_query = scratch[meta.query_index]  # [B, Q, H_q, D]
+    out = F.scaled_dot_product_attention(
+        padded_query.transpose(1, 2),
+        keys,
+        values,
+        attn_mask=meta.attn_mask.unsqueeze(1),
+        scale=scale,
+        enable_gqa=num_heads != num_kv_heads,
+    ).transpose(1, 2)  # [B, Q, H_q, D]
+    if meta.is_decode_only:
+        return out.reshape(num_tokens, num_heads, head_dim)
+    flat = out.new_empty(num_tokens + 1, num_heads, head_dim)
+    flat[meta.query_index.reshape(-1)] = out.reshape(-1, num_heads, head_dim)
+    return flat[:num_tokens]
+
+
+def dense_reference_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    query_positions: torch.Tensor,
+    key_positions: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    num_sink_tokens: int = 0,
+) -> torch.Tensor:
+    """Plain attention for ONE sequence with an explicit mask; no paging, no batching.
+
+    query: [Q, H_q, D], key/value: [K, H_kv, D] (contiguous, all positions),
+    positions: [Q] and [K]. Returns [Q, H_q, D]. Written with explicit
+    matmul/softmax so it shares no code with the fast path.
+    """
+    num_heads, num_kv_heads = query.shape[1], key.shape[1]
+    group = num_heads // num_kv_heads
+    key = key.repeat_interleave(group, dim=1)
+    value = value.repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", query.float(), key.float()) * scale
+    mask = visible_mask(query_positions, key_positions, sliding_window, num_sink_tokens)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("hqk,khd->qhd", probs, value.float()).to(query.dtype)

@@ -1,0 +1,132 @@
+"""Owns the model and the KV-cache tensors; turns a ScheduledBatch into logits.
+
+Everything per step is built once here as flat tensors (token ids, positions,
+cache slots, masks) and passed into the model; the model never loops over
+sequences.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from engine.attention import AttentionMetadata, visible_mask
+from engine.config import EngineConfig, ModelConfig
+from engine.models.gpt2 import GPT2LMHeadModel
+from engine.models.llama import LlamaForCausalLM
+from engine.scheduler import ScheduledBatch
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_MODEL_CLASSES = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "GPT2LMHeadModel": GPT2LMHeadModel,
+}
+
+
+def kv_bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    element = torch.empty((), dtype=dtype).element_size()
+    return 2 * model_config.num_layers * block_size * model_config.num_kv_heads * model_config.head_dim * element
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        state_dict: dict[str, torch.Tensor],
+        config: EngineConfig,
+        num_blocks: int,
+        sliding_window: int | None,
+    ) -> None:
+        self.model_config = model_config
+        self.device = torch.device(config.device)
+        self.dtype = _DTYPES[config.dtype]
+        self.block_size = config.block_size
+        self.sliding_window = sliding_window
+        self.num_sink_tokens = config.num_sink_tokens if sliding_window is not None else 0
+        with torch.device("meta"):
+            model = _MODEL_CLASSES[model_config.architecture](model_config)
+        model = model.to_empty(device=self.device).to(self.dtype)
+        model.load_weights(state_dict)
+        self.model = model.eval().requires_grad_(False)
+        shape = (num_blocks, config.block_size, model_config.num_kv_heads, model_config.head_dim)
+        # One (key, value) pair per layer, allocated once for the whole life of the engine.
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device))
+            for _ in range(model_config.num_layers)
+        ]
+
+    def build_inputs(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Flat input ids [T], positions [T] and the attention metadata for one step."""
+        bs = self.block_size
+        window, sinks = self.sliding_window, self.num_sink_tokens
+        starts = [seq.num_computed_tokens for seq in batch.seqs]
+        counts = batch.num_new_tokens
+        num_seqs = len(batch.seqs)
+        input_ids = np.concatenate([np.asarray(s.token_ids[st : st + n]) for s, st, n in zip(batch.seqs, starts, counts)])
+        positions = np.concatenate([np.arange(st, st + n) for st, n in zip(starts, counts)])
+
+        # Key positions each sequence may read: the sinks, then everything from the
+        # window's start (the first query's window) to the last new token.
+        key_position_rows = []
+        for st, n in zip(starts, counts):
+            end = st + n
+            if window is None:
+                key_position_rows.append(np.arange(end))
+            else:
+                low = max(st - window + 1, 0)
+                sink_end = min(sinks, low)
+                key_position_rows.append(np.concatenate([np.arange(sink_end), np.arange(low, end)]))
+        max_keys = max(len(r) for r in key_position_rows)
+        key_positions = np.full((num_seqs, max_keys), -1, dtype=np.int64)
+        key_slots = np.zeros((num_seqs, max_keys), dtype=np.int64)
+        slot_rows = []
+        for i, (seq, rows) in enumerate(zip(batch.seqs, key_position_rows)):
+            table = np.asarray(seq.block_table, dtype=np.int64)
+            slots = table[rows // bs] * bs + rows % bs
+            key_positions[i, : len(rows)] = rows
+            key_slots[i, : len(rows)] = slots
+            slot_rows.append(slots[len(rows) - counts[i] :])
+        slot_mapping = np.concatenate(slot_rows)
+
+        max_queries = max(counts)
+        is_decode_only = max_queries == 1
+        query_positions = np.full((num_seqs, max_queries), -1, dtype=np.int64)
+        num_tokens = len(input_ids)
+        query_index = np.full((num_seqs, max_queries), num_tokens, dtype=np.int64)
+        offset = 0
+        for i, (st, n) in enumerate(zip(starts, counts)):
+            query_positions[i, :n] = np.arange(st, st + n)
+            query_index[i, :n] = np.arange(offset, offset + n)
+            offset += n
+        mask = visible_mask(torch.from_numpy(query_positions), torch.from_numpy(key_positions), window, sinks)
+        # Padding queries see one key so their (discarded) softmax stays finite.
+        mask[:, :, 0] |= torch.from_numpy(query_positions < 0)
+
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
+            key_slots=torch.from_numpy(key_slots).to(dev),
+            attn_mask=mask.to(dev),
+            query_index=torch.from_numpy(query_index).to(dev),
+            is_decode_only=is_decode_only,
+        )
+        return torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev), meta
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch, all_positions: bool = False) -> torch.Tensor:
+        """float32 logits: one row per sequence that samples this step (or one per token if all_positions)."""
+        input_ids, positions, meta = self.build_inputs(batch)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        if not all_positions:
+            ends = np.cumsum(batch.num_new_tokens) - 1
+            rows = [int(ends[i]) for i in range(len(batch.seqs)) if batch.samples(i)]
+            if not rows:
+                return hidden.new_empty(0, self.model_config.vocab_size, dtype=torch.float32)
+            hidden = hidden[torch.tensor(rows, device=self.device)]
+        return self.model.compute_logits(hidden)

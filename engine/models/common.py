@@ -1,0 +1,59 @@
+"""Pieces shared by the decoder families: weight handling and RoPE."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.errors import ModelLoadError
+
+
+def take(state: dict[str, torch.Tensor], name: str, *, where: str = "checkpoint") -> torch.Tensor:
+    """Pop a required tensor or fail with a message naming it."""
+    if name not in state:
+        raise ModelLoadError(f"{where}: missing weight {name!r}")
+    return state.pop(name)
+
+
+def assign(param: torch.nn.Parameter | torch.Tensor, value: torch.Tensor, name: str) -> None:
+    if tuple(param.shape) != tuple(value.shape):
+        raise ModelLoadError(f"weight {name!r} has shape {tuple(value.shape)}, expected {tuple(param.shape)}")
+    with torch.no_grad():
+        param.copy_(value.to(param.dtype))
+
+
+class RotaryEmbedding:
+    """cos/sin for arbitrary positions (no table, so positions may exceed the trained context).
+
+    Uses transformers' own RoPE parameter functions for the scaling types
+    (linear, llama3, yarn), so scaled configs match the reference exactly.
+    """
+
+    def __init__(self, hf_config, head_dim: int, device: torch.device) -> None:
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        params = getattr(hf_config, "rope_parameters", None) or {}
+        rope_type = params.get("rope_type", "default")
+        if rope_type == "default":
+            base = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+            inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+            self.attention_scaling = 1.0
+        elif rope_type in ("dynamic", "longrope"):
+            raise ModelLoadError(f"rope scaling type {rope_type!r} is not supported yet")
+        else:
+            inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+        self.inv_freq = inv_freq.float().to(device)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] -> cos, sin [T, 1, head_dim] (broadcast over heads)."""
+        freqs = positions.float().unsqueeze(-1) * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = (emb.cos() * self.attention_scaling).to(dtype).unsqueeze(1)
+        sin = (emb.sin() * self.attention_scaling).to(dtype).unsqueeze(1)
+        return cos, sin
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] rotated (the non-interleaved "rotate half" convention of HF LLaMA)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin

@@ -1,0 +1,145 @@
+"""The LLaMA family: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM.
+
+RoPE (with transformers' scaling types), RMSNorm, SwiGLU, grouped- and
+multi-query attention, optional q/k/v(/o) biases (Qwen2, attention_bias), tied
+or untied embeddings. Sliding windows are expressed in the attention metadata,
+not here. All activations are flat: [T, ...] for the T new tokens of a step.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention import AttentionMetadata, paged_attention, write_kv
+from engine.config import ModelConfig
+from engine.models.common import RotaryEmbedding, apply_rotary, assign, take
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Statistics in float32 like the reference, whatever the weights' dtype.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class LlamaLayer(nn.Module):
+    def __init__(self, config: ModelConfig, qkv_bias: bool, o_bias: bool, mlp_bias: bool, eps: float) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        intermediate = config.hf_config.intermediate_size
+        self.intermediate = intermediate
+        self.input_norm = RMSNorm(hidden, eps)
+        self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, hidden, bias=o_bias)
+        self.post_attention_norm = RMSNorm(hidden, eps)
+        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=mlp_bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=mlp_bias)
+        self.scale = self.head_dim**-0.5
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        normed = self.input_norm(hidden)
+        q, k, v = self.qkv_proj(normed).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        key_cache, value_cache = kv_cache
+        write_kv(key_cache, value_cache, k, v, meta.slot_mapping)
+        attn = paged_attention(q, key_cache, value_cache, meta, self.scale)
+        hidden = hidden + self.o_proj(attn.reshape(num_tokens, self.q_size))
+        gate, up = self.gate_up_proj(self.post_attention_norm(hidden)).split(self.intermediate, dim=-1)
+        return hidden + self.down_proj(F.silu(gate) * up)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        hf = config.hf_config
+        self.config = config
+        is_qwen2 = config.architecture == "Qwen2ForCausalLM"
+        attention_bias = bool(getattr(hf, "attention_bias", False))
+        qkv_bias = is_qwen2 or attention_bias
+        o_bias = attention_bias and not is_qwen2
+        mlp_bias = bool(getattr(hf, "mlp_bias", False))
+        eps = hf.rms_norm_eps
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            [LlamaLayer(config, qkv_bias, o_bias, mlp_bias, eps) for _ in range(config.num_layers)]
+        )
+        self.norm = RMSNorm(config.hidden_size, eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rotary: RotaryEmbedding | None = None
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """input_ids, positions: [T] -> final hidden states [T, hidden]."""
+        hidden = self.embed_tokens(input_ids)
+        cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            hidden = layer(hidden, cos, sin, kv_cache, meta)
+        return self.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> float32 logits [N, vocab]."""
+        return self.lm_head(hidden).float()
+
+    def load_weights(self, state: dict[str, torch.Tensor]) -> None:
+        state = dict(state)
+        assign(self.embed_tokens.weight, take(state, "model.embed_tokens.weight"), "model.embed_tokens.weight")
+        tied = getattr(self.config.hf_config, "tie_word_embeddings", False) or "lm_head.weight" not in state
+        lm_head = self.embed_tokens.weight if tied else take(state, "lm_head.weight")
+        assign(self.lm_head.weight, lm_head, "lm_head.weight")
+        state.pop("lm_head.weight", None)
+        assign(self.norm.weight, take(state, "model.norm.weight"), "model.norm.weight")
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            qkv = [take(state, f"{p}self_attn.{n}_proj.weight") for n in "qkv"]
+            assign(layer.qkv_proj.weight, torch.cat(qkv), f"{p}self_attn.qkv")
+            if layer.qkv_proj.bias is not None:
+                biases = [take(state, f"{p}self_attn.{n}_proj.bias") for n in "qkv"]
+                assign(layer.qkv_proj.bias, torch.cat(biases), f"{p}self_attn.qkv.bias")
+            assign(layer.o_proj.weight, take(state, f"{p}self_attn.o_proj.weight"), f"{p}self_attn.o_proj.weight")
+            if layer.o_proj.bias is not None:
+                assign(layer.o_proj.bias, take(state, f"{p}self_attn.o_proj.bias"), f"{p}self_attn.o_proj.bias")
+            gate_up = [take(state, f"{p}mlp.{n}_proj.weight") for n in ("gate", "up")]
+            assign(layer.gate_up_proj.weight, torch.cat(gate_up), f"{p}mlp.gate_up")
+            assign(layer.down_proj.weight, take(state, f"{p}mlp.down_proj.weight"), f"{p}mlp.down_proj.weight")
+            if layer.gate_up_proj.bias is not None:
+                gate_up_bias = [take(state, f"{p}mlp.{n}_proj.bias") for n in ("gate", "up")]
+                assign(layer.gate_up_proj.bias, torch.cat(gate_up_bias), f"{p}mlp.gate_up.bias")
+                assign(layer.down_proj.bias, take(state, f"{p}mlp.down_proj.bias"), f"{p}mlp.down_proj.bias")
+            assign(layer.input_norm.weight, take(state, f"{p}input_layernorm.weight"), f"{p}input_layernorm")
+            assign(
+                layer.post_attention_norm.weight,
+                take(state, f"{p}post_attention_layernorm.weight"),
+                f"{p}post_attention_layernorm",
+            )
+        leftovers = [k for k in state if "rotary_emb" not in k]
+        if leftovers:
+            raise ValueError(f"unexpected weights in checkpoint: {leftovers[:5]}")
+        self.rotary = RotaryEmbedding(self.config.hf_config, self.config.head_dim, self.embed_tokens.weight.device)

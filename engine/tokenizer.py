@@ -1,0 +1,68 @@
+"""Tokenizer and chat template, from the model's own files.
+
+A thin layer over transformers' fast tokenizers: a Hugging Face directory
+(tokenizer.json / tokenizer_config.json) or a GGUF file (its vocabulary,
+merges and `tokenizer.chat_template`).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from engine.errors import InvalidRequestError, ModelLoadError
+
+logger = logging.getLogger(__name__)
+
+
+class Tokenizer:
+    def __init__(self, hf_tokenizer, extra_eos_token_ids: tuple[int, ...] = ()) -> None:
+        self._tok = hf_tokenizer
+        eos_ids = {i for i in extra_eos_token_ids if i is not None}
+        if hf_tokenizer.eos_token_id is not None:
+            eos_ids.add(hf_tokenizer.eos_token_id)
+        self.eos_token_ids: tuple[int, ...] = tuple(sorted(eos_ids))
+        self.bos_token_id: int | None = hf_tokenizer.bos_token_id
+        self.vocab_size: int = len(hf_tokenizer)
+        self.all_special_ids: frozenset[int] = frozenset(hf_tokenizer.all_special_ids)
+
+    @classmethod
+    def from_path(cls, path: str | Path, extra_eos_token_ids: tuple[int, ...] = ()) -> Tokenizer:
+        from transformers import AutoTokenizer
+
+        path = Path(path)
+        try:
+            if path.suffix == ".gguf":
+                hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+            else:
+                hf = AutoTokenizer.from_pretrained(str(path))
+        except Exception as exc:  # transformers raises many types; one clear message
+            raise ModelLoadError(f"cannot load the tokenizer from {path}: {exc}") from exc
+        return cls(hf, extra_eos_token_ids)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self._tok, "chat_template", None))
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str:
+        """The token's own text (decoded bytes), as OpenAI's logprobs show it."""
+        return self._tok.decode([token_id], skip_special_tokens=False)
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if not self.has_chat_template:
+            raise InvalidRequestError("this model has no chat template; use /v1/completions", param="messages")
+        try:
+            return self._tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+        except Exception as exc:  # a template error is the caller's input (roles, order)
+            raise InvalidRequestError(f"the chat template rejected the messages: {exc}", param="messages") from exc
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        text = self.render_chat(messages, add_generation_prompt)
+        # The template already wrote any BOS it wants; do not add another.
+        return self.encode(text, add_special_tokens=False)

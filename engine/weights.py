@@ -1,0 +1,142 @@
+"""Load a model's config and weights: a Hugging Face directory or a GGUF file.
+
+Both end as (ModelConfig, state_dict with Hugging Face parameter names), so the
+model files only ever see one naming scheme.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+
+from engine.config import ModelConfig
+from engine.errors import ModelLoadError
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "GPT2LMHeadModel")
+
+
+def _model_config_from_hf(hf_config, path: Path) -> ModelConfig:
+    architectures = list(getattr(hf_config, "architectures", None) or [])
+    if not architectures:
+        # GGUF metadata carries no `architectures`; derive it from model_type.
+        by_type = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM", "gpt2": "GPT2LMHeadModel"}
+        architectures = [by_type.get(hf_config.model_type, hf_config.model_type)]
+    architecture = architectures[0]
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(
+            f"{path}: architecture {architecture!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    if architecture == "GPT2LMHeadModel":
+        hidden = hf_config.n_embd
+        heads = hf_config.n_head
+        return ModelConfig(
+            architecture=architecture,
+            vocab_size=hf_config.vocab_size,
+            hidden_size=hidden,
+            num_layers=hf_config.n_layer,
+            num_heads=heads,
+            num_kv_heads=heads,
+            head_dim=hidden // heads,
+            max_position_embeddings=hf_config.n_positions,
+            sliding_window=None,
+            hf_config=hf_config,
+        )
+    heads = hf_config.num_attention_heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    window = getattr(hf_config, "sliding_window", None)
+    layer_types = getattr(hf_config, "layer_types", None)
+    if architecture == "Qwen2ForCausalLM" and not getattr(hf_config, "use_sliding_window", False):
+        window = None
+    if window is not None and layer_types and len(set(layer_types)) > 1:
+        raise ModelLoadError(
+            f"{path}: models that mix full and sliding-window layers ({sorted(set(layer_types))}) are not supported yet"
+        )
+    return ModelConfig(
+        architecture=architecture,
+        vocab_size=hf_config.vocab_size,
+        hidden_size=hf_config.hidden_size,
+        num_layers=hf_config.num_hidden_layers,
+        num_heads=heads,
+        num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
+        head_dim=head_dim,
+        max_position_embeddings=hf_config.max_position_embeddings,
+        sliding_window=window,
+        hf_config=hf_config,
+    )
+
+
+def _load_hf_directory(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ModelLoadError(f"{path}: no config.json; expected a Hugging Face model directory or a .gguf file")
+    try:
+        hf_config = AutoConfig.from_pretrained(str(path))
+    except Exception as exc:
+        raise ModelLoadError(f"{config_file}: cannot parse the model config: {exc}") from exc
+    model_config = _model_config_from_hf(hf_config, path)
+
+    index_file = path / "model.safetensors.index.json"
+    if index_file.is_file():
+        shard_names = sorted(set(json.loads(index_file.read_text())["weight_map"].values()))
+        shards = [path / name for name in shard_names]
+    else:
+        shards = sorted(path.glob("*.safetensors"))
+    if not shards:
+        raise ModelLoadError(f"{path}: no *.safetensors weights found (pickled .bin checkpoints are not loaded)")
+    state: dict[str, torch.Tensor] = {}
+    from tqdm.auto import tqdm
+
+    for shard in tqdm(shards, desc="Loading weights", unit="shard", disable=len(shards) < 2):
+        try:
+            state.update(load_file(str(shard)))
+        except Exception as exc:
+            raise ModelLoadError(f"{shard}: cannot read safetensors weights: {exc}") from exc
+    return model_config, state
+
+
+def _load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Dequantize a GGUF file into Hugging Face-named float tensors via transformers' converter.
+
+    transformers maps GGUF names to its own and undoes llama.cpp's Q/K row
+    permutation; it needs the target model's parameter names, so we build the
+    model on the meta device (no memory) just to hand it over.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    try:
+        parsed = load_gguf_checkpoint(str(path), return_tensors=False)
+        config_dict = dict(parsed["config"])
+        model_type = config_dict.pop("model_type")
+        config_dict.pop("_model_name_or_path", None)
+        hf_config = AutoConfig.for_model(model_type, **config_dict)
+    except Exception as exc:
+        raise ModelLoadError(f"{path}: cannot read GGUF metadata: {exc}") from exc
+    model_config = _model_config_from_hf(hf_config, path)
+    try:
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(hf_config)
+        tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=skeleton)["tensors"]
+    except Exception as exc:
+        raise ModelLoadError(f"{path}: cannot dequantize GGUF tensors: {exc}") from exc
+    return model_config, {name: torch.as_tensor(t) for name, t in tensors.items()}
+
+
+def load_checkpoint(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """(ModelConfig, float state_dict in HF names) for a HF directory or a .gguf file."""
+    path = Path(path)
+    if not path.exists():
+        raise ModelLoadError(f"{path}: no such file or directory")
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelLoadError(f"{path}: a model file must be .gguf; otherwise pass the model directory")
+        return _load_gguf(path)
+    return _load_hf_directory(path)

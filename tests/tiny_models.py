@@ -1,0 +1,139 @@
+"""Tiny random-weight models of every supported architecture, built with transformers.
+
+The tokenizer is a small byte-level BPE trained here on a fixed text (no hub, no
+download), with ChatML special tokens and a chat template, so every test model
+is a complete Hugging Face directory: config.json, model.safetensors, tokenizer.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+_CORPUS = (
+    "The quick brown fox jumps over the lazy dog. A paged KV cache stores keys and values in blocks. "
+    "Hello world! Continuous batching lets requests join and leave every step. 0123456789 "
+    "Les élèves étudient à l'école. 東京は日本の首都です。 Emoji 🙂 are bytes too. "
+    "def main():\n    return 42\n"
+) * 4
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+TOKENIZER_VOCAB_SIZE = 384
+
+
+@functools.lru_cache(maxsize=1)
+def _tokenizer_dir() -> Path:
+    """Train the BPE once per process and keep its files in a temp dir."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TOKENIZER_VOCAB_SIZE,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    bpe.train_from_iterator([_CORPUS], trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=bpe,
+        eos_token="<|im_end|>",
+        bos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+    )
+    fast.chat_template = CHATML_TEMPLATE
+    out = Path(tempfile.mkdtemp(prefix="kvserve-tiny-tokenizer-"))
+    fast.save_pretrained(out)
+    return out
+
+
+def tokenizer_vocab_size() -> int:
+    # The trained vocab already holds the special tokens.
+    return len(json.loads((_tokenizer_dir() / "tokenizer.json").read_text())["model"]["vocab"])
+
+
+def _base_config(arch: str, vocab_size: int, overrides: dict):
+    from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
+
+    eos_id = SPECIAL_TOKENS.index("<|im_end|>")
+    bos_id = SPECIAL_TOKENS.index("<|endoftext|>")
+    common = dict(vocab_size=vocab_size, bos_token_id=bos_id, eos_token_id=eos_id, tie_word_embeddings=False)
+    if arch == "gpt2":
+        cfg = dict(common, n_embd=64, n_layer=2, n_head=4, n_positions=256)
+        cfg.update(overrides)
+        return GPT2Config(**cfg)
+    cfg = dict(
+        common,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+    )
+    cfg.update(overrides)
+    if arch == "llama":
+        return LlamaConfig(**cfg)
+    if arch == "mistral":
+        cfg.setdefault("sliding_window", 16)
+        return MistralConfig(**cfg)
+    if arch == "qwen2":
+        return Qwen2Config(**cfg)
+    raise ValueError(f"unknown tiny architecture {arch!r}")
+
+
+_MODEL_CLASSES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "gpt2": "GPT2LMHeadModel",
+}
+
+
+def make_tiny_model(directory: Path, arch: str = "llama", seed: int = 0, **config_overrides) -> Path:
+    """Write a tiny random `arch` model with the test tokenizer into `directory` and return it.
+
+    Weights are drawn with a larger std than the default init so logits are
+    spread out (greedy ties would make token-exact comparisons meaningless).
+    """
+    import transformers
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    config = _base_config(arch, tokenizer_vocab_size(), config_overrides)
+    torch.manual_seed(seed)
+    model = getattr(transformers, _MODEL_CLASSES[arch])(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() >= 2:
+                param.normal_(0.0, 0.15)
+            elif "bias" in name:
+                param.normal_(0.0, 0.05)
+    model.save_pretrained(directory, safe_serialization=True)
+    for item in _tokenizer_dir().iterdir():
+        shutil.copy(item, directory / item.name)
+    return directory
+
+
+def make_tiny_llama(directory: Path, **config_overrides) -> Path:
+    return make_tiny_model(directory, "llama", **config_overrides)
+
+
+def load_reference(directory: Path):
+    """The transformers model for `directory`, float32, eval mode (the reference implementation)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    return model.eval()
