@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -58,6 +59,58 @@ def visible_mask(
     if sliding_window is not None:
         mask &= ((q - k) < sliding_window) | (k < num_sink_tokens)
     return mask
+
+
+def build_attention_metadata(
+    starts: list[int],
+    counts: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+    sliding_window: int | None,
+    num_sink_tokens: int,
+    device: torch.device,
+) -> AttentionMetadata:
+    """Metadata for B sequences where sequence i computes positions [starts[i], starts[i] + counts[i])."""
+    num_seqs = len(starts)
+    # Key positions each sequence may read: the sinks, then everything from the
+    # first query's window start to the last new token. Bounded by W + S + chunk.
+    key_position_rows = []
+    for start, count in zip(starts, counts):
+        end = start + count
+        if sliding_window is None:
+            key_position_rows.append(np.arange(end))
+        else:
+            low = max(start - sliding_window + 1, 0)
+            key_position_rows.append(np.concatenate([np.arange(min(num_sink_tokens, low)), np.arange(low, end)]))
+    max_keys = max(len(r) for r in key_position_rows)
+    key_positions = np.full((num_seqs, max_keys), -1, dtype=np.int64)
+    key_slots = np.zeros((num_seqs, max_keys), dtype=np.int64)
+    new_slots = []
+    for i, (table, rows) in enumerate(zip(block_tables, key_position_rows)):
+        slots = np.asarray(table, dtype=np.int64)[rows // block_size] * block_size + rows % block_size
+        key_positions[i, : len(rows)] = rows
+        key_slots[i, : len(rows)] = slots
+        new_slots.append(slots[len(rows) - counts[i] :])
+
+    max_queries = max(counts)
+    num_tokens = sum(counts)
+    query_positions = np.full((num_seqs, max_queries), -1, dtype=np.int64)
+    query_index = np.full((num_seqs, max_queries), num_tokens, dtype=np.int64)
+    offset = 0
+    for i, (start, count) in enumerate(zip(starts, counts)):
+        query_positions[i, :count] = np.arange(start, start + count)
+        query_index[i, :count] = np.arange(offset, offset + count)
+        offset += count
+    mask = visible_mask(torch.from_numpy(query_positions), torch.from_numpy(key_positions), sliding_window, num_sink_tokens)
+    # Padding queries see one key so their (discarded) softmax stays finite.
+    mask[:, :, 0] |= torch.from_numpy(query_positions < 0)
+    return AttentionMetadata(
+        slot_mapping=torch.from_numpy(np.concatenate(new_slots)).to(device),
+        key_slots=torch.from_numpy(key_slots).to(device),
+        attn_mask=mask.to(device),
+        query_index=torch.from_numpy(query_index).to(device),
+        is_decode_only=max_queries == 1,
+    )
 
 
 def write_kv(

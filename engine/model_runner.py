@@ -12,7 +12,7 @@ import logging
 import numpy as np
 import torch
 
-from engine.attention import AttentionMetadata, visible_mask
+from engine.attention import AttentionMetadata, build_attention_metadata
 from engine.config import EngineConfig, ModelConfig
 from engine.models.gpt2 import GPT2LMHeadModel
 from engine.models.llama import LlamaForCausalLM
@@ -67,55 +67,12 @@ class ModelRunner:
         window, sinks = self.sliding_window, self.num_sink_tokens
         starts = [seq.num_computed_tokens for seq in batch.seqs]
         counts = batch.num_new_tokens
-        num_seqs = len(batch.seqs)
         input_ids = np.concatenate([np.asarray(s.token_ids[st : st + n]) for s, st, n in zip(batch.seqs, starts, counts)])
         positions = np.concatenate([np.arange(st, st + n) for st, n in zip(starts, counts)])
 
-        # Key positions each sequence may read: the sinks, then everything from the
-        # window's start (the first query's window) to the last new token.
-        key_position_rows = []
-        for st, n in zip(starts, counts):
-            end = st + n
-            if window is None:
-                key_position_rows.append(np.arange(end))
-            else:
-                low = max(st - window + 1, 0)
-                sink_end = min(sinks, low)
-                key_position_rows.append(np.concatenate([np.arange(sink_end), np.arange(low, end)]))
-        max_keys = max(len(r) for r in key_position_rows)
-        key_positions = np.full((num_seqs, max_keys), -1, dtype=np.int64)
-        key_slots = np.zeros((num_seqs, max_keys), dtype=np.int64)
-        slot_rows = []
-        for i, (seq, rows) in enumerate(zip(batch.seqs, key_position_rows)):
-            table = np.asarray(seq.block_table, dtype=np.int64)
-            slots = table[rows // bs] * bs + rows % bs
-            key_positions[i, : len(rows)] = rows
-            key_slots[i, : len(rows)] = slots
-            slot_rows.append(slots[len(rows) - counts[i] :])
-        slot_mapping = np.concatenate(slot_rows)
-
-        max_queries = max(counts)
-        is_decode_only = max_queries == 1
-        query_positions = np.full((num_seqs, max_queries), -1, dtype=np.int64)
-        num_tokens = len(input_ids)
-        query_index = np.full((num_seqs, max_queries), num_tokens, dtype=np.int64)
-        offset = 0
-        for i, (st, n) in enumerate(zip(starts, counts)):
-            query_positions[i, :n] = np.arange(st, st + n)
-            query_index[i, :n] = np.arange(offset, offset + n)
-            offset += n
-        mask = visible_mask(torch.from_numpy(query_positions), torch.from_numpy(key_positions), window, sinks)
-        # Padding queries see one key so their (discarded) softmax stays finite.
-        mask[:, :, 0] |= torch.from_numpy(query_positions < 0)
-
+        block_tables = [seq.block_table for seq in batch.seqs]
+        meta = build_attention_metadata(starts, counts, block_tables, bs, window, sinks, self.device)
         dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
-            key_slots=torch.from_numpy(key_slots).to(dev),
-            attn_mask=mask.to(dev),
-            query_index=torch.from_numpy(query_index).to(dev),
-            is_decode_only=is_decode_only,
-        )
         return torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev), meta
 
     @torch.inference_mode()

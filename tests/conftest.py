@@ -1,0 +1,20 @@
+"""Shared fixtures: tiny random models (session-scoped, built once) and engines."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.tiny_models import make_tiny_model
+
+ARCHS = ("llama", "mistral", "qwen2", "gpt2")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dirs(tmp_path_factory) -> dict[str, str]:
+    """One tiny random model directory per supported architecture."""
+    return {arch: str(make_tiny_model(tmp_path_factory.mktemp(f"tiny-{arch}"), arch)) for arch in ARCHS}
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tiny_model_dirs) -> str:
+    return tiny_model_dirs["llama"]
