@@ -21,6 +21,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.detokenizer import append_token_text, find_stop_string, take_new_text
 from engine.errors import InvalidRequestError, ModelLoadError, PromptTooLongError
 from engine.model_runner import ModelRunner, kv_bytes_per_block
+from engine.models_hub import resolve_model
 from engine.outputs import (
     FINISH_ABORT,
     FINISH_LENGTH,
@@ -54,10 +55,6 @@ class _Request:
 
 def _resolve_model_path(name: str) -> Path:
     """Alias -> cached path; local path -> itself; otherwise try the Hugging Face Hub."""
-    try:
-        from engine.models_hub import resolve_model
-    except ImportError:  # pragma: no cover - models_hub is part of the package
-        resolve_model = Path
     path = Path(resolve_model(name))
     if path.exists():
         return path

