@@ -1,0 +1,385 @@
+"""The one asyncio seam of the engine: a step loop, per-request queues, aborts.
+
+`LLMEngine` is synchronous and not thread-safe. Its one owner is the loop task
+started by `AsyncEngine.start()`: request handlers never call it. They append
+adds and aborts to pending lists; the loop applies them between steps (on the
+event-loop thread, while no step runs), then runs `LLMEngine.step()` in a worker
+thread so the event loop keeps serving HTTP, then hands each `RequestOutput` to
+its request's asyncio.Queue.
+
+Guarantees:
+- validation errors from `LLMEngine.add_request` reach the caller of `submit()`
+  (the add is applied before `submit()` returns);
+- a consumer that stops (cancelled, closed, timed out) aborts its request, and the
+  abort is applied before the next step, so its KV blocks are free within one step;
+- the number of requests not yet running is bounded (`QueueFullError`);
+- if the loop dies, `is_healthy` turns False and every request gets `EngineDeadError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from engine.errors import InvalidRequestError, KVServeError
+from engine.outputs import EngineStats, RequestOutput
+from engine.params import SamplingParams
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+    from engine.llm_engine import LLMEngine
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(KVServeError):
+    """The step loop is not running (died, or stopped): no request can be served."""
+
+
+class QueueFullError(KVServeError):
+    """Too many requests are waiting; retry after `retry_after` seconds."""
+
+    def __init__(self, message: str, retry_after: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class RequestTimeoutError(KVServeError):
+    """The request outlived its deadline and was aborted."""
+
+
+class EngineStepError(KVServeError):
+    """A step failed while this request was in the engine; it was aborted."""
+
+
+@dataclass
+class _PendingAdd:
+    request_id: str
+    prompt: str | list[int]
+    params: SamplingParams
+    done: asyncio.Future
+
+
+class RequestStream:
+    """Outputs of one request, as an async iterator. Close it (or use `async with`) when done early.
+
+    Iteration ends after the output with `finished=True`; an engine-side failure is raised
+    from `__anext__`.
+    """
+
+    def __init__(self, engine: AsyncEngine, request_id: str, queue: asyncio.Queue, deadline: float | None) -> None:
+        self.request_id = request_id
+        self._engine = engine
+        self._queue = queue
+        self._deadline = deadline
+        self._finished = False
+        self._closed = False
+
+    @property
+    def is_finished(self) -> bool:
+        return self._finished
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._finished or self._closed:
+            raise StopAsyncIteration
+        try:
+            item = await _wait_until(self._queue.get(), self._deadline)
+        except asyncio.TimeoutError:  # the builtin TimeoutError from 3.11 on
+            self.close()
+            raise RequestTimeoutError(f"request {self.request_id} timed out and was aborted") from None
+        except BaseException:
+            self.close()  # cancelled: the client is gone
+            raise
+        if isinstance(item, BaseException):
+            self._finished = True  # the engine already dropped it
+            self.close()
+            raise item
+        if item.finished:
+            self._finished = True
+            self.close()
+        return item
+
+    def close(self) -> None:
+        """Stop listening; aborts the request unless it finished. Safe to call many times, from `finally`."""
+        if self._closed:
+            return
+        self._closed = True
+        self._engine._release(self.request_id, abort=not self._finished)
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
+
+
+async def _wait_until(awaitable: Any, deadline: float | None) -> Any:
+    if deadline is None:
+        return await awaitable
+    return await asyncio.wait_for(awaitable, max(deadline - time.monotonic(), 0.0))
+
+
+class AsyncEngine:
+    """Serve an `LLMEngine` to many concurrent asyncio callers.
+
+    max_queued_requests: most requests that may wait (submitted but not yet running);
+        past it `submit()` raises QueueFullError at once.
+    request_timeout: seconds from submit to the last output (None: no limit).
+    max_consecutive_step_failures: a failing step aborts the requests in it; this many
+        failures in a row mark the engine dead.
+    """
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        *,
+        max_queued_requests: int = 256,
+        request_timeout: float | None = None,
+        max_consecutive_step_failures: int = 3,
+    ) -> None:
+        self.engine = engine
+        self.max_queued_requests = max_queued_requests
+        self.request_timeout = request_timeout
+        self.max_consecutive_step_failures = max_consecutive_step_failures
+        # Touched only on the event-loop thread.
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._pending_adds: list[_PendingAdd] = []
+        self._pending_aborts: set[str] = set()
+        self._stats: EngineStats = engine.stats()
+        self._wakeup: asyncio.Event | None = None
+        self._loop_task: asyncio.Task | None = None
+        self._dead_error: BaseException | None = None
+        self._is_stopping = False
+        self._num_step_failures = 0
+        self.num_steps = 0
+
+    # ---- facts about the model (read-only, safe from any thread) ----
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def model_name(self) -> str:
+        return self.engine.model_name
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    # ---- life cycle ----
+    async def start(self) -> None:
+        if self._loop_task is not None:
+            raise RuntimeError("AsyncEngine already started")
+        self._wakeup = asyncio.Event()
+        self._loop_task = asyncio.create_task(self._run_loop(), name="kvserve-engine-loop")
+
+    async def stop(self) -> None:
+        """Abort every request, let the current step finish, end the loop."""
+        if self._loop_task is None:
+            return
+        self._is_stopping = True
+        for request_id in list(self._queues):
+            self._queues[request_id].put_nowait(EngineDeadError("server is shutting down"))
+        self._wake()
+        await self._loop_task  # the loop catches (and logs) its own errors
+        self._fail_everything(EngineDeadError("server is shutting down"))
+
+    @property
+    def is_healthy(self) -> bool:
+        return (
+            self._loop_task is not None
+            and not self._loop_task.done()
+            and self._dead_error is None
+            and not self._is_stopping
+        )
+
+    @property
+    def dead_error(self) -> BaseException | None:
+        return self._dead_error
+
+    # ---- requests ----
+    @property
+    def num_queued_requests(self) -> int:
+        """Requests submitted but not yet running: pending adds plus the scheduler's waiting ones."""
+        return len(self._pending_adds) + self._stats.num_waiting
+
+    @property
+    def num_active_requests(self) -> int:
+        return len(self._queues)
+
+    def stats(self) -> EngineStats:
+        """The snapshot taken after the last step (or add/abort); never touches the engine."""
+        return self._stats
+
+    async def submit(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
+    ) -> RequestStream:
+        """Add a request; returns once the engine has accepted it.
+
+        Raises InvalidRequestError / PromptTooLongError (bad input), QueueFullError,
+        EngineDeadError, RequestTimeoutError.
+        """
+        self._check_alive()
+        if self.num_queued_requests >= self.max_queued_requests:
+            raise QueueFullError(
+                f"server is full: {self.num_queued_requests} requests are waiting "
+                f"(max_queued_requests={self.max_queued_requests}); retry later"
+            )
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self._queues:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+        deadline = time.monotonic() + self.request_timeout if self.request_timeout else None
+        queue: asyncio.Queue = asyncio.Queue()
+        done = asyncio.get_running_loop().create_future()
+        self._queues[request_id] = queue
+        self._pending_adds.append(_PendingAdd(request_id, prompt, params, done))
+        self._wake()
+        stream = RequestStream(self, request_id, queue, deadline)
+        try:
+            await _wait_until(asyncio.shield(done), deadline)
+        except BaseException as exc:
+            # Rejected by the engine: it never entered, nothing to abort. Timed out or
+            # cancelled: drop the pending add, or abort the request if it was applied.
+            was_rejected = done.done() and not done.cancelled() and done.exception() is not None
+            if not done.done():
+                done.cancel()
+            stream._finished = was_rejected
+            stream.close()
+            if isinstance(exc, asyncio.TimeoutError):
+                raise RequestTimeoutError(f"request {request_id} timed out before it was accepted") from None
+            raise
+        return stream
+
+    async def generate(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """Submit and yield each RequestOutput (deltas); stopping early aborts the request."""
+        stream = await self.submit(prompt, params, request_id)
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            stream.close()
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request from outside its stream (its consumer gets an abort output or nothing)."""
+        self._pending_aborts.add(request_id)
+        self._wake()
+
+    # ---- internals (event-loop thread only) ----
+    def _check_alive(self) -> None:
+        if self._dead_error is not None:
+            raise EngineDeadError(f"the engine loop has died: {self._dead_error!r}")
+        if self._loop_task is None or self._loop_task.done() or self._is_stopping:
+            raise EngineDeadError("the engine is not running")
+
+    def _wake(self) -> None:
+        if self._wakeup is not None:
+            self._wakeup.set()
+
+    def _release(self, request_id: str, abort: bool) -> None:
+        self._queues.pop(request_id, None)
+        if abort:
+            self._pending_aborts.add(request_id)
+            self._wake()
+
+    async def _run_loop(self) -> None:
+        assert self._wakeup is not None
+        try:
+            while not self._is_stopping:
+                self._apply_pending()
+                if not self.engine.has_unfinished_requests():
+                    self._wakeup.clear()
+                    if self._pending_adds or self._pending_aborts:
+                        continue
+                    await self._wakeup.wait()
+                    continue
+                try:
+                    outputs = await asyncio.to_thread(self.engine.step)
+                except Exception as exc:  # noqa: BLE001 - one failed step fails its requests, not the server
+                    self._handle_step_failure(exc)
+                    continue
+                self._num_step_failures = 0
+                self.num_steps += 1
+                self._stats = self.engine.stats()
+                self._dispatch(outputs)
+                if not outputs and self._stats.num_running == 0:
+                    await asyncio.sleep(0.005)  # nothing could be scheduled: do not spin a core
+            self._apply_pending()
+            self._abort_all_in_engine()
+        except BaseException as exc:
+            logger.exception("engine loop died")
+            self._dead_error = exc
+            self._fail_everything(EngineDeadError(f"the engine loop has died: {exc!r}"))
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+
+    def _apply_pending(self) -> None:
+        adds, self._pending_adds = self._pending_adds, []
+        for add in adds:
+            if add.done.done():  # the caller left before it was applied
+                self._queues.pop(add.request_id, None)
+                continue
+            try:
+                self.engine.add_request(add.prompt, add.params, add.request_id)
+            except Exception as exc:
+                self._queues.pop(add.request_id, None)
+                if not isinstance(exc, InvalidRequestError):
+                    logger.exception("add_request failed for %s", add.request_id)
+                add.done.set_exception(exc)
+            else:
+                add.done.set_result(None)
+        aborts, self._pending_aborts = self._pending_aborts, set()
+        for request_id in aborts:
+            self._abort_in_engine(request_id)
+        if adds or aborts:
+            self._stats = self.engine.stats()
+
+    def _abort_in_engine(self, request_id: str) -> None:
+        try:
+            self.engine.abort(request_id)
+        except Exception:  # unknown or already finished: nothing to free
+            logger.debug("abort of %s ignored", request_id, exc_info=True)
+
+    def _abort_all_in_engine(self) -> None:
+        for request_id in list(self._queues):
+            self._abort_in_engine(request_id)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            queue = self._queues.get(output.request_id)
+            if queue is not None:
+                queue.put_nowait(output)
+
+    def _handle_step_failure(self, exc: Exception) -> None:
+        """A step raised: fail and abort the requests in the engine; die after too many in a row."""
+        self._num_step_failures += 1
+        logger.error("engine step failed (%d in a row)", self._num_step_failures, exc_info=exc)
+        if self._num_step_failures >= self.max_consecutive_step_failures:
+            raise exc
+        error = EngineStepError(f"internal error while generating: {exc!r}")
+        for request_id, queue in list(self._queues.items()):
+            if any(add.request_id == request_id for add in self._pending_adds):
+                continue  # not in the engine yet: it was not part of the failed step
+            queue.put_nowait(error)
+            self._queues.pop(request_id, None)
+            self._abort_in_engine(request_id)
+        self._stats = self.engine.stats()
+
+    def _fail_everything(self, error: BaseException) -> None:
+        for add in self._pending_adds:
+            if not add.done.done():
+                add.done.set_exception(error)
+        self._pending_adds = []
+        for queue in self._queues.values():
+            queue.put_nowait(error)
+        self._queues.clear()

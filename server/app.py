@@ -1,0 +1,231 @@
+"""create_app(config): the FastAPI app, its lifespan (models load in the background) and error handlers.
+
+app.state holds everything the routes share: config, engine (AsyncEngine), embedder
+(AsyncEmbedder or None), metrics, is_ready, load_error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from engine.async_engine import AsyncEngine, EngineDeadError, EngineStepError, QueueFullError, RequestTimeoutError
+from engine.config import EngineConfig
+from engine.errors import InvalidRequestError, KVServeError
+from server.config import ServerConfig
+from server.errors import APIError
+from server.metrics import ServerMetrics
+from server.middleware import KVServeMiddleware
+from server.routes import native, openai
+
+logger = logging.getLogger(__name__)
+
+try:  # the embeddings side lives in its own modules; generation works without them
+    from server.routes import embeddings as embedding_routes
+except ImportError as exc:  # pragma: no cover - only while the embeddings modules are absent
+    embedding_routes = None
+    _EMBEDDINGS_IMPORT_ERROR: Exception | None = exc
+else:
+    _EMBEDDINGS_IMPORT_ERROR = None
+
+EngineFactory = Callable[[EngineConfig], Any]
+EmbedderFactory = Callable[[ServerConfig], Any]
+
+
+def _default_engine_factory(engine_config: EngineConfig) -> Any:
+    from engine.llm_engine import LLMEngine
+
+    return LLMEngine.from_config(engine_config)
+
+
+async def _default_embedder_factory(config: ServerConfig) -> Any:
+    from engine.async_embedder import AsyncEmbedder
+    from engine.embedder import EmbedderConfig
+
+    embedder_config = EmbedderConfig(
+        model=config.embedding_model,
+        dtype=config.dtype,
+        device=config.device,
+        max_batch_tokens=config.embedding_max_batch_tokens,
+        pooling=config.pooling,
+    )
+    if inspect.iscoroutinefunction(AsyncEmbedder.from_config):
+        return await AsyncEmbedder.from_config(embedder_config)
+    return await asyncio.to_thread(AsyncEmbedder.from_config, embedder_config)
+
+
+def create_app(
+    config: ServerConfig,
+    *,
+    engine_factory: EngineFactory | None = None,
+    embedder_factory: Callable[[ServerConfig], Any] | None = None,
+    on_fatal: Callable[[BaseException], None] | None = None,
+) -> FastAPI:
+    """engine_factory(EngineConfig) -> LLMEngine runs in a worker thread (default: LLMEngine.from_config).
+    embedder_factory(ServerConfig) -> AsyncEmbedder, sync or async (default: AsyncEmbedder.from_config).
+    on_fatal(exc) is called when a model fails to load (the CLI stops the server with it).
+    """
+    engine_factory = engine_factory or _default_engine_factory
+    embedder_factory = embedder_factory or _default_embedder_factory
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        load_task = asyncio.create_task(_load_models(app, engine_factory, embedder_factory, on_fatal))
+        try:
+            yield
+        finally:
+            if not load_task.done():
+                load_task.cancel()
+                await asyncio.gather(load_task, return_exceptions=True)
+            app.state.is_ready = False
+            if app.state.engine is not None:
+                await app.state.engine.stop()
+            if app.state.embedder is not None:
+                await app.state.embedder.stop()
+            logger.info("kvserve stopped")
+
+    app = FastAPI(title="kvserve", summary="OpenAI-compatible LLM inference server", lifespan=lifespan)
+    app.state.config = config
+    app.state.engine = None
+    app.state.embedder = None
+    app.state.is_ready = False
+    app.state.load_error = None
+    app.state.metrics = ServerMetrics(
+        config.model_name, lambda: app.state.engine.stats() if app.state.engine is not None else None
+    )
+
+    app.include_router(openai.router)
+    app.include_router(native.router)
+    if embedding_routes is not None:
+        app.include_router(embedding_routes.router)
+    elif config.embedding_model:
+        logger.warning("embedding routes unavailable (%s); serving generation only", _EMBEDDINGS_IMPORT_ERROR)
+    _install_error_handlers(app)
+
+    # Added last = outermost: CORS answers preflights before auth sees them.
+    app.add_middleware(
+        KVServeMiddleware,
+        is_ready=lambda: app.state.is_ready,
+        api_key=config.api_key,
+        max_request_bytes=config.max_request_bytes,
+    )
+    if config.allowed_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(config.allowed_origins),
+            allow_methods=["GET", "POST", "OPTIONS"],
+            allow_headers=["*"],
+            expose_headers=["X-Request-Id"],
+        )
+    return app
+
+
+async def _load_models(
+    app: FastAPI,
+    engine_factory: EngineFactory,
+    embedder_factory: Callable[[ServerConfig], Any],
+    on_fatal: Callable[[BaseException], None] | None,
+) -> None:
+    config: ServerConfig = app.state.config
+    try:
+        logger.info("loading generation model %s", config.model)
+        llm_engine = await asyncio.to_thread(engine_factory, config.to_engine_config())
+        engine = AsyncEngine(
+            llm_engine, max_queued_requests=config.max_queued_requests, request_timeout=config.request_timeout
+        )
+        await engine.start()
+        app.state.engine = engine
+        if config.embedding_model and embedding_routes is not None:
+            logger.info("loading embedding model %s", config.embedding_model)
+            embedder = embedder_factory(config)
+            if inspect.isawaitable(embedder):
+                embedder = await embedder
+            await embedder.start()
+            app.state.embedder = embedder
+        app.state.is_ready = True
+        logger.info("kvserve ready: serving %s", config.model_name)
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        logger.exception("model loading failed")
+        app.state.load_error = f"model loading failed: {exc}"
+        if on_fatal is not None:
+            on_fatal(exc)
+
+
+def api_error_for(exc: BaseException) -> APIError:
+    """The one mapping from exceptions to the OpenAI error shape."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, InvalidRequestError):
+        return APIError(400, exc.message, param=exc.param, code=type(exc).__name__)
+    if isinstance(exc, QueueFullError):
+        return APIError(
+            429, str(exc), type="rate_limit_error", code="queue_full",
+            headers={"Retry-After": str(max(1, round(exc.retry_after)))},
+        )
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, str(exc), type="service_unavailable", code="engine_dead")
+    if isinstance(exc, RequestTimeoutError):
+        return APIError(504, str(exc), type="timeout_error", code="request_timeout")
+    if isinstance(exc, EngineStepError):
+        return APIError(500, str(exc), type="internal_error", code="engine_step_failed")
+    return APIError(500, "internal server error", type="internal_error")
+
+
+def _validation_message(errors: list[dict]) -> tuple[str, str | None]:
+    parts = []
+    first_param = None
+    for error in errors:
+        loc = [str(p) for p in error.get("loc", ()) if p != "body"]
+        param = ".".join(loc) or None
+        first_param = first_param or param
+        if error.get("type") == "json_invalid":
+            return f"request body is not valid JSON: {error.get('ctx', {}).get('error', error.get('msg'))}", None
+        if error.get("type") == "extra_forbidden":
+            parts.append(f"unsupported field '{param}'")
+        elif error.get("type") == "missing":
+            parts.append(f"missing required field '{param}'")
+        else:
+            parts.append(f"{param}: {error.get('msg')}" if param else str(error.get("msg")))
+    return "; ".join(parts) or "invalid request", first_param
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    def render(error: APIError) -> JSONResponse:
+        return JSONResponse(error.to_body(), status_code=error.status_code, headers=error.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(list(exc.errors()))
+        return render(APIError(400, message, param=param, code="invalid_request"))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kinds = {401: "authentication_error", 404: "not_found_error", 413: "invalid_request_error"}
+        error = APIError(
+            exc.status_code, str(exc.detail), type=kinds.get(exc.status_code, "invalid_request_error"),
+            headers=dict(exc.headers or {}),
+        )
+        return render(error)
+
+    @app.exception_handler(APIError)
+    async def _on_api_error(request: Request, exc: APIError) -> JSONResponse:
+        return render(exc)
+
+    @app.exception_handler(KVServeError)
+    async def _on_engine_error(request: Request, exc: KVServeError) -> JSONResponse:
+        error = api_error_for(exc)
+        if error.status_code >= 500:
+            logger.error("request %s failed: %s", getattr(request.state, "request_id", "-"), exc)
+        return render(error)

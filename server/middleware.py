@@ -1,0 +1,154 @@
+"""One pure-ASGI middleware for what every request goes through, in order:
+
+request id (X-Request-Id, echoed or made) -> readiness (503 while loading) ->
+API key (401) -> body size (413) -> the app -> one access-log line.
+
+Pure ASGI (not BaseHTTPMiddleware) so streamed responses pass through untouched
+and client disconnects still reach the routes.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import Callable
+
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from server.errors import APIError
+
+access_logger = logging.getLogger("kvserve.access")
+
+REQUEST_ID_HEADER = b"x-request-id"
+OPEN_PATHS = frozenset({"/health", "/metrics"})  # no API key, answered while loading
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    for key, value in scope.get("headers", ()):
+        if key == name:
+            return value.decode("latin-1")
+    return None
+
+
+def _clean_request_id(value: str | None) -> str:
+    if value and len(value) <= 128 and value.isprintable():
+        return value
+    return uuid.uuid4().hex
+
+
+class KVServeMiddleware:
+    """is_ready(): models loaded; api_key: required bearer token (None: open)."""
+
+    def __init__(
+        self, app: ASGIApp, *, is_ready: Callable[[], bool], api_key: str | None, max_request_bytes: int
+    ) -> None:
+        self.app = app
+        self.is_ready = is_ready
+        self.api_key = api_key.encode() if api_key else None
+        self.max_request_bytes = max_request_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.monotonic()
+        request_id = _clean_request_id(_header(scope, REQUEST_ID_HEADER))
+        state = scope.setdefault("state", {})
+        state["request_id"] = request_id
+        status = {"code": 0}
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != REQUEST_ID_HEADER]
+                headers.append((REQUEST_ID_HEADER, request_id.encode()))
+                message = {**message, "headers": headers}
+            await send(message)
+
+        try:
+            error = self._refuse(scope)
+            if error is not None:
+                await _send_error(error, send_with_id)
+                return
+            await self.app(scope, self._limit_body(receive), send_with_id)
+        except Exception:
+            # One request's bug fails that request only; the server keeps serving.
+            logging.getLogger(__name__).exception("unhandled error in %s %s", scope["method"], scope["path"])
+            if status["code"] == 0:
+                await _send_error(APIError(500, "internal server error", type="internal_error"), send_with_id)
+        finally:
+            usage = state.get("usage") or {}
+            access_logger.info(
+                '%s "%s %s" %d %.1fms prompt_tokens=%s completion_tokens=%s request_id=%s',
+                (scope.get("client") or ("-",))[0],
+                scope["method"],
+                scope["path"],
+                status["code"],
+                (time.monotonic() - start) * 1000,
+                usage.get("prompt_tokens", "-"),
+                usage.get("completion_tokens", "-"),
+                request_id,
+            )
+
+    def _refuse(self, scope: Scope) -> APIError | None:
+        path = scope["path"]
+        if path in OPEN_PATHS or scope["method"] == "OPTIONS":
+            return None
+        if self.api_key is not None and not self._has_key(scope):
+            return APIError(
+                401,
+                "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                type="authentication_error",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+        if not self.is_ready():
+            return APIError(
+                503, "the server is loading its models; retry shortly", type="service_unavailable",
+                headers={"Retry-After": "1"},
+            )
+        length = _header(scope, b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_request_bytes:
+            return _too_large(self.max_request_bytes)
+        return None
+
+    def _has_key(self, scope: Scope) -> bool:
+        assert self.api_key is not None
+        auth = _header(scope, b"authorization") or ""
+        scheme, _, token = auth.partition(" ")
+        if scheme.lower() != "bearer":
+            return False
+        return hmac.compare_digest(token.strip().encode(), self.api_key)
+
+    def _limit_body(self, receive: Receive) -> Receive:
+        """Count body bytes as they arrive (chunked bodies have no Content-Length)."""
+        limit = self.max_request_bytes
+        received = 0
+
+        async def limited_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    # Raised inside the route's body read: FastAPI re-raises HTTPException as is.
+                    raise HTTPException(413, _too_large(limit).message)
+            return message
+
+        return limited_receive
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(413, f"request body is larger than the limit of {limit} bytes", code="request_too_large")
+
+
+async def _send_error(error: APIError, send: Send) -> None:
+    body = json.dumps(error.to_body()).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    headers += [(k.lower().encode(), v.encode()) for k, v in error.headers.items()]
+    await send({"type": "http.response.start", "status": error.status_code, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
