@@ -38,7 +38,7 @@ class SamplerOutput:
 
 def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     """In place: repetition (prompt + output, HF rule), presence and frequency (output only, OpenAI rule)."""
-    num_rows, vocab = logits.shape
+    vocab = logits.shape[1]
     needs = [
         r.params.repetition_penalty != 1.0 or r.params.presence_penalty != 0.0 or r.params.frequency_penalty != 0.0
         for r in rows
@@ -78,6 +78,47 @@ def _apply_bias_and_bans(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
                 logits[i, banned] = float("-inf")
 
 
+def _sorted_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Reference top-k then top-p over a full sort (slow on CPU for big vocabularies)."""
+    vocab = logits.shape[1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
+    sorted_logits = sorted_logits.masked_fill(ranks >= top_k.unsqueeze(1), float("-inf"))
+    probs_sorted = sorted_logits.softmax(dim=-1)
+    # Drop a token when the mass strictly before it already reaches top_p (keeps at least one).
+    mass_before = probs_sorted.cumsum(dim=-1) - probs_sorted
+    sorted_logits = sorted_logits.masked_fill(mass_before >= top_p.unsqueeze(1), float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, num_candidates: int = 256):
+    """Mask everything outside top-k, then outside the top-p nucleus, to -inf.
+
+    top_k: [R] (vocab size = off), top_p: [R]. A full sort of a 50k vocabulary
+    costs milliseconds per row on a CPU, so rows are first decided from the
+    best `num_candidates` tokens; only a row whose nucleus is not contained in
+    them (a very flat distribution) falls back to the full sort.
+    """
+    vocab = logits.shape[1]
+    finite_k = [k for k in top_k.tolist() if k < vocab]
+    count = min(vocab, max([num_candidates, *finite_k]))
+    values, indices = logits.topk(count, dim=-1)  # sorted, best first
+    ranks = torch.arange(count, device=logits.device).unsqueeze(0)
+    values = values.masked_fill(ranks >= top_k.unsqueeze(1), float("-inf"))
+    k_inside = top_k <= count
+    # Normaliser: the top-k survivors when they are all candidates, else the whole vocabulary.
+    log_norm = torch.where(k_inside, values.logsumexp(-1), logits.logsumexp(-1))
+    probs = (values - log_norm.unsqueeze(1)).exp()
+    mass_before = probs.cumsum(dim=-1) - probs
+    values = values.masked_fill(mass_before >= top_p.unsqueeze(1), float("-inf"))
+    out = torch.full_like(logits, float("-inf")).scatter(1, indices, values)
+    undecided = ~k_inside & (probs.sum(-1) < top_p)
+    if undecided.any():
+        rows = undecided.nonzero().flatten()
+        out[rows] = _sorted_top_k_top_p(logits[rows], top_k[rows], top_p[rows])
+    return out
+
+
 def _shape_distribution(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """Temperature, top-k, top-p, min-p -> probabilities [R, V] (rows all non-greedy)."""
     device = logits.device
@@ -88,16 +129,9 @@ def _shape_distribution(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.
     top_p = [r.params.top_p for r in rows]
     min_p = [r.params.min_p for r in rows]
     if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        ranks = torch.arange(vocab, device=device).unsqueeze(0)
-        k = torch.tensor(top_k, device=device).unsqueeze(1)
-        sorted_logits = sorted_logits.masked_fill(ranks >= k, float("-inf"))
-        probs_sorted = sorted_logits.softmax(dim=-1)
-        # Drop a token when the mass strictly before it already reaches top_p (keeps at least one).
-        mass_before = probs_sorted.cumsum(dim=-1) - probs_sorted
-        p = torch.tensor(top_p, dtype=logits.dtype, device=device).unsqueeze(1)
-        sorted_logits = sorted_logits.masked_fill(mass_before >= p, float("-inf"))
-        logits = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
+        logits = apply_top_k_top_p(
+            logits, torch.tensor(top_k, device=device), torch.tensor(top_p, dtype=logits.dtype, device=device)
+        )
     probs = logits.softmax(dim=-1)
     if any(m > 0.0 for m in min_p):
         m = torch.tensor(min_p, dtype=probs.dtype, device=device).unsqueeze(1)

@@ -120,3 +120,19 @@ def test_invalid_values_raise_naming_the_field(field, value):
     with pytest.raises(InvalidRequestError) as err:
         SamplingParams(**{field: value})
     assert err.value.param == field
+
+
+@pytest.mark.parametrize("temperature", [0.3, 1.0, 30.0])
+def test_candidate_top_k_top_p_equals_full_sort(temperature):
+    from engine.sampler import _sorted_top_k_top_p, apply_top_k_top_p
+
+    torch.manual_seed(0)
+    vocab = 5000
+    logits = torch.randn(6, vocab) * 4 / temperature
+    top_k = torch.tensor([vocab, 10, 300, vocab, 4000, vocab])
+    top_p = torch.tensor([0.9, 1.0, 0.5, 0.999, 0.95, 0.3])
+    fast = apply_top_k_top_p(logits, top_k, top_p, num_candidates=64)
+    reference = _sorted_top_k_top_p(logits, top_k, top_p)
+    assert torch.equal(torch.isinf(fast), torch.isinf(reference))
+    finite = ~torch.isinf(reference)
+    assert torch.equal(fast[finite], reference[finite])
