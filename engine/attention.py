@@ -26,14 +26,14 @@ class AttentionMetadata:
 
     slot_mapping:   [T]           cache slot each new token's K/V is written to
     key_slots:      [B, K]        cache slots each sequence's queries may read (padded with 0)
-    attn_mask:      [B, Q, K]     True where query q of sequence b may see key k
+    attn_mask:      [B, Q, K]     True where query q of sequence b may see key k; None when all True
     query_index:    [B, Q]        flat token index of each padded query (padding -> T, a scratch row)
     is_decode_only: every sequence has exactly one new token (Q == 1, query_index is arange)
     """
 
     slot_mapping: torch.Tensor
     key_slots: torch.Tensor
-    attn_mask: torch.Tensor
+    attn_mask: torch.Tensor | None
     query_index: torch.Tensor
     is_decode_only: bool
 
@@ -107,7 +107,8 @@ def build_attention_metadata(
     return AttentionMetadata(
         slot_mapping=torch.from_numpy(np.concatenate(new_slots)).to(device),
         key_slots=torch.from_numpy(key_slots).to(device),
-        attn_mask=mask.to(device),
+        # An all-visible mask (e.g. one decoding sequence) is dropped: SDPA is faster without one.
+        attn_mask=None if bool(mask.all()) else mask.to(device),
         query_index=torch.from_numpy(query_index).to(device),
         is_decode_only=max_queries == 1,
     )
@@ -156,7 +157,7 @@ def paged_attention(
         padded_query.transpose(1, 2),
         keys,
         values,
-        attn_mask=meta.attn_mask.unsqueeze(1),
+        attn_mask=meta.attn_mask.unsqueeze(1) if meta.attn_mask is not None else None,
         scale=scale,
         enable_gqa=num_heads != num_kv_heads,
     ).transpose(1, 2)  # [B, Q, H_q, D]

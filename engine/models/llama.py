@@ -24,10 +24,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Statistics in float32 like the reference, whatever the weights' dtype.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        # One fused kernel; it accumulates in float32 whatever the activations' dtype.
+        return torch.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 class LlamaLayer(nn.Module):
@@ -59,9 +57,10 @@ class LlamaLayer(nn.Module):
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         normed = self.input_norm(hidden)
-        q, k, v = self.qkv_proj(normed).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        qk, v = self.qkv_proj(normed).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        # Rotate queries and keys together: [T, H_q + H_kv, D].
+        qk = apply_rotary(qk.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         key_cache, value_cache = kv_cache
         write_kv(key_cache, value_cache, k, v, meta.slot_mapping)
