@@ -1,0 +1,387 @@
+"""Sentence embeddings: tokenize -> length-sorted token-budget batches -> BERT encoder -> pool -> normalise.
+
+`Embedder` is synchronous and owns the model and tokenizer; `engine.async_embedder.AsyncEmbedder`
+batches concurrent requests on top of its two halves (`tokenize` and `forward_pooled`).
+
+Which limit applies: an input may be as long as the model's position table
+(`max_position_embeddings`, minus RoBERTa's offset; 512 tokens for all-MiniLM-L6-v2), the limit
+the issue asks for. sentence-transformers silently truncates at `max_seq_length` from
+`sentence_bert_config.json` (256 for all-MiniLM-L6-v2); kvserve does not cut silently: it embeds
+the whole input up to the position limit and refuses longer ones with a 400 unless the request
+asks to truncate. So vectors equal sentence-transformers' for inputs within its own limit.
+
+To reproduce the sentence-transformers pipeline for models that carry its files, texts are
+stripped (and lower-cased when `sentence_bert_config.json` says `do_lower_case`) before
+tokenizing, as its `Transformer` module does.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from engine.errors import InvalidRequestError, ModelLoadError
+from engine.models.bert import BertModel, EncoderBatch, load_bert
+
+logger = logging.getLogger(__name__)
+
+POOLING_MODES = ("mean", "cls", "last")
+TRUNCATION_DIRECTIONS = ("right", "left")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# sentence-transformers module types kvserve reproduces; any other module (Dense, ...) would change the vectors.
+_ST_MODULES = ("Transformer", "Pooling", "Normalize")
+# 1_Pooling/config.json flag -> our pooling mode
+_ST_POOLING_FLAGS = {
+    "pooling_mode_mean_tokens": "mean",
+    "pooling_mode_cls_token": "cls",
+    "pooling_mode_lasttoken": "last",
+    "pooling_mode_max_tokens": None,
+    "pooling_mode_mean_sqrt_len_tokens": None,
+    "pooling_mode_weightedmean_tokens": None,
+}
+
+EmbedInputs = Sequence[str] | Sequence[Sequence[int]]
+
+
+@dataclass(frozen=True)
+class EmbedderConfig:
+    """What a user sets for the embedding model.
+
+    model: alias (engine.models_hub), or a local Hugging Face directory.
+    max_batch_tokens: token budget of one encoder forward (real tokens; batches are packed, no padding).
+    pooling: None = from the model's sentence-transformers files (mean when there are none).
+    normalize: default for requests that do not say; None = from the model's files (a Normalize
+        module in modules.json), True when the model has no sentence-transformers files.
+    max_model_len: None = the position table's limit; a smaller value lowers it.
+    """
+
+    model: str
+    dtype: str = "float32"
+    device: str = "cpu"
+    max_batch_tokens: int = 8192
+    pooling: str | None = None
+    normalize: bool | None = None
+    max_model_len: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {tuple(_DTYPES)}, got {self.dtype!r}")
+        if self.dtype == "float16" and not self.device.startswith("cuda"):
+            raise ValueError("dtype float16 is only supported on CUDA; use float32 or bfloat16 on CPU")
+        if self.max_batch_tokens < 1:
+            raise ValueError(f"max_batch_tokens must be positive, got {self.max_batch_tokens}")
+        if self.pooling is not None and self.pooling not in POOLING_MODES:
+            raise ValueError(f"pooling must be one of {POOLING_MODES}, got {self.pooling!r}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
+
+
+@dataclass(frozen=True)
+class EmbedResult:
+    """vectors: [n, d] float32 on the CPU, in input order. num_prompt_tokens: tokens embedded (after truncation)."""
+
+    vectors: torch.Tensor
+    num_prompt_tokens: int
+
+
+@dataclass(frozen=True)
+class SentenceTransformerSettings:
+    """What the model's sentence-transformers files say (all None/False when it has none)."""
+
+    has_files: bool = False
+    pooling: str | None = None
+    normalize: bool | None = None
+    max_seq_length: int | None = None
+    do_lower_case: bool = False
+
+
+def read_sentence_transformer_settings(model_dir: Path) -> SentenceTransformerSettings:
+    """Read modules.json, 1_Pooling/config.json and sentence_bert_config.json when present."""
+    modules_file = model_dir / "modules.json"
+    if not modules_file.exists():
+        return SentenceTransformerSettings()
+    try:
+        modules = json.loads(modules_file.read_text())
+        st_config_file = model_dir / "sentence_bert_config.json"
+        if not st_config_file.exists():  # older exports keep it beside the Transformer module's files
+            st_config_file = _encoder_dir(model_dir) / "sentence_bert_config.json"
+        st_config = json.loads(st_config_file.read_text()) if st_config_file.exists() else {}
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"cannot read sentence-transformers files in {model_dir}: {exc}") from exc
+    kinds = [str(m.get("type", "")).rsplit(".", 1)[-1] for m in modules]
+    unsupported = [k for k in kinds if k not in _ST_MODULES]
+    if unsupported:
+        raise ModelLoadError(f"{modules_file}: sentence-transformers modules {unsupported} are not supported")
+    pooling = None
+    for module in modules:
+        if str(module.get("type", "")).endswith("Pooling"):
+            pooling = _read_pooling(model_dir / module.get("path", "1_Pooling") / "config.json")
+    return SentenceTransformerSettings(
+        has_files=True,
+        pooling=pooling,
+        normalize="Normalize" in kinds,
+        max_seq_length=st_config.get("max_seq_length"),
+        do_lower_case=bool(st_config.get("do_lower_case", False)),
+    )
+
+
+def _read_pooling(path: Path) -> str | None:
+    try:
+        flags = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    chosen = [flag for flag in _ST_POOLING_FLAGS if flags.get(flag)]
+    if len(chosen) != 1 or _ST_POOLING_FLAGS[chosen[0]] is None:
+        raise ModelLoadError(f"{path}: pooling {chosen} is not supported (one of mean / cls / lasttoken)")
+    return _ST_POOLING_FLAGS[chosen[0]]
+
+
+def load_tokenizers(model_dir: Path, max_len: int):
+    """Three `tokenizers.Tokenizer`s from the model's own files: no truncation, truncate right, truncate left.
+
+    Separate objects because truncation is tokenizer state and requests with different settings run
+    concurrently. Truncation counts the special tokens ([CLS] ... [SEP]) inside max_len, like transformers.
+    """
+    from tokenizers import Tokenizer
+
+    tokenizer_file = model_dir / "tokenizer.json"
+    if tokenizer_file.exists():
+
+        def make() -> Tokenizer:
+            return Tokenizer.from_file(str(tokenizer_file))
+    else:  # e.g. only vocab.txt: let transformers build the fast tokenizer once, then copy its backend
+        from transformers import AutoTokenizer
+
+        try:
+            serialized = AutoTokenizer.from_pretrained(str(model_dir)).backend_tokenizer.to_str()
+        except Exception as exc:
+            raise ModelLoadError(f"no usable tokenizer in {model_dir}: {exc}") from exc
+
+        def make() -> Tokenizer:
+            return Tokenizer.from_str(serialized)
+
+    result = {}
+    for direction in (None, *TRUNCATION_DIRECTIONS):
+        tok = make()
+        tok.no_padding()
+        if direction is None:
+            tok.no_truncation()
+        else:
+            tok.enable_truncation(max_len, direction=direction)
+        result[direction] = tok
+    return result
+
+
+def pool(hidden: torch.Tensor, batch: EncoderBatch, mode: str) -> torch.Tensor:
+    """[N, H] packed hidden states -> [B, H] one vector per sequence."""
+    starts, ends = batch.cu_seqlens[:-1], batch.cu_seqlens[1:]
+    if mode == "cls":
+        return hidden[starts]
+    if mode == "last":
+        return hidden[ends - 1]
+    lens = ends - starts
+    seq_index = torch.repeat_interleave(torch.arange(len(batch.seq_lens), device=hidden.device), lens)
+    sums = torch.zeros(len(batch.seq_lens), hidden.shape[1], dtype=hidden.dtype, device=hidden.device)
+    sums.index_add_(0, seq_index, hidden)
+    return sums / lens[:, None].to(hidden.dtype)
+
+
+def finalize(pooled: torch.Tensor, normalize: bool, dimensions: int | None) -> torch.Tensor:
+    """Keep the first `dimensions` components (Matryoshka-style), then L2-normalise when asked."""
+    if dimensions is not None:
+        pooled = pooled[:, :dimensions]
+    if normalize:
+        pooled = F.normalize(pooled, p=2.0, dim=-1)
+    return pooled.contiguous()
+
+
+def split_by_token_budget(lengths: Sequence[int], max_batch_tokens: int) -> list[list[int]]:
+    """Indices sorted by length, cut into consecutive chunks of at most max_batch_tokens real tokens
+    (a single longer input gets a chunk of its own). Sorting keeps attention padding small."""
+    order = sorted(range(len(lengths)), key=lengths.__getitem__)
+    chunks: list[list[int]] = []
+    current: list[int] = []
+    total = 0
+    for i in order:
+        if current and total + lengths[i] > max_batch_tokens:
+            chunks.append(current)
+            current, total = [], 0
+        current.append(i)
+        total += lengths[i]
+    if current:
+        chunks.append(current)
+    return chunks
+
+
+class Embedder:
+    """Synchronous embedding model: owns the encoder and tokenizers. Not thread-safe for concurrent forwards."""
+
+    def __init__(self, config: EmbedderConfig) -> None:
+        self.config = config
+        self.model_name = config.model
+        model_dir = _resolve(config.model)
+        encoder_dir = _encoder_dir(model_dir)
+        if not (encoder_dir / "config.json").exists():
+            raise ModelLoadError(f"embedding model {config.model!r}: {encoder_dir} has no config.json")
+        self.model: BertModel = load_bert(encoder_dir, dtype=_DTYPES[config.dtype], device=config.device)
+        self.device = torch.device(config.device)
+        model_limit = self.model.config.max_seq_len
+        if config.max_model_len is not None and config.max_model_len > model_limit:
+            raise ValueError(
+                f"max_model_len {config.max_model_len} exceeds the model's {model_limit} positions ({model_dir})"
+            )
+        self.max_model_len: int = config.max_model_len or model_limit
+        self.st = read_sentence_transformer_settings(model_dir)
+        self.pooling: str = config.pooling or self.st.pooling or "mean"
+        if config.pooling is None and self.st.pooling is None:
+            logger.warning("%s has no sentence-transformers pooling config; using mean pooling", model_dir)
+        if config.normalize is not None:
+            self.normalize: bool = config.normalize
+        else:
+            self.normalize = self.st.normalize if self.st.has_files else True
+        self.hidden_size: int = self.model.config.hidden_size
+        self.vocab_size: int = self.model.config.vocab_size
+        self._tokenizers = load_tokenizers(encoder_dir, self.max_model_len)
+        logger.info(
+            "embedder %s: pooling=%s normalize=%s max_model_len=%d dims=%d",
+            self.model_name,
+            self.pooling,
+            self.normalize,
+            self.max_model_len,
+            self.hidden_size,
+        )
+
+    # ---------------------------------------------------------------- tokenize
+
+    def tokenize(
+        self, inputs: EmbedInputs, truncate: bool = False, truncation_direction: str = "right"
+    ) -> list[list[int]]:
+        """Texts -> token ids with the model's special tokens; token-id inputs are used as given.
+
+        Raises InvalidRequestError for an empty list, an empty token list, an out-of-vocabulary id,
+        or an input longer than max_model_len while `truncate` is false (the message gives both numbers).
+        """
+        if truncation_direction not in TRUNCATION_DIRECTIONS:
+            raise InvalidRequestError(
+                f"truncation_direction must be one of {TRUNCATION_DIRECTIONS}, got {truncation_direction!r}",
+                param="truncation_direction",
+            )
+        if len(inputs) == 0:
+            raise InvalidRequestError("input must not be empty", param="input")
+        if all(isinstance(x, str) for x in inputs):
+            texts = [self._prepare_text(x) for x in inputs]
+            tokenizer = self._tokenizers[truncation_direction if truncate else None]
+            token_ids = [enc.ids for enc in tokenizer.encode_batch(texts)]
+        elif all(not isinstance(x, str) for x in inputs):
+            token_ids = [self._check_token_ids(i, x) for i, x in enumerate(inputs)]
+            if truncate:
+                cut = self.max_model_len
+                token_ids = [ids[:cut] if truncation_direction == "right" else ids[-cut:] for ids in token_ids]
+        else:
+            raise InvalidRequestError("input must be all strings or all token-id lists, not a mix", param="input")
+        for i, ids in enumerate(token_ids):
+            if len(ids) > self.max_model_len:
+                raise InvalidRequestError(
+                    f"input {i} has {len(ids)} tokens, more than this model's maximum of {self.max_model_len} tokens; "
+                    f"shorten it or ask to truncate",
+                    param="input",
+                )
+        return token_ids
+
+    def _prepare_text(self, text: str) -> str:
+        if not self.st.has_files:
+            return text
+        text = text.strip()
+        return text.lower() if self.st.do_lower_case else text
+
+    def _check_token_ids(self, index: int, ids: Sequence[int]) -> list[int]:
+        ids = list(ids)
+        if not ids:
+            raise InvalidRequestError(f"input {index} is an empty token list", param="input")
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                raise InvalidRequestError(
+                    f"input {index} has token id {t!r}, outside this model's vocabulary [0, {self.vocab_size})",
+                    param="input",
+                )
+        return ids
+
+    # ---------------------------------------------------------------- forward
+
+    @torch.inference_mode()
+    def forward_pooled(self, token_ids: Sequence[Sequence[int]]) -> torch.Tensor:
+        """One packed encoder forward over all sequences -> [B, H] float32 pooled, not normalised, CPU.
+
+        Pass length-sorted sequences (attention groups neighbours of similar length); the caller keeps
+        the batch within its token budget."""
+        lens = [len(ids) for ids in token_ids]
+        flat = torch.tensor(list(itertools.chain.from_iterable(token_ids)), dtype=torch.long, device=self.device)
+        batch = EncoderBatch.from_seq_lens(lens, device=self.device)
+        hidden = self.model(flat, batch).float()  # [N, H]
+        return pool(hidden, batch, self.pooling).cpu()
+
+    def embed(
+        self,
+        inputs: EmbedInputs,
+        *,
+        normalize: bool | None = None,
+        truncate: bool = False,
+        truncation_direction: str = "right",
+        dimensions: int | None = None,
+    ) -> EmbedResult:
+        """Embed a list of texts (or token-id lists) -> vectors in input order."""
+        self.check_dimensions(dimensions)
+        token_ids = self.tokenize(inputs, truncate, truncation_direction)
+        lengths = [len(ids) for ids in token_ids]
+        pooled = torch.empty(len(token_ids), self.hidden_size)
+        for chunk in split_by_token_budget(lengths, self.config.max_batch_tokens):
+            pooled[chunk] = self.forward_pooled([token_ids[i] for i in chunk])
+        vectors = finalize(pooled, self.normalize if normalize is None else normalize, dimensions)
+        return EmbedResult(vectors=vectors, num_prompt_tokens=sum(lengths))
+
+    def check_dimensions(self, dimensions: int | None) -> None:
+        if dimensions is not None and not 1 <= dimensions <= self.hidden_size:
+            raise InvalidRequestError(
+                f"dimensions must be between 1 and {self.hidden_size} for this model, got {dimensions}",
+                param="dimensions",
+            )
+
+
+def _resolve(model: str) -> Path:
+    """Alias or local path -> directory; a Hub id (org/name, not on disk) is downloaded where the Hub is reachable."""
+    try:
+        from engine.models_hub import resolve_model
+    except ImportError:  # the hub module is optional for a plain local path
+        path = Path(model).expanduser()
+    else:
+        path = Path(resolve_model(model))
+    if path.exists() or str(model).count("/") != 1:
+        return path
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(str(model), allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"]))
+    except Exception as exc:
+        raise ModelLoadError(
+            f"embedding model {model!r} is not a local directory and the Hub fetch failed: {exc}"
+        ) from exc
+
+
+def _encoder_dir(model_dir: Path) -> Path:
+    """Where config.json and the tokenizer live: the root, or the sentence-transformers Transformer
+    module's folder when modules.json puts it in a subfolder (older exports use `0_Transformer/`)."""
+    try:
+        modules = json.loads((model_dir / "modules.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return model_dir
+    for module in modules:
+        if str(module.get("type", "")).endswith("Transformer") and module.get("path"):
+            return model_dir / module["path"]
+    return model_dir

@@ -1,0 +1,75 @@
+"""HTTP shapes of the embedding endpoints: OpenAI's /v1/embeddings and TEI's /embed.
+
+Requests forbid unknown fields (a 400 naming the field), like the generation schemas.
+Responses are documented here; the routes build the same shapes as plain dicts, since
+validating thousands of floats per vector through pydantic would cost more than the forward.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+TokenId = Annotated[int, Field(ge=0)]
+# OpenAI: a string, a list of strings, one token-id list, or a list of token-id lists.
+EmbeddingInput = str | list[str] | list[TokenId] | list[list[TokenId]]
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class EmbeddingRequest(_Request):
+    """POST /v1/embeddings. `model` may be omitted (the served embedding model); `user` is accepted and ignored."""
+
+    input: EmbeddingInput
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Annotated[int, Field(ge=1)] | None = None
+    user: str | None = None
+    # kvserve/TEI extras: OpenAI has no truncation switch (inputs over the limit are a 400).
+    truncate: bool = False
+    truncation_direction: Literal["right", "left"] = "right"
+
+    @field_validator("truncation_direction", mode="before")
+    @classmethod
+    def _lower(cls, value: object) -> object:
+        return value.lower() if isinstance(value, str) else value
+
+
+class EmbeddingData(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str  # str: base64 of little-endian float32
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[EmbeddingData]
+    model: str
+    usage: EmbeddingUsage
+
+
+class EmbedRequest(_Request):
+    """POST /embed (text-embeddings-inference). TEI spells directions "Right"/"Left"; either case is accepted."""
+
+    inputs: str | list[str] | list[TokenId] | list[list[TokenId]]
+    normalize: bool = True
+    truncate: bool = False
+    truncation_direction: Literal["right", "left"] = "right"
+    dimensions: Annotated[int, Field(ge=1)] | None = None
+
+    @field_validator("truncation_direction", mode="before")
+    @classmethod
+    def _lower(cls, value: object) -> object:
+        return value.lower() if isinstance(value, str) else value
+
+
+# POST /embed answers a bare JSON list of vectors, one per input, in input order.
+EmbedResponse = list[list[float]]
