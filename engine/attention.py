@@ -25,21 +25,22 @@ class AttentionMetadata:
     """Tensors describing one step's flat batch of T new tokens from B sequences.
 
     slot_mapping:   [T]           cache slot each new token's K/V is written to
-    key_slots:      [B, K]        cache slots each sequence's queries may read (padded with 0)
+    key_blocks:     [B, N]        cache blocks each sequence's queries may read (padded with the null block);
+                                  whole blocks are gathered, K = N * block_size keys per sequence
     attn_mask:      [B, Q, K]     True where query q of sequence b may see key k; None when all True
     query_index:    [B, Q]        flat token index of each padded query (padding -> T, a scratch row)
     is_decode_only: every sequence has exactly one new token (Q == 1, query_index is arange)
     """
 
     slot_mapping: torch.Tensor
-    key_slots: torch.Tensor
+    key_blocks: torch.Tensor
     attn_mask: torch.Tensor | None
     query_index: torch.Tensor
     is_decode_only: bool
 
     @property
     def num_seqs(self) -> int:
-        return self.key_slots.shape[0]
+        return self.key_blocks.shape[0]
 
 
 def visible_mask(
@@ -72,25 +73,32 @@ def build_attention_metadata(
 ) -> AttentionMetadata:
     """Metadata for B sequences where sequence i computes positions [starts[i], starts[i] + counts[i])."""
     num_seqs = len(starts)
-    # Key positions each sequence may read: the sinks, then everything from the
-    # first query's window start to the last new token. Bounded by W + S + chunk.
-    key_position_rows = []
-    for start, count in zip(starts, counts):
-        end = start + count
-        if sliding_window is None:
-            key_position_rows.append(np.arange(end))
-        else:
-            low = max(start - sliding_window + 1, 0)
-            key_position_rows.append(np.concatenate([np.arange(min(num_sink_tokens, low)), np.arange(low, end)]))
-    max_keys = max(len(r) for r in key_position_rows)
-    key_positions = np.full((num_seqs, max_keys), -1, dtype=np.int64)
-    key_slots = np.zeros((num_seqs, max_keys), dtype=np.int64)
+    # Logical blocks each sequence may read: the sink blocks, then every block from the
+    # first query's window start to the last new token. Bounded by (W + S + chunk) / block_size.
+    block_rows = []
     new_slots = []
-    for i, (table, rows) in enumerate(zip(block_tables, key_position_rows)):
-        slots = np.asarray(table, dtype=np.int64)[rows // block_size] * block_size + rows % block_size
-        key_positions[i, : len(rows)] = rows
-        key_slots[i, : len(rows)] = slots
-        new_slots.append(slots[len(rows) - counts[i] :])
+    for start, count, table in zip(starts, counts, block_tables):
+        end = start + count
+        last_block = (end - 1) // block_size
+        if sliding_window is None:
+            logical = np.arange(last_block + 1)
+        else:
+            low_block = max(start - sliding_window + 1, 0) // block_size
+            num_sink_blocks = min(-(-num_sink_tokens // block_size), low_block)
+            logical = np.concatenate([np.arange(num_sink_blocks), np.arange(low_block, last_block + 1)])
+        block_rows.append(logical)
+        table = np.asarray(table, dtype=np.int64)
+        positions = np.arange(start, end)
+        new_slots.append(table[positions // block_size] * block_size + positions % block_size)
+    max_blocks = max(len(r) for r in block_rows)
+    key_blocks = np.zeros((num_seqs, max_blocks), dtype=np.int64)
+    logical_blocks = np.full((num_seqs, max_blocks), -1, dtype=np.int64)
+    for i, (table, logical) in enumerate(zip(block_tables, block_rows)):
+        key_blocks[i, : len(logical)] = np.asarray(table, dtype=np.int64)[logical]
+        logical_blocks[i, : len(logical)] = logical
+    offsets = np.arange(block_size)
+    key_positions = (logical_blocks[:, :, None] * block_size + offsets).reshape(num_seqs, -1)
+    key_positions[np.repeat(logical_blocks < 0, block_size, axis=1)] = -1
 
     max_queries = max(counts)
     num_tokens = sum(counts)
@@ -106,7 +114,7 @@ def build_attention_metadata(
     mask[:, :, 0] |= torch.from_numpy(query_positions < 0)
     return AttentionMetadata(
         slot_mapping=torch.from_numpy(np.concatenate(new_slots)).to(device),
-        key_slots=torch.from_numpy(key_slots).to(device),
+        key_blocks=torch.from_numpy(key_blocks).to(device),
         # An all-visible mask (e.g. one decoding sequence) is dropped: SDPA is faster without one.
         attn_mask=None if bool(mask.all()) else mask.to(device),
         query_index=torch.from_numpy(query_index).to(device),
@@ -141,12 +149,15 @@ def paged_attention(
     """
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
-    flat_keys = key_cache.view(-1, num_kv_heads, head_dim)
-    flat_values = value_cache.view(-1, num_kv_heads, head_dim)
-    # [B, K, H_kv, D] -> [B, H_kv, K, D]
-    keys = flat_keys[meta.key_slots].transpose(1, 2)
-    values = flat_values[meta.key_slots].transpose(1, 2)
-    num_seqs = meta.key_slots.shape[0]
+    num_seqs, num_blocks = meta.key_blocks.shape
+    num_keys = num_blocks * key_cache.shape[1]
+    # Whole blocks, gathered as 2-D rows (the fastest gather on CPU): [B * N, block_size * H_kv * D]
+    # -> [B, K, H_kv, D] -> [B, H_kv, K, D]
+    flat_blocks = meta.key_blocks.view(-1)
+    keys = key_cache.view(key_cache.shape[0], -1).index_select(0, flat_blocks)
+    values = value_cache.view(value_cache.shape[0], -1).index_select(0, flat_blocks)
+    keys = keys.view(num_seqs, num_keys, num_kv_heads, head_dim).transpose(1, 2)
+    values = values.view(num_seqs, num_keys, num_kv_heads, head_dim).transpose(1, 2)
     if meta.is_decode_only:
         padded_query = query.view(num_seqs, 1, num_heads, head_dim)
     else:
