@@ -1,0 +1,404 @@
+"""`make bench`: kvserve, llama.cpp's llama-server and transformers on the same GGUF, same workloads, one run.
+
+Each server is started as a subprocess on this machine, driven by `clients.bench`, and stopped before the
+next one starts (they never compete for the CPU). The transformers baseline runs in-process, one request at
+a time. The machine's physical limits for the model come first. Results: a side-by-side Markdown table with
+ratios on stdout and in bench-results/ (JSON + Markdown + server logs).
+
+Usage: python -m clients.bench_suite [--only kvserve,llamacpp,transformers,limits] [--quick] [--workloads a,b,c]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from clients.bench import BenchResult, Workload, format_value, markdown_table, run_benchmark
+
+logger = logging.getLogger(__name__)
+
+ROOT = Path(__file__).resolve().parent.parent
+LLAMA_SERVER = ROOT / "third_party" / "llama.cpp" / "build" / "bin" / "llama-server"
+BUILD_SCRIPT = ROOT / "scripts" / "build_llama_cpp.sh"
+SYSTEMS = ("kvserve", "llamacpp", "transformers", "limits")
+
+
+# --------------------------------------------------------------------------- workloads
+
+
+@dataclass(frozen=True)
+class SuiteWorkload:
+    key: str
+    workload: Workload
+    hf_requests: int  # requests for the (slow, sequential) transformers baseline; 0 = not run there
+
+
+def suite_workloads(quick: bool) -> list[SuiteWorkload]:
+    """The issue's workloads: one stream, 32 streams (same lengths), and TTFT of a 512-token prompt."""
+    return [
+        SuiteWorkload(
+            "a",
+            Workload(
+                name="1 stream, p110 o128",
+                num_requests=3 if quick else 8,
+                concurrency=1,
+                prompt_len=110,
+                output_len=128,
+                seed=1,
+            ),
+            1 if quick else 3,
+        ),
+        SuiteWorkload(
+            "b",
+            Workload(
+                name="32 streams, p110 o128",
+                num_requests=32 if quick else 64,
+                concurrency=32,
+                prompt_len=110,
+                output_len=128,
+                seed=2,
+            ),
+            0,
+        ),
+        SuiteWorkload(
+            "c",
+            Workload(
+                name="1 stream, p512 o8 (TTFT)",
+                num_requests=2 if quick else 4,
+                concurrency=1,
+                prompt_len=512,
+                output_len=8,
+                seed=3,
+            ),
+            1 if quick else 2,
+        ),
+    ]
+
+
+# --------------------------------------------------------------------------- server processes
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def server_process(
+    cmd: Sequence[str], port: int, log_path: Path, *, ready_timeout_s: float = 600.0, env: dict[str, str] | None = None
+) -> Iterator[subprocess.Popen[bytes]]:
+    """Start a server, wait for GET /health == 200, yield it, and stop it (SIGTERM, then SIGKILL)."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    logger.info("starting: %s", " ".join(cmd))
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            list(cmd), stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True
+        )
+        try:
+            _wait_healthy(proc, f"http://127.0.0.1:{port}/health", ready_timeout_s, log_path)
+            yield proc
+        finally:
+            _stop(proc)
+
+
+def _wait_healthy(proc: subprocess.Popen[bytes], url: str, timeout_s: float, log_path: Path) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            tail = log_path.read_text(errors="replace")[-2000:]
+            raise RuntimeError(f"server exited with code {proc.returncode} before it was ready:\n{tail}")
+        try:
+            if httpx.get(url, timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"server not healthy at {url} after {timeout_s:.0f} s (log: {log_path})")
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is not None:
+        return
+    # The server runs in its own session: signal its process group so helper processes stop with it.
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+
+
+def ensure_llama_server() -> Path | None:
+    """The llama-server binary, built from the llama-cpp-python sdist if needed; None (with a message) if not."""
+    if LLAMA_SERVER.exists():
+        return LLAMA_SERVER
+    if shutil.which("cmake") is None:
+        logger.warning(
+            "llama.cpp skipped: llama-server is not built and cmake is missing "
+            "(apt-get install -y cmake build-essential, then scripts/build_llama_cpp.sh)"
+        )
+        return None
+    logger.info("building llama-server (a few minutes): %s", BUILD_SCRIPT)
+    env = {**os.environ, "PYTHON": sys.executable}
+    if (
+        subprocess.run(["bash", str(BUILD_SCRIPT)], check=False, cwd=ROOT, env=env).returncode != 0
+        or not LLAMA_SERVER.exists()
+    ):
+        logger.warning("llama.cpp skipped: building llama-server failed")
+        return None
+    return LLAMA_SERVER
+
+
+def kvserve_command(model: str, port: int) -> list[str]:
+    return [sys.executable, "-m", "server", "serve", "--model", model, "--port", str(port)]
+
+
+def llama_server_command(binary: Path, gguf: Path, port: int, parallel: int = 32) -> list[str]:
+    # -kvu: one KV buffer shared by all slots, so a 512-token prompt fits although 8192 / 32 slots = 256
+    # (kvserve's paged cache is shared the same way).
+    return [
+        str(binary),
+        "-m",
+        str(gguf),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "-c",
+        "8192",
+        "-np",
+        str(parallel),
+        "-kvu",
+    ]
+
+
+# --------------------------------------------------------------------------- running
+
+
+def bench_server(
+    label: str, cmd: list[str], port: int, model: str, workloads: list[SuiteWorkload], out_dir: Path, progress: bool
+) -> list[BenchResult]:
+    results = []
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    with server_process(cmd, port, out_dir / "logs" / f"{label}.log", env=env) as proc:
+        for sw in workloads:
+            logger.info("%s: workload %s (%s)", label, sw.key, sw.workload.name)
+            result = asyncio.run(
+                run_benchmark(
+                    f"http://127.0.0.1:{port}",
+                    model,
+                    sw.workload,
+                    server_label=label,
+                    server_pid=proc.pid,
+                    progress=progress,
+                )
+            )
+            result.extra["command"] = " ".join(cmd)
+            result.extra["workload_key"] = sw.key
+            results.append(result)
+            print(markdown_table([result]), flush=True)
+    return results
+
+
+def bench_transformers(gguf: Path, model: str, workloads: list[SuiteWorkload], progress: bool) -> list[BenchResult]:
+    from clients.hf_baseline import run_hf_baseline
+
+    results = []
+    for sw in workloads:
+        if sw.hf_requests == 0:
+            continue
+        wl = replace(sw.workload, num_requests=sw.hf_requests, concurrency=1)
+        logger.info("transformers: workload %s (%s), %d requests", sw.key, wl.name, wl.num_requests)
+        result = run_hf_baseline(gguf, wl, model_name=model, progress=progress)
+        result.extra["workload_key"] = sw.key
+        results.append(result)
+        print(markdown_table([result]), flush=True)
+    return results
+
+
+# --------------------------------------------------------------------------- side-by-side report
+
+# (label, attribute, format, True when higher is better)
+_METRICS: tuple[tuple[str, str, str, bool], ...] = (
+    ("output tok/s (total)", "output_tokens_per_s", "{:.1f}", True),
+    ("output tok/s per request", "output_tokens_per_s_per_request", "{:.1f}", True),
+    ("TTFT p50 (ms)", "ttft_p50_ms", "{:.0f}", False),
+    ("TTFT p99 (ms)", "ttft_p99_ms", "{:.0f}", False),
+    ("ITL p50 (ms)", "itl_p50_ms", "{:.2f}", False),
+    ("ITL p99 (ms)", "itl_p99_ms", "{:.2f}", False),
+    ("requests/s", "requests_per_s", "{:.3f}", True),
+    ("peak memory (MiB)", "peak_memory_mib", "{:.0f}", False),
+    ("requests (failed)", "num_requests", "{:d}", True),
+)
+
+
+def _ratio(a: Any, b: Any) -> str:
+    if a is None or b is None or not b:
+        return "—"
+    return f"{a / b:.2f}×"
+
+
+def comparison_table(results: Sequence[BenchResult], workloads: Sequence[SuiteWorkload]) -> str:
+    """Per workload: one row per metric, one column per system, then kvserve/llama.cpp and kvserve/transformers."""
+    systems = [s for s in ("kvserve", "llamacpp", "transformers") if any(r.server == s for r in results)]
+    ratio_cols = [s for s in ("llamacpp", "transformers") if "kvserve" in systems and s in systems]
+    out = []
+    for sw in workloads:
+        by_system = {r.server: r for r in results if r.extra.get("workload_key") == sw.key}
+        if not by_system:
+            continue
+        wl = sw.workload
+        out.append(
+            f"### ({sw.key}) {wl.name}: {wl.concurrency} in flight (transformers: 1), prompt {wl.prompt_len} "
+            f"tokens, {wl.output_len} output tokens, EOS ignored; request counts in the last row"
+        )
+        out.append("")
+        headers = ["metric", *systems, *(f"kvserve / {s}" for s in ratio_cols)]
+        out.append("| " + " | ".join(headers) + " |")
+        out.append("|" + "|".join(" --- " for _ in headers) + "|")
+        for label, attr, fmt, higher_better in _METRICS:
+            cells = [f"{label} {'↑' if higher_better else '↓'}"]
+            for s in systems:
+                r = by_system.get(s)
+                if r is None:
+                    cells.append("—")
+                elif attr == "num_requests":
+                    cells.append(f"{r.num_requests} ({r.num_failed})")
+                else:
+                    cells.append(format_value(getattr(r, attr), fmt))
+            if attr != "num_requests":
+                kv = by_system.get("kvserve")
+                for s in ratio_cols:
+                    other = by_system.get(s)
+                    cells.append(_ratio(getattr(kv, attr) if kv else None, getattr(other, attr) if other else None))
+            else:
+                cells.extend("" for _ in ratio_cols)
+            out.append("| " + " | ".join(cells) + " |")
+        out.append("")
+    return "\n".join(out)
+
+
+# --------------------------------------------------------------------------- main
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", default=",".join(SYSTEMS), help=f"comma-separated subset of {','.join(SYSTEMS)}")
+    parser.add_argument("--workloads", default="a,b,c", help="comma-separated subset of a,b,c")
+    parser.add_argument("--quick", action="store_true", help="fewer requests per workload")
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--gguf", type=Path, default=None, help="GGUF for llama.cpp and transformers")
+    parser.add_argument("--out-dir", type=Path, default=ROOT / "bench-results")
+    parser.add_argument("--no-progress", action="store_true")
+    args = parser.parse_args(argv)
+    args.only = [s.strip() for s in args.only.split(",") if s.strip()]
+    unknown = set(args.only) - set(SYSTEMS)
+    if unknown:
+        parser.error(f"unknown systems: {sorted(unknown)}")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request would drown the report
+    args = parse_args(argv)
+    keys = {k.strip() for k in args.workloads.split(",")}
+    workloads = [sw for sw in suite_workloads(args.quick) if sw.key in keys]
+    progress = not args.no_progress
+    out_dir: Path = args.out_dir
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    from clients.machine_limits import default_gguf_path, measure
+
+    gguf = args.gguf or default_gguf_path(args.model)
+    report: dict[str, Any] = {
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "model": args.model,
+        "gguf": str(gguf),
+        "cpu_count": os.cpu_count(),
+        "skipped": {},
+    }
+    results: list[BenchResult] = []
+    limits_md = ""
+
+    if "limits" in args.only:
+        logger.info("measuring machine limits")
+        limits = measure(gguf)
+        report["machine_limits"] = limits
+        limits_md = limits["markdown"]
+        print(limits_md, flush=True)
+
+    if "kvserve" in args.only:
+        port = free_port()
+        try:
+            results += bench_server(
+                "kvserve", kvserve_command(args.model, port), port, args.model, workloads, out_dir, progress
+            )
+        except RuntimeError as exc:
+            logger.error("kvserve run failed: %s", exc)
+            report["skipped"]["kvserve"] = str(exc)[:2000]
+
+    if "llamacpp" in args.only:
+        binary = ensure_llama_server()
+        if binary is None:
+            report["skipped"]["llamacpp"] = "llama-server not built (cmake missing or build failed)"
+        else:
+            port = free_port()
+            try:
+                results += bench_server(
+                    "llamacpp", llama_server_command(binary, gguf, port), port, args.model, workloads, out_dir, progress
+                )
+            except RuntimeError as exc:
+                logger.error("llama.cpp run failed: %s", exc)
+                report["skipped"]["llamacpp"] = str(exc)[:2000]
+
+    if "transformers" in args.only:
+        results += bench_transformers(gguf, args.model, workloads, progress)
+
+    table = comparison_table(results, workloads)
+    markdown = "\n".join(
+        part
+        for part in (
+            f"## kvserve benchmark ({report['started']}, {os.cpu_count()} CPUs, model {args.model})",
+            table,
+            "### Machine limits for this model" if limits_md else "",
+            limits_md,
+            "### Commands",
+            "\n".join(
+                f"- {r.server}: `{r.extra['command']}`"
+                for r in results
+                if "command" in r.extra and r.extra.get("workload_key") == workloads[0].key
+            ),
+        )
+        if part
+    )
+    print("\n" + markdown, flush=True)
+    report["results"] = [r.to_dict() for r in results]
+    (out_dir / "results.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out_dir / "results.md").write_text(markdown + "\n")
+    logger.info("wrote %s and %s", out_dir / "results.json", out_dir / "results.md")
+    failed = any(r.num_failed for r in results)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Build llama.cpp's `llama-server` from the C++ source shipped in the llama-cpp-python sdist (PyPI),
+# so the benchmark can compare kvserve with llama.cpp on the same GGUF without network access to GitHub.
+#
+# Result: third_party/llama.cpp/build/bin/llama-server (third_party/ is gitignored).
+# Idempotent: does nothing when the binary already exists.
+# Env: JOBS (default 2), LLAMA_CPP_PYTHON_VERSION (optional pin, e.g. 0.3.16), PYTHON (default: python).
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+DEST="$ROOT/third_party/llama.cpp"
+BIN="$DEST/build/bin/llama-server"
+JOBS="${JOBS:-2}"
+PYTHON="${PYTHON:-python}"
+
+if [[ -x "$BIN" ]]; then
+    echo "llama-server already built: $BIN"
+    exit 0
+fi
+
+for tool in cmake make c++; do
+    if ! command -v "$tool" >/dev/null 2>&1; then
+        echo "error: '$tool' not found; install it (e.g. apt-get install -y cmake build-essential) to build llama.cpp" >&2
+        exit 2
+    fi
+done
+
+mkdir -p "$ROOT/third_party"
+WORK="$(mktemp -d "$ROOT/third_party/.llama-sdist.XXXXXX")"
+trap 'rm -rf "$WORK"' EXIT
+
+SPEC="llama-cpp-python"
+if [[ -n "${LLAMA_CPP_PYTHON_VERSION:-}" ]]; then
+    SPEC="llama-cpp-python==${LLAMA_CPP_PYTHON_VERSION}"
+fi
+echo "downloading the $SPEC sdist ..."
+"$PYTHON" -m pip download --quiet --no-deps --no-binary :all: --dest "$WORK" "$SPEC"
+SDIST="$(ls "$WORK"/llama_cpp_python-*.tar.gz "$WORK"/llama-cpp-python-*.tar.gz 2>/dev/null | head -n 1 || true)"
+if [[ -z "$SDIST" ]]; then
+    echo "error: no llama-cpp-python sdist found in $WORK" >&2
+    exit 1
+fi
+tar -xzf "$SDIST" -C "$WORK"
+SRC="$(find "$WORK" -maxdepth 3 -type d -path '*/vendor/llama.cpp' | head -n 1)"
+if [[ -z "$SRC" || ! -f "$SRC/CMakeLists.txt" ]]; then
+    echo "error: vendor/llama.cpp not found inside $SDIST" >&2
+    exit 1
+fi
+
+rm -rf "$DEST"
+mv "$SRC" "$DEST"
+echo "source: $(basename "$SDIST") -> $DEST"
+
+cmake -S "$DEST" -B "$DEST/build" \
+    -DCMAKE_BUILD_TYPE=Release \
+    -DLLAMA_BUILD_SERVER=ON \
+    -DLLAMA_BUILD_TESTS=OFF \
+    -DLLAMA_BUILD_EXAMPLES=OFF \
+    -DGGML_NATIVE=ON \
+    -DLLAMA_CURL=OFF \
+    -DBUILD_SHARED_LIBS=OFF
+cmake --build "$DEST/build" --config Release --target llama-server -j "$JOBS"
+
+if [[ ! -x "$BIN" ]]; then
+    echo "error: build finished but $BIN is missing" >&2
+    exit 1
+fi
+echo "built: $BIN"

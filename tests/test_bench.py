@@ -1,0 +1,294 @@
+"""Tests for the benchmark client: statistics, workload determinism, the table, and one run over real HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from clients.bench import (
+    BenchResult,
+    RequestRecord,
+    Workload,
+    build_requests,
+    draw_lengths,
+    fit_prompt,
+    markdown_table,
+    percentile,
+    run_benchmark,
+    summarize,
+    write_results,
+)
+
+
+def fake_count(text: str) -> int:
+    """A stand-in tokenizer: one token per word, two for words longer than six letters."""
+    return sum(2 if len(w) > 6 else 1 for w in text.split())
+
+
+# --------------------------------------------------------------------------- statistics
+
+
+def test_percentile_matches_linear_interpolation() -> None:
+    values = [5.0, 1.0, 3.0, 2.0, 4.0]
+    assert percentile(values, 0) == 1.0
+    assert percentile(values, 50) == 3.0
+    assert percentile(values, 100) == 5.0
+    assert percentile(values, 25) == 2.0
+    assert percentile([1.0, 2.0], 99) == pytest.approx(1.99)
+    assert percentile([7.0], 99) == 7.0
+    assert percentile([], 50) is None
+    with pytest.raises(ValueError):
+        percentile([1.0], 101)
+
+
+def test_summarize_from_synthetic_timings() -> None:
+    # Two requests over a 2 s run: 5 tokens each, one chunk every 0.1 s after a 0.5 s / 0.3 s first token.
+    a = RequestRecord(
+        start=0.0, end=1.0, chunk_times=[0.5, 0.6, 0.7, 0.8, 0.9], output_tokens=5, prompt_tokens=10, ok=True
+    )
+    b = RequestRecord(
+        start=1.0, end=2.0, chunk_times=[1.3, 1.4, 1.5, 1.6, 1.7], output_tokens=5, prompt_tokens=12, ok=True
+    )
+    bad = RequestRecord(start=0.0, end=0.1, ok=False, error="RuntimeError: HTTP 500")
+    result = summarize([a, b, bad], 2.0, server="s", model="m", workload=Workload(num_requests=3))
+    assert result.num_requests == 3
+    assert result.num_failed == 1
+    assert result.errors == ["RuntimeError: HTTP 500"]
+    assert result.total_output_tokens == 10
+    assert result.total_prompt_tokens == 22
+    assert result.output_tokens_per_s == pytest.approx(5.0)  # 10 tokens / 2 s
+    assert result.requests_per_s == pytest.approx(1.0)
+    assert result.ttft_p50_ms == pytest.approx(400.0)  # median of 500 and 300 ms
+    assert result.ttft_p99_ms == pytest.approx(498.0)
+    assert result.itl_p50_ms == pytest.approx(100.0)
+    assert result.itl_p99_ms == pytest.approx(100.0)
+    assert result.output_tokens_per_s_per_request == pytest.approx(5.0)  # 5 tokens in 1 s each
+    assert result.decode_tokens_per_s_per_request == pytest.approx(10.0)  # 4 gaps of 0.1 s
+
+
+def test_summarize_with_no_successful_request() -> None:
+    bad = RequestRecord(start=0.0, end=0.1, ok=False, error="x")
+    result = summarize([bad], 0.1, server="s", model="m", workload=Workload(num_requests=1))
+    assert result.ttft_p50_ms is None and result.itl_p99_ms is None
+    assert result.output_tokens_per_s == 0.0
+    assert "—" in markdown_table([result])
+
+
+# --------------------------------------------------------------------------- workload
+
+
+def test_workload_is_deterministic_and_sized() -> None:
+    wl = Workload(num_requests=5, prompt_len=20, prompt_len_max=40, output_len=8, output_len_max=16, seed=3)
+    first = build_requests(wl, fake_count)
+    assert first == build_requests(wl, fake_count)
+    assert build_requests(Workload(num_requests=5, prompt_len=20, prompt_len_max=40, seed=4), fake_count) != first
+    for spec, (p, o) in zip(first, draw_lengths(wl)):
+        assert 20 <= p <= 40 and 8 <= o <= 16
+        assert spec.max_tokens == o
+        assert spec.prompt_tokens == fake_count(spec.prompt) == p
+    assert len({s.prompt for s in first}) == 5  # distinct prompts: no cross-request cache hits
+
+
+def test_fixed_lengths_without_tokenizer() -> None:
+    specs = build_requests(Workload(num_requests=3, prompt_len=12, output_len=7), None)
+    assert [s.max_tokens for s in specs] == [7, 7, 7]
+    assert all(s.prompt_tokens == -1 for s in specs)
+
+
+def test_fit_prompt_pads_to_exact_length() -> None:
+    words = ["alpha", "international", "be", "a", "c", "dd", "e"]
+    text, n = fit_prompt(words, 4, fake_count)
+    assert n == 4 == fake_count(text)
+
+
+def test_workload_rejects_bad_values() -> None:
+    with pytest.raises(ValueError):
+        Workload(num_requests=0)
+    with pytest.raises(ValueError):
+        Workload(prompt_len=10, prompt_len_max=5)
+
+
+# --------------------------------------------------------------------------- report
+
+
+def test_markdown_table_and_files(tmp_path: Path) -> None:
+    rec = RequestRecord(start=0.0, end=1.0, chunk_times=[0.25, 0.5], output_tokens=2, ok=True)
+    result = summarize([rec], 1.0, server="llamacpp", model="m", workload=Workload(name="one", num_requests=1))
+    result.peak_memory_mib = 321.4
+    table = markdown_table([result])
+    lines = table.splitlines()
+    assert lines[0].startswith("| server | workload | requests |")
+    assert len(lines) == 3
+    assert "| llamacpp | one | 1 | 0 | 250.0 |" in lines[2]
+    assert "321" in lines[2]
+    write_results([result], tmp_path / "r.json", tmp_path / "r.md")
+    loaded = json.loads((tmp_path / "r.json").read_text())
+    assert loaded[0]["server"] == "llamacpp"
+    assert BenchResult(**loaded[0]) == result
+    assert (tmp_path / "r.md").read_text().strip() == table
+
+
+# --------------------------------------------------------------------------- end to end over HTTP
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _fake_openai_app(tokenize_shape: str) -> FastAPI:
+    app = FastAPI()
+    app.state.bodies = []
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> JSONResponse:
+        body = await request.json()
+        if tokenize_shape == "llamacpp":
+            # Like llama.cpp: a body without "content" still gets 200, with no tokens.
+            return JSONResponse({"tokens": list(range(fake_count(body.get("content", ""))))})
+        if "prompt" not in body:
+            return JSONResponse({"error": "prompt required"}, status_code=400)
+        n = fake_count(body["prompt"])
+        return JSONResponse({"tokens": list(range(n)), "count": n, "max_model_len": 8192})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> StreamingResponse:
+        body = await request.json()
+        app.state.bodies.append(body)
+
+        async def events():
+            for i in range(body["max_tokens"]):
+                await asyncio.sleep(0.002)
+                chunk = {
+                    "id": "x",
+                    "object": "text_completion",
+                    "choices": [{"index": 0, "text": f" t{i}", "finish_reason": None}],
+                }
+                yield f"data: {json.dumps(chunk)}\n\n"
+            last = {"id": "x", "choices": [{"index": 0, "text": "", "finish_reason": "length"}]}
+            yield f"data: {json.dumps(last)}\n\n"
+            usage = {"prompt_tokens": fake_count(body["prompt"]), "completion_tokens": body["max_tokens"]}
+            yield f"data: {json.dumps({'id': 'x', 'choices': [], 'usage': usage})}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return app
+
+
+@pytest.fixture(params=["openai", "llamacpp"])
+def fake_server(request: pytest.FixtureRequest) -> Iterator[tuple[str, object]]:
+    import uvicorn
+
+    app = _fake_openai_app(request.param)
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert time.monotonic() < deadline, "fake server did not start"
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}", app
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+def test_run_benchmark_end_to_end(fake_server: tuple[str, object]) -> None:
+    import os
+
+    url, app = fake_server
+    wl = Workload(name="e2e", num_requests=6, concurrency=3, prompt_len=15, output_len=5, output_len_max=9, seed=1)
+    result = asyncio.run(
+        run_benchmark(url + "/v1", "m", wl, server_label="fake", server_pid=os.getpid(), progress=False)
+    )
+    expected = build_requests(wl, fake_count)
+    assert result.num_failed == 0, result.errors
+    assert result.num_requests == 6
+    assert result.total_output_tokens == sum(s.max_tokens for s in expected)
+    assert result.total_prompt_tokens == 6 * 15
+    assert result.extra["prompt_tokens_by_tokenize_mean"] == 15
+    assert result.ttft_p50_ms is not None and 1.0 < result.ttft_p50_ms < 2000
+    assert result.itl_p50_ms is not None and 1.0 < result.itl_p50_ms < 1000
+    assert result.output_tokens_per_s > 0 and result.requests_per_s > 0
+    assert result.peak_memory_mib is not None and result.peak_memory_mib > 10
+    # The timed requests (after the warm-up) carried the workload's prompts and the ignore-EOS switch.
+    bodies = app.state.bodies[wl.warmup_requests :]
+    assert sorted(b["prompt"] for b in bodies) == sorted(s.prompt for s in expected)
+    assert all(b["ignore_eos"] is True and b["stream"] is True for b in bodies)
+    assert all(b["stream_options"] == {"include_usage": True} for b in bodies)
+
+
+# --------------------------------------------------------------------------- suite report
+
+
+def test_comparison_table_has_ratios() -> None:
+    from clients.bench_suite import comparison_table, llama_server_command, suite_workloads
+
+    workloads = suite_workloads(quick=True)
+    assert [sw.key for sw in workloads] == ["a", "b", "c"]
+    assert workloads[1].workload.concurrency == 32 and workloads[2].workload.prompt_len == 512
+
+    def result(server: str, tokens: int, ttft: float) -> BenchResult:
+        recs = [RequestRecord(start=0.0, end=1.0, chunk_times=[ttft, 1.0], output_tokens=tokens, ok=True)]
+        r = summarize(recs, 1.0, server=server, model="m", workload=workloads[0].workload)
+        r.extra["workload_key"] = "a"
+        return r
+
+    table = comparison_table([result("kvserve", 300, 0.1), result("llamacpp", 100, 0.4)], workloads)
+    assert "| metric | kvserve | llamacpp | kvserve / llamacpp |" in table
+    assert "| output tok/s (total) ↑ | 300.0 | 100.0 | 3.00× |" in table
+    assert "| TTFT p50 (ms) ↓ | 100 | 400 | 0.25× |" in table
+    assert "(b)" not in table  # no results for workload b: no section
+
+    cmd = llama_server_command(Path("/x/llama-server"), Path("/m.gguf"), 1234)
+    assert cmd[:3] == ["/x/llama-server", "-m", "/m.gguf"] and "-np" in cmd and "-kvu" in cmd
+
+
+# --------------------------------------------------------------------------- transformers baseline
+
+
+def test_hf_baseline_generates_exact_lengths_with_timings() -> None:
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    from clients.bench import WORDS
+    from clients.hf_baseline import generate_workload
+
+    vocab = {"<unk>": 0, "<eos>": 1, **{w: i + 2 for i, w in enumerate(dict.fromkeys(WORDS))}}
+    raw = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>", eos_token="<eos>")
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(vocab),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        eos_token_id=1,
+        bos_token_id=None,
+    )
+    model = LlamaForCausalLM(config).eval()
+    wl = Workload(name="hf", num_requests=2, prompt_len=12, output_len=5, output_len_max=7, seed=5)
+    result = generate_workload(model, tokenizer, wl, model_name="tiny", progress=False)
+    expected = build_requests(wl, lambda t: len(t.split()))
+    assert result.num_failed == 0
+    assert result.total_output_tokens == sum(s.max_tokens for s in expected)
+    assert result.total_prompt_tokens == 24
+    assert result.ttft_p50_ms is not None and result.itl_p50_ms is not None
+    assert result.output_tokens_per_s > 0
