@@ -123,16 +123,29 @@ def test_invalid_values_raise_naming_the_field(field, value):
 
 
 @pytest.mark.parametrize("temperature", [0.3, 1.0, 30.0])
-def test_candidate_top_k_top_p_equals_full_sort(temperature):
-    from engine.sampler import _sorted_top_k_top_p, apply_top_k_top_p
+def test_candidate_distribution_equals_full_sort_reference(temperature):
+    from engine.sampler import candidate_distribution, reference_distribution
 
     torch.manual_seed(0)
     vocab = 5000
-    logits = torch.randn(6, vocab) * 4 / temperature
-    top_k = torch.tensor([vocab, 10, 300, vocab, 4000, vocab])
-    top_p = torch.tensor([0.9, 1.0, 0.5, 0.999, 0.95, 0.3])
-    fast = apply_top_k_top_p(logits, top_k, top_p, num_candidates=64)
-    reference = _sorted_top_k_top_p(logits, top_k, top_p)
-    assert torch.equal(torch.isinf(fast), torch.isinf(reference))
-    finite = ~torch.isinf(reference)
-    assert torch.equal(fast[finite], reference[finite])
+    logits = torch.randn(7, vocab) * 4 / temperature
+    top_k = torch.tensor([vocab, 10, 300, vocab, 4000, vocab, vocab])
+    top_p = torch.tensor([0.9, 1.0, 0.5, 0.999, 0.95, 0.3, 1.0])
+    min_p = torch.tensor([0.0, 0.0, 0.1, 0.0, 0.0, 0.0, 0.2])
+    probs, token_ids, decided = candidate_distribution(logits, top_k, top_p, min_p, num_candidates=64)
+    reference = reference_distribution(logits, top_k, top_p, min_p)
+    assert bool(decided[1]) and bool(decided[2])  # top-k inside the candidates
+    for row in decided.nonzero().flatten().tolist():
+        dense = torch.zeros(vocab).scatter(0, token_ids[row], probs[row])
+        torch.testing.assert_close(dense, reference[row], atol=1e-6, rtol=1e-5)
+    if temperature >= 30.0:
+        assert not bool(decided.all())  # flat rows fall back to the full vocabulary
+
+
+def test_flat_distribution_falls_back_and_still_follows_top_p():
+    vocab = 2000
+    logits = torch.zeros(1, vocab)
+    logits[0, :1000] = 1.0  # nucleus of 0.5 holds ~ the first 731 tokens, far beyond 256 candidates
+    row = _row(SamplingParams(temperature=1.0, top_p=0.5))
+    seen = {sample(logits, [row]).token_ids[0] for _ in range(300)}
+    assert max(seen) < 1000 and len(seen) > 200
