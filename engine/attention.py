@@ -19,6 +19,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from engine.config import cdiv
+
 
 @dataclass
 class AttentionMetadata:
@@ -84,7 +86,7 @@ def build_attention_metadata(
             logical = np.arange(last_block + 1)
         else:
             low_block = max(start - sliding_window + 1, 0) // block_size
-            num_sink_blocks = min(-(-num_sink_tokens // block_size), low_block)
+            num_sink_blocks = min(cdiv(num_sink_tokens, block_size), low_block)
             logical = np.concatenate([np.arange(num_sink_blocks), np.arange(low_block, last_block + 1)])
         block_rows.append(logical)
         table = np.asarray(table, dtype=np.int64)

@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from engine.config import cdiv
 from engine.sequence import Sequence
 
 NULL_BLOCK = 0
@@ -110,10 +111,10 @@ class BlockManager:
         self.pool = pool
         self.block_size = block_size
         self.sliding_window = sliding_window
-        self.num_sink_tokens = num_sink_tokens if sliding_window is not None else 0
+        self.num_sink_tokens = num_sink_tokens  # 0 without a window (the engine derives it)
 
     def num_blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return cdiv(num_tokens, self.block_size)
 
     def take_cached_prefix(self, seq: Sequence) -> int:
         """Fill an empty table from the prefix cache; returns the number of tokens found computed.
@@ -134,9 +135,6 @@ class BlockManager:
                 break
             seq.block_table.append(block)
             found += 1
-        # Counted in tokens, like vLLM's prefix_cache_queries / prefix_cache_hits.
-        self.pool.cache_stats.queries += len(seq.token_ids)
-        self.pool.cache_stats.hits += found * self.block_size
         return found * self.block_size
 
     def update_hashes(self, seq: Sequence, num_tokens: int) -> None:

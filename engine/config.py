@@ -9,7 +9,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
+import torch
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SUPPORTED_DTYPES = tuple(TORCH_DTYPES)
+
+
+def cdiv(numerator: int, denominator: int) -> int:
+    """Ceiling division: how many blocks of `denominator` tokens hold `numerator` tokens."""
+    return -(-numerator // denominator)
 
 
 @dataclass(frozen=True)

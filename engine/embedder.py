@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from engine.config import TORCH_DTYPES
 from engine.errors import InvalidRequestError, ModelLoadError
 from engine.models.bert import BertModel, EncoderBatch, load_bert
 
@@ -34,7 +35,6 @@ logger = logging.getLogger(__name__)
 
 POOLING_MODES = ("mean", "cls", "last")
 TRUNCATION_DIRECTIONS = ("right", "left")
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # sentence-transformers module types kvserve reproduces; any other module (Dense, ...) would change the vectors.
 _ST_MODULES = ("Transformer", "Pooling", "Normalize")
 # 1_Pooling/config.json flag -> our pooling mode
@@ -71,8 +71,8 @@ class EmbedderConfig:
     max_model_len: int | None = None
 
     def __post_init__(self) -> None:
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {tuple(_DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in TORCH_DTYPES:
+            raise ValueError(f"dtype must be one of {tuple(TORCH_DTYPES)}, got {self.dtype!r}")
         if self.dtype == "float16" and not self.device.startswith("cuda"):
             raise ValueError("dtype float16 is only supported on CUDA; use float32 or bfloat16 on CPU")
         if self.max_batch_tokens < 1:
@@ -230,7 +230,7 @@ class Embedder:
         encoder_dir = _encoder_dir(model_dir)
         if not (encoder_dir / "config.json").exists():
             raise ModelLoadError(f"embedding model {config.model!r}: {encoder_dir} has no config.json")
-        self.model: BertModel = load_bert(encoder_dir, dtype=_DTYPES[config.dtype], device=config.device)
+        self.model: BertModel = load_bert(encoder_dir, dtype=TORCH_DTYPES[config.dtype], device=config.device)
         self.device = torch.device(config.device)
         model_limit = self.model.config.max_seq_len
         if config.max_model_len is not None and config.max_model_len > model_limit:

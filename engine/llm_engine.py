@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from engine.block_manager import BlockManager, BlockPool
-from engine.config import EngineConfig, ModelConfig
+from engine.config import TORCH_DTYPES, EngineConfig, ModelConfig, cdiv
 from engine.detokenizer import append_token_text, find_stop_string, take_new_text
 from engine.errors import InvalidRequestError, ModelLoadError, PromptTooLongError
 from engine.model_runner import ModelRunner, kv_bytes_per_block
@@ -90,8 +90,7 @@ class LLMEngine:
         self.num_sink_tokens = config.num_sink_tokens if self.sliding_window is not None else 0
         self.max_model_len = self._derive_max_model_len()
 
-        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[config.dtype]
-        per_block = kv_bytes_per_block(model_config, config.block_size, dtype)
+        per_block = kv_bytes_per_block(model_config, config.block_size, TORCH_DTYPES[config.dtype])
         blocks_per_seq = self._max_blocks_per_seq()
         useful = config.max_num_seqs * blocks_per_seq + 1  # more than this is never used at once
         num_blocks = config.num_blocks or max(2, min(config.kv_cache_memory_bytes // per_block, useful))
@@ -99,7 +98,7 @@ class LLMEngine:
             "KV cache: %d blocks of %d tokens (%.1f MiB), max_model_len %d, sliding window %s",
             num_blocks, config.block_size, num_blocks * per_block / 2**20, self.max_model_len, self.sliding_window,
         )
-        self.runner = ModelRunner(model_config, state_dict, config, num_blocks, self.sliding_window)
+        self.runner = ModelRunner(model_config, state_dict, config, num_blocks, self.sliding_window, self.num_sink_tokens)
         self.pool = BlockPool(num_blocks, config.enable_prefix_caching)
         self.block_manager = BlockManager(self.pool, config.block_size, self.sliding_window, self.num_sink_tokens)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
@@ -138,10 +137,10 @@ class LLMEngine:
     def _max_blocks_per_seq(self) -> int:
         bs = self.config.block_size
         if self.sliding_window is None:
-            return -(-self.max_model_len // bs)
-        live = -(-self.sliding_window // bs) + 1 + -(-self.num_sink_tokens // bs)
-        chunk = -(-self.config.max_num_batched_tokens // bs) + 1
-        return min(-(-self.max_model_len // bs), live + chunk)
+            return cdiv(self.max_model_len, bs)
+        live = cdiv(self.sliding_window, bs) + 1 + cdiv(self.num_sink_tokens, bs)
+        chunk = cdiv(self.config.max_num_batched_tokens, bs) + 1
+        return min(cdiv(self.max_model_len, bs), live + chunk)
 
     # ----------------------------------------------------------------- requests
 
@@ -174,7 +173,8 @@ class LLMEngine:
                 "max_tokens",
             )
         longest = min(limit, num_prompt_tokens + (params.max_tokens or limit))
-        blocks = -(-longest // self.config.block_size) if self.sliding_window is None else 0
+        # With a window a sequence never holds more than its live window (plus a prefill chunk).
+        blocks = min(cdiv(longest, self.config.block_size), self._max_blocks_per_seq())
         if blocks > self.pool.num_blocks - 1:
             raise PromptTooLongError(
                 f"a sequence of {longest} tokens needs {blocks} KV blocks but the cache has only "
@@ -229,8 +229,9 @@ class LLMEngine:
     # --------------------------------------------------------------------- step
 
     def step(self) -> list[RequestOutput]:
-        outputs, self._pending_outputs = self._pending_outputs, []
         batch = self.scheduler.schedule()
+        # Taken only now: if scheduling raises, abort notices are still delivered by a later step.
+        outputs, self._pending_outputs = self._pending_outputs, []
         if batch.is_empty:
             return outputs
         logits = self.runner.execute(batch)
@@ -270,7 +271,7 @@ class LLMEngine:
             return
         before = len(seq.output_text)
         append_token_text(self.tokenizer, seq)
-        if params.stop:
+        if params.stop and seq.num_generated_tokens >= params.min_tokens:
             stop = find_stop_string(seq, len(seq.output_text) - before)
             if stop is not None:
                 self.scheduler.finish(seq, FINISH_STOP, stop)

@@ -13,14 +13,13 @@ import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata, build_attention_metadata
-from engine.config import EngineConfig, ModelConfig
+from engine.config import TORCH_DTYPES, EngineConfig, ModelConfig
 from engine.models.gpt2 import GPT2LMHeadModel
 from engine.models.llama import LlamaForCausalLM
 from engine.scheduler import ScheduledBatch
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _MODEL_CLASSES = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
@@ -42,13 +41,14 @@ class ModelRunner:
         config: EngineConfig,
         num_blocks: int,
         sliding_window: int | None,
+        num_sink_tokens: int,
     ) -> None:
         self.model_config = model_config
         self.device = torch.device(config.device)
-        self.dtype = _DTYPES[config.dtype]
+        self.dtype = TORCH_DTYPES[config.dtype]
         self.block_size = config.block_size
         self.sliding_window = sliding_window
-        self.num_sink_tokens = config.num_sink_tokens if sliding_window is not None else 0
+        self.num_sink_tokens = num_sink_tokens
         with torch.device("meta"):
             model = _MODEL_CLASSES[model_config.architecture](model_config)
         model = model.to_empty(device=self.device).to(self.dtype)

@@ -104,4 +104,5 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        # Below this, logits / temperature overflows float32; the argmax is what it means anyway.
+        return self.temperature < 1e-5

@@ -131,6 +131,10 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
+                # Prompt tokens looked up / found in the prefix cache, once per sequence (like vLLM's metrics).
+                stats = bm.pool.cache_stats
+                stats.queries += seq.num_prompt_tokens
+                stats.hits += min(seq.num_computed_tokens, seq.num_prompt_tokens)
             self.running.append(seq)
             batch.seqs.append(seq)
             batch.num_new_tokens.append(num_new)

@@ -25,6 +25,12 @@ class Tokenizer:
         self.bos_token_id: int | None = hf_tokenizer.bos_token_id
         self.vocab_size: int = len(hf_tokenizer)
         self.all_special_ids: frozenset[int] = frozenset(hf_tokenizer.all_special_ids)
+        # A tokenizer.json may switch padding/truncation on; transformers would then switch it off on
+        # the first encode, mutating the Rust tokenizer while another thread decodes ("Already borrowed").
+        backend = getattr(hf_tokenizer, "_tokenizer", None)
+        if backend is not None:
+            backend.no_padding()
+            backend.no_truncation()
 
     @classmethod
     def from_path(cls, path: str | Path, extra_eos_token_ids: tuple[int, ...] = ()) -> Tokenizer:
@@ -45,7 +51,10 @@ class Tokenizer:
         return bool(getattr(self._tok, "chat_template", None))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
+        try:
+            return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
+        except (TypeError, UnicodeEncodeError) as exc:  # e.g. a lone surrogate: not valid text
+            raise InvalidRequestError(f"the text cannot be tokenized: {exc}", param="prompt") from exc
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)

@@ -111,3 +111,31 @@ def test_prompt_too_long_states_both_numbers(tiny_llama_dir):
     with pytest.raises(PromptTooLongError) as err:
         engine.add_request(list(range(5, 45)), SamplingParams(max_tokens=40))
     assert "40" in str(err.value) and "64" in str(err.value) and "80" in str(err.value)
+
+
+def test_unencodable_text_is_a_request_error(tiny_llama_dir):
+    from engine.errors import InvalidRequestError
+
+    engine = LLMEngine.from_config(EngineConfig(model=tiny_llama_dir))
+    with pytest.raises(InvalidRequestError):
+        engine.add_request("broken \ud800 surrogate", SamplingParams(max_tokens=4))
+    assert not engine.has_unfinished_requests()
+
+
+def test_prefix_cache_counts_each_sequence_once_under_pressure(tiny_llama_dir):
+    """Re-admission attempts of a waiting sequence (pool full) must not inflate the counters."""
+    engine = LLMEngine.from_config(EngineConfig(model=tiny_llama_dir, block_size=4, num_blocks=16))
+    prompt = engine.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 2)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    engine.generate([prompt] * 3, params)
+    stats = engine.stats()
+    assert stats.prefix_cache_queries == 3 * len(prompt)
+    assert stats.prefix_cache_hits <= stats.prefix_cache_queries
+
+
+def test_window_request_larger_than_pool_is_refused_up_front(tiny_model_dirs):
+    from engine.errors import PromptTooLongError
+
+    engine = LLMEngine.from_config(EngineConfig(model=tiny_model_dirs["mistral"], block_size=4, num_blocks=4))
+    with pytest.raises(PromptTooLongError):
+        engine.add_request(list(range(5, 60)), SamplingParams(max_tokens=4))
