@@ -12,13 +12,18 @@ Guarantees:
   (the add is applied before `submit()` returns);
 - a consumer that stops (cancelled, closed, timed out) aborts its request, and the
   abort is applied before the next step, so its KV blocks are free within one step;
-- the number of requests not yet running is bounded (`QueueFullError`);
+- the number of requests not yet producing output is bounded (`QueueFullError`): it
+  counts requests (request ids), not sequences, so one n=128 request takes one slot;
+- a request outlives its deadline only until the next loop turn: the loop aborts it
+  itself, so a request nobody reads (an abandoned stream) cannot run to max_tokens;
+- aborts are applied before adds, so an abort never hits a newer request;
 - if the loop dies, `is_healthy` turns False and every request gets `EngineDeadError`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -64,6 +69,7 @@ class _PendingAdd:
     prompt: str | list[int]
     params: SamplingParams
     done: asyncio.Future
+    queue: asyncio.Queue
 
 
 class RequestStream:
@@ -80,6 +86,19 @@ class RequestStream:
         self._deadline = deadline
         self._finished = False
         self._closed = False
+        self._loop = asyncio.get_running_loop()
+
+    def __del__(self) -> None:
+        # Safety net: a stream dropped without close() (e.g. a generator cancelled before it
+        # started) still aborts its request. GC may run on any thread: hop to the loop.
+        if getattr(self, "_closed", True):
+            return
+        self._closed = True
+        abort = not self._finished
+        try:
+            self._loop.call_soon_threadsafe(self._engine._release, self.request_id, abort)
+        except RuntimeError:  # the loop is closed: nothing left to free
+            pass
 
     @property
     def is_finished(self) -> bool:
@@ -135,7 +154,9 @@ class AsyncEngine:
         past it `submit()` raises QueueFullError at once.
     request_timeout: seconds from submit to the last output (None: no limit).
     max_consecutive_step_failures: a failing step aborts the requests in it; this many
-        failures in a row mark the engine dead.
+        failures in a row mark the engine dead. A success resets the count, and so does
+        `failure_reset_idle_s` seconds of idleness (no request in the engine) since the last
+        failure: rare failures far apart do not add up, a truly broken engine still dies.
     """
 
     def __init__(
@@ -145,15 +166,21 @@ class AsyncEngine:
         max_queued_requests: int = 256,
         request_timeout: float | None = None,
         max_consecutive_step_failures: int = 3,
+        failure_reset_idle_s: float = 5.0,
     ) -> None:
         self.engine = engine
         self.max_queued_requests = max_queued_requests
         self.request_timeout = request_timeout
         self.max_consecutive_step_failures = max_consecutive_step_failures
+        self.failure_reset_idle_s = failure_reset_idle_s
         # Touched only on the event-loop thread.
         self._queues: dict[str, asyncio.Queue] = {}
         self._pending_adds: list[_PendingAdd] = []
         self._pending_aborts: set[str] = set()
+        # Requests submitted that have produced no output yet (pending adds included).
+        self._not_started: set[str] = set()
+        self._deadlines: dict[str, float] = {}
+        self._idle_since_failure = 0.0
         self._stats: EngineStats = engine.stats()
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
@@ -209,16 +236,22 @@ class AsyncEngine:
     # ---- requests ----
     @property
     def num_queued_requests(self) -> int:
-        """Requests submitted but not yet running: pending adds plus the scheduler's waiting ones."""
-        return len(self._pending_adds) + self._stats.num_waiting
+        """Requests submitted that have produced no output yet (pending adds included).
+
+        Counts requests, not sequences: a request with n=128 is one.
+        """
+        return len(self._not_started)
 
     @property
     def num_active_requests(self) -> int:
         return len(self._queues)
 
     def stats(self) -> EngineStats:
-        """The snapshot taken after the last step (or add/abort); never touches the engine."""
-        return self._stats
+        """The snapshot taken after the last step (or add/abort); never touches the engine.
+
+        num_waiting counts requests (not sequences) that have produced no output yet.
+        """
+        return dataclasses.replace(self._stats, num_waiting=len(self._not_started))
 
     async def submit(
         self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
@@ -241,7 +274,10 @@ class AsyncEngine:
         queue: asyncio.Queue = asyncio.Queue()
         done = asyncio.get_running_loop().create_future()
         self._queues[request_id] = queue
-        self._pending_adds.append(_PendingAdd(request_id, prompt, params, done))
+        self._not_started.add(request_id)
+        if deadline is not None:
+            self._deadlines[request_id] = deadline
+        self._pending_adds.append(_PendingAdd(request_id, prompt, params, done, queue))
         self._wake()
         stream = RequestStream(self, request_id, queue, deadline)
         try:
@@ -286,8 +322,13 @@ class AsyncEngine:
         if self._wakeup is not None:
             self._wakeup.set()
 
-    def _release(self, request_id: str, abort: bool) -> None:
+    def _forget(self, request_id: str) -> None:
         self._queues.pop(request_id, None)
+        self._not_started.discard(request_id)
+        self._deadlines.pop(request_id, None)
+
+    def _release(self, request_id: str, abort: bool) -> None:
+        self._forget(request_id)
         if abort:
             self._pending_aborts.add(request_id)
             self._wake()
@@ -296,12 +337,18 @@ class AsyncEngine:
         assert self._wakeup is not None
         try:
             while not self._is_stopping:
+                self._expire_deadlines()
                 self._apply_pending()
                 if not self.engine.has_unfinished_requests():
                     self._wakeup.clear()
                     if self._pending_adds or self._pending_aborts:
                         continue
-                    await self._wakeup.wait()
+                    idle_start = time.monotonic()
+                    try:
+                        await asyncio.wait_for(self._wakeup.wait(), self._next_deadline_in())
+                    except asyncio.TimeoutError:
+                        pass
+                    self._idle_since_failure += time.monotonic() - idle_start
                     continue
                 try:
                     outputs = await asyncio.to_thread(self.engine.step)
@@ -323,24 +370,47 @@ class AsyncEngine:
             if isinstance(exc, asyncio.CancelledError):
                 raise
 
+    def _next_deadline_in(self) -> float | None:
+        if not self._deadlines:
+            return None
+        return max(min(self._deadlines.values()) - time.monotonic(), 0.0) + 0.001
+
+    def _expire_deadlines(self) -> None:
+        """Abort every request past its deadline, read or not (the consumer gets RequestTimeoutError)."""
+        if not self._deadlines:
+            return
+        now = time.monotonic()
+        for request_id, deadline in list(self._deadlines.items()):
+            if deadline > now:
+                continue
+            queue = self._queues.get(request_id)
+            if queue is not None:
+                queue.put_nowait(RequestTimeoutError(f"request {request_id} timed out and was aborted"))
+            self._release(request_id, abort=True)
+
     def _apply_pending(self) -> None:
+        # Aborts first: an abort must never hit a request added after it (same id reused).
+        aborts, self._pending_aborts = self._pending_aborts, set()
+        for request_id in aborts:
+            self._abort_in_engine(request_id)
         adds, self._pending_adds = self._pending_adds, []
         for add in adds:
-            if add.done.done():  # the caller left before it was applied
-                self._queues.pop(add.request_id, None)
+            if add.done.done() or self._queues.get(add.request_id) is not add.queue:
+                # The caller left (or was aborted) before it was applied.
+                if self._queues.get(add.request_id) is add.queue:
+                    self._forget(add.request_id)
+                if not add.done.done():
+                    add.done.set_exception(RequestTimeoutError(f"request {add.request_id} was aborted"))
                 continue
             try:
                 self.engine.add_request(add.prompt, add.params, add.request_id)
             except Exception as exc:
-                self._queues.pop(add.request_id, None)
+                self._forget(add.request_id)
                 if not isinstance(exc, InvalidRequestError):
                     logger.exception("add_request failed for %s", add.request_id)
                 add.done.set_exception(exc)
             else:
                 add.done.set_result(None)
-        aborts, self._pending_aborts = self._pending_aborts, set()
-        for request_id in aborts:
-            self._abort_in_engine(request_id)
         if adds or aborts:
             self._stats = self.engine.stats()
 
@@ -358,10 +428,16 @@ class AsyncEngine:
         for output in outputs:
             queue = self._queues.get(output.request_id)
             if queue is not None:
+                self._not_started.discard(output.request_id)
+                if output.finished:
+                    self._deadlines.pop(output.request_id, None)
                 queue.put_nowait(output)
 
     def _handle_step_failure(self, exc: Exception) -> None:
         """A step raised: fail and abort the requests in the engine; die after too many in a row."""
+        if self._idle_since_failure >= self.failure_reset_idle_s:
+            self._num_step_failures = 0  # the last failure was followed by a quiet spell
+        self._idle_since_failure = 0.0
         self._num_step_failures += 1
         logger.error("engine step failed (%d in a row)", self._num_step_failures, exc_info=exc)
         if self._num_step_failures >= self.max_consecutive_step_failures:
@@ -371,7 +447,7 @@ class AsyncEngine:
             if any(add.request_id == request_id for add in self._pending_adds):
                 continue  # not in the engine yet: it was not part of the failed step
             queue.put_nowait(error)
-            self._queues.pop(request_id, None)
+            self._forget(request_id)
             self._abort_in_engine(request_id)
         self._stats = self.engine.stats()
 
@@ -383,3 +459,5 @@ class AsyncEngine:
         for queue in self._queues.values():
             queue.put_nowait(error)
         self._queues.clear()
+        self._not_started.clear()
+        self._deadlines.clear()

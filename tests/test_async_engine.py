@@ -8,6 +8,7 @@ and checks the async path gives the same tokens as the offline `generate()`.
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 import time
 
@@ -284,6 +285,108 @@ def test_stop_fails_outstanding_requests():
         with pytest.raises(EngineDeadError):
             await task
         assert not engine.is_healthy
+
+    run(main())
+
+
+async def _until(predicate, timeout: float = 2.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.005)
+
+
+def test_unread_stream_is_aborted_at_its_deadline():
+    """The loop enforces deadlines itself: a request nobody reads does not run to max_tokens."""
+    scripted = ScriptedEngine(step_delay=0.005)
+
+    async def main():
+        engine = await _started(scripted, request_timeout=0.1)
+        stream = await engine.submit([1], SamplingParams(max_tokens=60 - 1))  # never iterated
+        await _until(lambda: not scripted.requests and engine.num_active_requests == 0, timeout=1.0)
+        with pytest.raises(RequestTimeoutError):
+            await stream.__anext__()
+        assert engine.is_healthy
+        await engine.stop()
+
+    run(main())
+    assert scripted.num_aborts == 1
+
+
+def test_dropped_stream_without_close_is_aborted():
+    scripted = ScriptedEngine(step_delay=0.005)
+
+    async def main():
+        engine = await _started(scripted)
+        stream = await engine.submit([1], SamplingParams(max_tokens=60 - 1))
+        del stream
+        gc.collect()
+        await _until(lambda: not scripted.requests and engine.num_active_requests == 0, timeout=1.0)
+        await engine.stop()
+
+    run(main())
+    assert scripted.num_aborts == 1
+
+
+def test_abort_of_an_old_request_never_hits_a_new_one_with_the_same_id():
+    scripted = ScriptedEngine(step_delay=0.05)
+
+    async def main():
+        engine = await _started(scripted)
+        old = await engine.submit([1], SamplingParams(max_tokens=40), request_id="same")
+        old.close()  # its abort is pending while the loop is inside a step
+        new = await engine.submit([5], SamplingParams(max_tokens=40), request_id="same")
+        # Both were applied in one loop turn: the old abort first, then the new add.
+        assert scripted.requests["same"]["ids"] == [5]
+        new.close()
+        await engine.stop()
+
+    run(main())
+
+
+class SeqCountingEngine(ScriptedEngine):
+    """Like the real scheduler: num_waiting counts sequences (n per request)."""
+
+    def stats(self) -> EngineStats:
+        self._check()
+        running = sum(r["running"] for r in self.requests.values())
+        waiting = sum(r["params"].n for r in self.requests.values() if not r["running"])
+        return EngineStats(running, waiting, running, 16, 0, 0, 0, 0, 0)
+
+
+def test_queue_limit_counts_requests_not_sequences():
+    scripted = SeqCountingEngine(step_delay=0.005, max_num_seqs=1)
+
+    async def main():
+        engine = await _started(scripted, max_queued_requests=2)
+        running = await engine.submit([1], SamplingParams(max_tokens=40))
+        await running.__anext__()
+        wide = await engine.submit([2], SamplingParams(max_tokens=3, n=8))  # one request, 8 sequences
+        await asyncio.sleep(0.02)  # a few steps: the scheduler reports 8 waiting sequences
+        assert engine.stats().num_waiting == 1
+        second = await engine.submit([3], SamplingParams(max_tokens=3))  # room for a second request
+        with pytest.raises(QueueFullError):
+            await engine.submit([4], SamplingParams(max_tokens=3))
+        for stream in (running, wide, second):
+            stream.close()
+        await engine.stop()
+
+    run(main())
+
+
+def test_isolated_step_failures_with_idle_between_do_not_kill_the_engine():
+    scripted = ScriptedEngine()
+
+    async def main():
+        engine = await _started(scripted, max_consecutive_step_failures=2, failure_reset_idle_s=0.05)
+        for _ in range(3):
+            scripted.fail_steps = 1
+            with pytest.raises(EngineStepError):
+                await _collect(engine, [1], max_tokens=3)
+            await asyncio.sleep(0.1)  # idle
+        assert engine.is_healthy
+        assert await _collect(engine, [1], max_tokens=3) == [2, 3, 4]
+        await engine.stop()
 
     run(main())
 

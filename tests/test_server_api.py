@@ -241,6 +241,17 @@ def test_request_id_is_echoed_or_made(server):
     assert made.json()["id"] == "cmpl-" + made.headers["x-request-id"]
 
 
+def test_too_many_prompts_is_a_413_naming_the_limit(server):
+    limit = server.app.state.config.max_client_batch_size
+    response = httpx.post(
+        f"{server.base_url}/v1/completions", json={"model": MODEL, "prompt": ["Hi"] * (limit + 1), "max_tokens": 1}
+    )
+    assert response.status_code == 413, response.text
+    error = response.json()["error"]
+    assert str(limit) in error["message"] and "--max-client-batch-size" in error["message"]
+    assert error["param"] == "prompt"
+
+
 def test_metrics_parse_and_move(server, client):
     before = metrics(server)
     client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=7, **greedy())
@@ -330,4 +341,5 @@ def test_embedding_model_is_served_alongside(model_dir):
         with pytest.raises(openai.BadRequestError):
             client.chat.completions.create(model="all-minilm-l6-v2", messages=[{"role": "user", "content": "Hi"}])
         assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).usage.completion_tokens == 2
-        assert 'kvserve:embedding_inputs_total{endpoint="/v1/embeddings"} 2.0' in httpx.get(f"{srv.base_url}/metrics").text
+        metrics_text = httpx.get(f"{srv.base_url}/metrics").text
+        assert 'kvserve:embedding_inputs_total{endpoint="/v1/embeddings"} 2.0' in metrics_text

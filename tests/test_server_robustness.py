@@ -6,7 +6,10 @@ a failing add) to reproduce slow generation and internal errors on demand.
 
 from __future__ import annotations
 
+import asyncio
+import json
 import re
+import socket
 import threading
 import time
 
@@ -194,6 +197,10 @@ BAD_COMPLETIONS = [
     ({"prompt": []}, "prompt"),
     ({"prompt": [999999]}, "prompt"),
     ({"prompt": "Hi", "logit_bias": {"abc": 1}}, "logit_bias"),
+    ({"prompt": "Hi", "logit_bias": {"\u00b2": 1}}, "logit_bias"),
+    ({"prompt": "Hi", "logit_bias": {"--5": 1}}, "logit_bias"),
+    ({"prompt": "Hi", "logit_bias": {"5\u00b2": 1}}, "logit_bias"),
+    ({"prompt": "Hi", "logit_bias": {"1" * 40: 1}}, "logit_bias"),
     ({"prompt": "Hi", "stream_options": {"include_usage": True}}, "stream_options"),
     ({"prompt": "Hi", "echo": True, "logprobs": 1}, "echo"),
     ({"prompt": "Hi", "stop": ["x"] * 20}, "stop"),
@@ -251,6 +258,107 @@ def test_bodies_over_the_limit_get_413(server):
 
     assert_error_shape(httpx.post(url, content=chunked(), headers={"content-type": "application/json"}), 413)
     assert_still_serves(server.base_url)
+
+
+def _open_and_drop(base_url: str, body: dict, linger: float) -> None:
+    """Send a request on a raw socket and hang up `linger` seconds later, before any answer."""
+    host, port = base_url.removeprefix("http://").split(":")
+    payload = json.dumps(body).encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(payload)}\r\n\r\n"
+    ).encode()
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(head + payload)
+        time.sleep(linger)
+
+
+def test_retry_with_the_same_request_id_is_served(server, knobs):
+    """X-Request-Id is for logs only: a retry reusing it while the first is alive is not refused."""
+    knobs.step_delay = 0.02
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 200, "ignore_eos": True, "stream": True}
+    headers = {"X-Request-Id": "retry-me"}
+    with httpx.Client(base_url=server.base_url, timeout=30) as http:
+        with http.stream("POST", "/v1/completions", json=body, headers=headers) as first:
+            lines = first.iter_lines()  # keep the iterator: dropping it closes the connection
+            next(lines)
+            retry = httpx.post(
+                f"{server.base_url}/v1/completions", headers=headers, timeout=30,
+                json={"model": MODEL, "prompt": "Hello", "max_tokens": 4, "ignore_eos": True},
+            )
+    assert retry.status_code == 200, retry.text
+    assert retry.headers["x-request-id"] == "retry-me"
+    assert retry.json()["usage"]["completion_tokens"] == 4
+
+
+def test_stream_dropped_before_its_first_chunk_is_aborted(server, knobs):
+    """The client leaves while the request is being submitted: the body generator never starts."""
+    knobs.step_delay = 0.5  # submit waits for the step in flight to end
+    keeper_body = {"model": MODEL, "prompt": "Hello", "max_tokens": 200, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=server.base_url, timeout=30) as http:
+        with http.stream("POST", "/v1/completions", json=keeper_body) as keeper:
+            lines = keeper.iter_lines()
+            next(lines)  # the loop is busy stepping now
+            body = {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 200, "ignore_eos": True,
+                    "stream": True}
+            _open_and_drop(server.base_url, body, linger=0.15)
+            time.sleep(0.5)  # the dropped request got submitted meanwhile
+    knobs.step_delay = 0.02
+    wait_until(
+        lambda: (g := gauges(server.base_url))["kvserve:num_requests_running"] == 0
+        and g["kvserve:kv_cache_usage_perc"] == 0
+        and server.app.state.engine.num_active_requests == 0,
+        timeout=2.0,
+    )
+    assert_still_serves(server.base_url)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_stream_whose_first_send_fails_aborts_its_request(model_dir, path):
+    """ASGI spec 2.4: a send to a gone client raises OSError. The first chunk (echo / role) is
+    yielded before the engine output is ever awaited, so only the response itself can abort."""
+    config = make_server_config(model_dir)
+    app = create_app(config, engine_factory=flaky_factory)
+    if path == "/v1/completions":
+        body = {"model": MODEL, "prompt": "Hello", "max_tokens": 200, "ignore_eos": True, "stream": True, "echo": True}
+    else:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 200,
+                "ignore_eos": True, "stream": True}
+    payload = json.dumps(body).encode()
+
+    async def main():
+        async with app.router.lifespan_context(app):
+            while not app.state.is_ready:
+                await asyncio.sleep(0.01)
+            engine = app.state.engine
+            engine.engine.step_delay = 0.02  # 200 tokens take 4 s
+            scope = {
+                "type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "http_version": "1.1",
+                "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(), "root_path": "",
+                "query_string": b"", "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80),
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())],
+            }
+            sent = []
+
+            async def receive():
+                if not sent:
+                    return {"type": "http.request", "body": payload, "more_body": False}
+                await asyncio.Event().wait()
+
+            async def send(message):
+                sent.append(message["type"])
+                if message["type"] == "http.response.body":
+                    raise OSError("client gone")
+
+            await app(scope, receive, send)
+            assert sent[:2] == ["http.response.start", "http.response.body"]
+            deadline = time.monotonic() + 1.0
+            while engine.num_active_requests or engine.stats().num_running:
+                assert time.monotonic() < deadline, "the abandoned request was not aborted"
+                await asyncio.sleep(0.01)
+            assert engine.stats().kv_cache_usage == 0
+
+    asyncio.run(main())
 
 
 # ---- internal errors ----
@@ -403,7 +511,8 @@ def test_sigterm_lets_running_requests_finish_then_exits_0(model_dir, tmp_path):
         log = proc.log()
         assert "Shutting down" in log
         # One access-log line per request, with status, tokens and latency.
-        assert re.search(r'"POST /v1/completions" 200 [0-9.]+ms prompt_tokens=\d+ completion_tokens=200 request_id=', log)
+        access_line = r'"POST /v1/completions" 200 [0-9.]+ms prompt_tokens=\d+ completion_tokens=200 request_id='
+        assert re.search(access_line, log)
         with pytest.raises(httpx.TransportError):
             httpx.get(f"{proc.base_url}/health", timeout=2)
     finally:

@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse
 from engine.embedder import EmbedResult
 from server.embedding_schemas import EmbeddingRequest, EmbeddingResponse, EmbedRequest, EmbedResponse
 from server.errors import APIError
+from server.routes.openai import check_batch_size, check_model
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +30,7 @@ router = APIRouter()
 async def create_embeddings(body: EmbeddingRequest, request: Request) -> JSONResponse:
     embedder = _embedder_for(request, body.model)
     inputs = _as_input_list(body.input, "input")
-    _check_batch_size(request, len(inputs), "input")
+    check_batch_size(request, len(inputs), "input")
     result = await _embed(
         request,
         "/v1/embeddings",
@@ -58,7 +59,7 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> JSONRes
 async def embed(body: EmbedRequest, request: Request) -> JSONResponse:
     _embedder_for(request, None)
     inputs = _as_input_list(body.inputs, "inputs")
-    _check_batch_size(request, len(inputs), "inputs")
+    check_batch_size(request, len(inputs), "inputs")
     result = await _embed(
         request,
         "/embed",
@@ -76,32 +77,11 @@ async def embed(body: EmbedRequest, request: Request) -> JSONResponse:
 
 def _embedder_for(request: Request, model: str | None) -> Any:
     """The AsyncEmbedder serving `model` (None: the served one); 400/404/503 otherwise."""
+    check_model(request, model, "embed")
     state = request.app.state
-    config = state.config
     embedder = getattr(state, "embedder", None)
-    embedding_names = {n for n in (getattr(config, "embedding_model", None),) if n}
-    if embedder is not None:
-        embedding_names.add(embedder.model_name)
-    if model is not None and model not in embedding_names:
-        if model in _generation_model_names(request):
-            raise APIError(
-                400,
-                f"model {model!r} is a generation model; use /v1/completions or /v1/chat/completions with it. "
-                f"Embeddings (/v1/embeddings, /embed) are served by "
-                f"{', '.join(repr(n) for n in sorted(embedding_names)) or 'no model on this server'}.",
-                param="model",
-                code="wrong_model_task",
-            )
-        served = sorted(_generation_model_names(request) | embedding_names)
-        raise APIError(
-            404,
-            f"the model {model!r} does not exist; served models: {', '.join(served)}",
-            type="not_found_error",
-            param="model",
-            code="model_not_found",
-        )
     if embedder is None:
-        if getattr(config, "embedding_model", None):
+        if getattr(state.config, "embedding_model", None):
             raise APIError(503, "the embedding model is not loaded yet", type="service_unavailable")
         raise APIError(
             404,
@@ -115,15 +95,6 @@ def _embedder_for(request: Request, model: str | None) -> Any:
     return embedder
 
 
-def _generation_model_names(request: Request) -> set[str]:
-    config = request.app.state.config
-    names = {getattr(config, "served_model_name", None), getattr(config, "model", None)}
-    engine = getattr(request.app.state, "engine", None)
-    if engine is not None:
-        names.add(getattr(engine, "model_name", None))
-    return {n for n in names if n}
-
-
 def _as_input_list(value: str | list, param: str) -> list[str] | list[list[int]]:
     """One string or one token-id list is a batch of one; empty lists are refused."""
     if isinstance(value, str):
@@ -133,18 +104,6 @@ def _as_input_list(value: str | list, param: str) -> list[str] | list[list[int]]
     if isinstance(value[0], int):
         return [value]
     return value
-
-
-def _check_batch_size(request: Request, num_inputs: int, param: str) -> None:
-    limit = request.app.state.config.max_client_batch_size
-    if num_inputs > limit:
-        raise APIError(
-            413,
-            f"{param} has {num_inputs} items, more than this server's limit of {limit} "
-            f"(--max-client-batch-size); split it into several requests",
-            param=param,
-            code="batch_too_large",
-        )
 
 
 async def _embed(request: Request, endpoint: str, inputs: list, **options: Any) -> EmbedResult:

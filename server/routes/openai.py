@@ -9,11 +9,15 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator
+import re
+import uuid
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from engine.async_engine import AsyncEngine, RequestStream
 from engine.errors import InvalidRequestError, KVServeError
@@ -54,34 +58,66 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def embedding_model_names(request: Request) -> set[str]:
-    embedder = getattr(request.app.state, "embedder", None)
     config = request.app.state.config
-    names = {config.embedding_model} if config.embedding_model else set()
+    embedder = getattr(request.app.state, "embedder", None)
+    names = {getattr(config, "embedding_model", None)}
     if embedder is not None:
         names.add(embedder.model_name)
-    return names
+    return {n for n in names if n}
+
+
+def generation_model_names(request: Request) -> set[str]:
+    config = request.app.state.config
+    engine = getattr(request.app.state, "engine", None)
+    names = {config.model_name, config.model}
+    if engine is not None:
+        names.add(engine.model_name)
+    return {n for n in names if n}
+
+
+_TASK_ROUTES = {
+    "generate": "Text generation (/v1/completions, /v1/chat/completions)",
+    "embed": "Embeddings (/v1/embeddings, /embed)",
+}
+
+
+def check_model(request: Request, model: str | None, task: Literal["generate", "embed"]) -> None:
+    """400 if `model` is served for the other task, 404 if it is not served at all (None: the default)."""
+    if model is None:
+        return
+    own, other = (
+        (generation_model_names(request), embedding_model_names(request))
+        if task == "generate"
+        else (embedding_model_names(request), generation_model_names(request))
+    )
+    if model in own:
+        return
+    if model in other:
+        kind, use = (
+            ("an embedding model", "/v1/embeddings or /embed")
+            if task == "generate"
+            else ("a generation model", "/v1/completions or /v1/chat/completions")
+        )
+        servers = ", ".join(repr(n) for n in sorted(own)) or "no model on this server"
+        raise APIError(
+            400,
+            f"model {model!r} is {kind}: use {use} with it. {_TASK_ROUTES[task]}: served by {servers}.",
+            param="model",
+            code="wrong_model_task",
+        )
+    served = [request.app.state.config.model_name, *sorted(embedding_model_names(request))]
+    raise APIError(
+        404,
+        f"the model {model!r} does not exist; served models: {', '.join(served)}",
+        type="not_found_error",
+        param="model",
+        code="model_not_found",
+    )
 
 
 def generation_engine(request: Request, model: str | None) -> AsyncEngine:
     """The AsyncEngine serving `model` (None: the default one); 400/404/503 otherwise."""
-    config = request.app.state.config
-    if model is not None and model not in (config.model_name, config.model):
-        if model in embedding_model_names(request):
-            raise APIError(
-                400,
-                f"model {model!r} is an embedding model: use /v1/embeddings or /embed with it. "
-                f"Text generation (/v1/completions, /v1/chat/completions) is served by {config.model_name!r}.",
-                param="model",
-                code="wrong_model_task",
-            )
-        served = [config.model_name, *sorted(embedding_model_names(request))]
-        raise APIError(
-            404,
-            f"the model {model!r} does not exist; served models: {', '.join(served)}",
-            type="not_found_error",
-            param="model",
-            code="model_not_found",
-        )
+    check_model(request, model, "generate")
     engine: AsyncEngine | None = request.app.state.engine
     if engine is None:
         raise APIError(503, "the generation model is not loaded", type="service_unavailable")
@@ -90,10 +126,24 @@ def generation_engine(request: Request, model: str | None) -> AsyncEngine:
     return engine
 
 
+def check_batch_size(request: Request, num_items: int, param: str) -> None:
+    """413 naming --max-client-batch-size when a request carries more items than it allows."""
+    limit = request.app.state.config.max_client_batch_size
+    if num_items > limit:
+        raise APIError(
+            413,
+            f"{param} has {num_items} items, more than this server's limit of {limit} "
+            f"(--max-client-batch-size); split it into several requests",
+            param=param,
+            code="batch_too_large",
+        )
+
+
 def check_token_ids(token_ids: list[int], vocab_size: int, param: str) -> None:
     for token_id in token_ids:
         if not 0 <= token_id < vocab_size:
-            raise InvalidRequestError(f"{param}: token id {token_id} is outside the vocabulary [0, {vocab_size})", param)
+            message = f"{param}: token id {token_id} is outside the vocabulary [0, {vocab_size})"
+            raise InvalidRequestError(message, param)
 
 
 def _reject_unsupported(fields: list[str]) -> None:
@@ -106,6 +156,9 @@ def _reject_unsupported(fields: list[str]) -> None:
         )
 
 
+_TOKEN_ID_KEY = re.compile(r"-?[0-9]{1,10}", re.ASCII)
+
+
 def _sampling_params(
     body: _SamplingFields, max_tokens: int | None, logprobs: int | None, vocab_size: int
 ) -> SamplingParams:
@@ -113,8 +166,8 @@ def _sampling_params(
     if body.logit_bias:
         logit_bias = {}
         for key, bias in body.logit_bias.items():
-            if not key.lstrip("-").isdigit():
-                raise InvalidRequestError(f"logit_bias: keys must be token ids, got {key!r}", "logit_bias")
+            if not _TOKEN_ID_KEY.fullmatch(key):
+                raise InvalidRequestError(f"logit_bias: keys must be token ids, got {key[:32]!r}", "logit_bias")
             logit_bias[int(key)] = bias
         check_token_ids(list(logit_bias), vocab_size, "logit_bias")
     if body.stream_options is not None and not body.stream:
@@ -141,11 +194,13 @@ def _sampling_params(
     )
 
 
-async def _submit_all(
-    engine: AsyncEngine, prompts: list[list[int]], params: SamplingParams, request_id: str
-) -> list[RequestStream]:
-    """Submit every prompt together; if any is refused, abort the others and raise its error."""
-    ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
+async def _submit_all(engine: AsyncEngine, prompts: list[list[int]], params: SamplingParams) -> list[RequestStream]:
+    """Submit every prompt together; if any is refused, abort the others and raise its error.
+
+    Engine request ids are made here (unique), never taken from the client's X-Request-Id:
+    a retry with the same header must not collide with, or be aborted as, the old request.
+    """
+    ids = [uuid.uuid4().hex for _ in prompts]
     results = await asyncio.gather(
         *(engine.submit(p, params, rid) for p, rid in zip(prompts, ids)), return_exceptions=True
     )
@@ -255,7 +310,8 @@ class _UsageCounter:
         self.prompt_tokens[prompt_index] = output.num_prompt_tokens
         for o in output.outputs:
             key = (prompt_index, o.index)
-            self.completion_tokens[key] = o.num_generated_tokens or (self.completion_tokens.get(key, 0) + len(o.token_ids))
+            previous = self.completion_tokens.get(key, 0)
+            self.completion_tokens[key] = o.num_generated_tokens or (previous + len(o.token_ids))
 
     def usage(self) -> Usage:
         prompt = sum(self.prompt_tokens.values())
@@ -314,7 +370,9 @@ def _chat_logprobs(tokenizer, items: list[TokenLogprob], num_top: int) -> ChatLo
             TopLogprob(token=(t := tokenizer.id_to_token(tid)), logprob=lp, bytes=list(t.encode()))
             for tid, lp in item.top[:num_top]
         ]
-        content.append(ChatTokenLogprob(token=token, logprob=item.logprob, bytes=list(token.encode()), top_logprobs=top))
+        content.append(
+            ChatTokenLogprob(token=token, logprob=item.logprob, bytes=list(token.encode()), top_logprobs=top)
+        )
     return ChatLogprobs(content=content)
 
 
@@ -328,7 +386,9 @@ async def list_models(request: Request) -> ModelList:
     cards = []
     if state.engine is not None:
         cards.append(
-            ModelCard(id=config.model_name, root=config.model, max_model_len=state.engine.max_model_len, task="generate")
+            ModelCard(
+                id=config.model_name, root=config.model, max_model_len=state.engine.max_model_len, task="generate"
+            )
         )
     if state.embedder is not None:
         cards.append(
@@ -345,7 +405,7 @@ async def list_models(request: Request) -> ModelList:
 # ---- /v1/completions ----
 
 
-def _completion_prompts(body: CompletionRequest, tokenizer, max_batch: int) -> list[tuple[str | None, list[int]]]:
+def _completion_prompts(body: CompletionRequest, tokenizer, request: Request) -> list[tuple[str | None, list[int]]]:
     """(text or None, token ids) for each prompt."""
     prompt = body.prompt
     if isinstance(prompt, str):
@@ -356,8 +416,7 @@ def _completion_prompts(body: CompletionRequest, tokenizer, max_batch: int) -> l
         raw = [prompt]
     else:
         raw = list(prompt)
-    if len(raw) > max_batch:
-        raise InvalidRequestError(f"prompt: at most {max_batch} prompts per request, got {len(raw)}", "prompt")
+    check_batch_size(request, len(raw), "prompt")
     prompts = []
     for item in raw:
         if isinstance(item, str):
@@ -378,19 +437,22 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     if body.echo and body.logprobs is not None:
         raise APIError(400, "echo with logprobs is not supported (no prompt logprobs)", param="echo")
     tokenizer = engine.tokenizer
-    prompts = _completion_prompts(body, tokenizer, request.app.state.config.max_client_batch_size)
+    prompts = _completion_prompts(body, tokenizer, request)
     params = _sampling_params(body, body.max_tokens, body.logprobs, tokenizer.vocab_size)
     request_id = _request_id(request, "cmpl")
     model_name = request.app.state.config.model_name
     timer = request.app.state.metrics.start_request()
-    streams = await _submit_all(engine, [ids for _, ids in prompts], params, request_id)
+    streams = await _submit_all(engine, [ids for _, ids in prompts], params)
     echoes = [
         (text if text is not None else tokenizer.decode(ids, skip_special_tokens=False)) if body.echo else ""
         for text, ids in prompts
     ]
     if body.stream:
-        sse = _completion_stream(request, streams, body, echoes, request_id, model_name, timer, tokenizer)
-        return StreamingResponse(sse, media_type="text/event-stream", headers=SSE_HEADERS)
+        state = _StreamState(request, streams, timer, body.stream_options)
+        chunks = _completion_chunks(state, body, echoes, request_id, model_name, tokenizer)
+        return _sse_response(state, chunks, lambda usage: CompletionResponse(
+            id=request_id, model=model_name, choices=[], usage=usage
+        ).model_dump())
 
     async def collect() -> CompletionResponse:
         samples: dict[int, _Sample] = {}
@@ -404,7 +466,9 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         for index in range(len(prompts) * params.n):
             sample = samples.get(index, _Sample())
             echo = echoes[index // params.n]
-            logprobs = _completion_logprobs(tokenizer, sample.logprobs, len(echo)) if params.logprobs is not None else None
+            logprobs = None
+            if params.logprobs is not None:
+                logprobs = _completion_logprobs(tokenizer, sample.logprobs, len(echo))
             choices.append(
                 CompletionChoice(
                     index=index, text=echo + sample.text, logprobs=logprobs,
@@ -426,50 +490,111 @@ async def _respond(request: Request, work) -> Response:
     return JSONResponse(response.model_dump())
 
 
-async def _completion_stream(
-    request: Request,
-    streams: list[RequestStream],
+class _StreamState:
+    """What one SSE response shares between its chunk generator and the framing around it."""
+
+    def __init__(self, request: Request, streams: list[RequestStream], timer: RequestTimer, stream_options) -> None:
+        self.request = request
+        self.streams = streams
+        self.timer = timer
+        self.include_usage = stream_options is not None and stream_options.include_usage
+        self.continuous_usage = stream_options is not None and stream_options.continuous_usage_stats
+        self.usage = _UsageCounter()
+        self.reasons: dict[int, str | None] = {}
+
+    def chunk(self, payload: dict) -> str:
+        """One SSE chunk; its usage field as stream_options asks (continuous, null, or absent)."""
+        if self.include_usage:
+            payload["usage"] = self.usage.usage().model_dump() if self.continuous_usage else None
+        else:
+            payload.pop("usage", None)
+        return _sse(payload)
+
+    def close(self) -> None:
+        for stream in self.streams:
+            stream.close()
+
+
+class _ClosingStreamingResponse(StreamingResponse):
+    """A StreamingResponse that aborts its requests however it ends.
+
+    Starlette cancels the body iterator when the client leaves; if that happens before the
+    iterator started (e.g. while the response head is sent), its `finally` never runs. This
+    `finally` always does.
+    """
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None], **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+def _sse_response(
+    state: _StreamState, chunks: AsyncIterator[str], usage_payload: Callable[[Usage], dict]
+) -> StreamingResponse:
+    """The SSE framing shared by both stream kinds: the chunks, then the usage chunk (if asked) and
+    `[DONE]`; an engine error becomes an error event then `[DONE]`. The requests are closed however it ends."""
+
+    async def framed() -> AsyncIterator[str]:
+        try:
+            async for chunk in chunks:
+                yield chunk
+            _finish_timer(state.timer, list(state.reasons.values()))
+            usage = state.usage.usage()
+            _record_usage(state.request, usage)
+            if state.include_usage:
+                yield _sse(usage_payload(usage))
+            yield _sse("[DONE]")
+        except KVServeError as exc:
+            yield _sse(_error_payload(exc))
+            yield _sse("[DONE]")
+        finally:
+            await chunks.aclose()
+            state.close()
+
+    return _ClosingStreamingResponse(
+        framed(), on_close=state.close, media_type="text/event-stream", headers=SSE_HEADERS
+    )
+
+
+async def _completion_chunks(
+    state: _StreamState,
     body: CompletionRequest,
     echoes: list[str],
     request_id: str,
     model_name: str,
-    timer: RequestTimer,
     tokenizer,
 ) -> AsyncIterator[str]:
-    include_usage = body.stream_options is not None and body.stream_options.include_usage
-    continuous_usage = body.stream_options is not None and body.stream_options.continuous_usage_stats
     n = body.n
-    usage = _UsageCounter()
-    reasons: dict[int, str | None] = {}
     offsets: dict[int, int] = {}
     wants_logprobs = body.logprobs is not None
-    merged = _merge(streams)
 
     def chunk(choices: list[CompletionChoice]) -> str:
-        payload = CompletionResponse(id=request_id, model=model_name, choices=choices).model_dump()
-        if include_usage:
-            payload["usage"] = usage.usage().model_dump() if continuous_usage else None
-        else:
-            del payload["usage"]
-        return _sse(payload)
+        return state.chunk(CompletionResponse(id=request_id, model=model_name, choices=choices).model_dump())
 
+    if body.echo:
+        for index in range(len(echoes) * n):
+            yield chunk([CompletionChoice(index=index, text=echoes[index // n])])
+    merged = _merge(state.streams)
     try:
-        if body.echo:
-            for index in range(len(echoes) * n):
-                yield chunk([CompletionChoice(index=index, text=echoes[index // n])])
         async for prompt_index, output in merged:
-            timer.on_output(output)
-            usage.add(prompt_index, output)
+            state.timer.on_output(output)
+            state.usage.add(prompt_index, output)
             for delta in output.outputs:
                 if not delta.text and delta.finish_reason is None and not (wants_logprobs and delta.logprobs):
                     continue
                 index = prompt_index * n + delta.index
                 logprobs = None
-                if body.logprobs is not None:
+                if wants_logprobs:
                     offset = offsets.get(index, len(echoes[prompt_index]))
                     logprobs = _completion_logprobs(tokenizer, delta.logprobs or [], offset)
                     offsets[index] = offset + sum(len(t) for t in logprobs.tokens)
-                reasons[index] = delta.finish_reason
+                state.reasons[index] = delta.finish_reason
                 yield chunk(
                     [
                         CompletionChoice(
@@ -478,14 +603,6 @@ async def _completion_stream(
                         )
                     ]
                 )
-        _finish_timer(timer, list(reasons.values()))
-        _record_usage(request, usage.usage())
-        if include_usage:
-            yield _sse(CompletionResponse(id=request_id, model=model_name, choices=[], usage=usage.usage()).model_dump())
-        yield _sse("[DONE]")
-    except KVServeError as exc:
-        yield _sse(_error_payload(exc))
-        yield _sse("[DONE]")
     finally:
         await merged.aclose()
 
@@ -517,10 +634,13 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     request_id = _request_id(request, "chatcmpl")
     model_name = request.app.state.config.model_name
     timer = request.app.state.metrics.start_request()
-    streams = await _submit_all(engine, [prompt_ids], params, request_id)
+    streams = await _submit_all(engine, [prompt_ids], params)
     if body.stream:
-        sse = _chat_stream(request, streams[0], body, num_top, request_id, model_name, timer, tokenizer)
-        return StreamingResponse(sse, media_type="text/event-stream", headers=SSE_HEADERS)
+        state = _StreamState(request, streams, timer, body.stream_options)
+        chunks = _chat_chunks(state, body, num_top, request_id, model_name, tokenizer)
+        return _sse_response(state, chunks, lambda usage: ChatCompletionChunk(
+            id=request_id, model=model_name, choices=[], usage=usage
+        ).model_dump())
 
     async def collect() -> ChatCompletionResponse:
         samples: dict[int, _Sample] = {}
@@ -546,43 +666,32 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     return await _respond(request, collect())
 
 
-async def _chat_stream(
-    request: Request,
-    stream: RequestStream,
+async def _chat_chunks(
+    state: _StreamState,
     body: ChatCompletionRequest,
     num_top: int,
     request_id: str,
     model_name: str,
-    timer: RequestTimer,
     tokenizer,
 ) -> AsyncIterator[str]:
-    include_usage = body.stream_options is not None and body.stream_options.include_usage
-    continuous_usage = body.stream_options is not None and body.stream_options.continuous_usage_stats
-    usage = _UsageCounter()
-    reasons: dict[int, str | None] = {}
     wants_logprobs = body.logprobs
-    merged = _merge([stream])
 
     def chunk(choices: list[ChatChunkChoice]) -> str:
-        payload = ChatCompletionChunk(id=request_id, model=model_name, choices=choices).model_dump()
-        if include_usage:
-            payload["usage"] = usage.usage().model_dump() if continuous_usage else None
-        else:
-            del payload["usage"]
-        return _sse(payload)
+        return state.chunk(ChatCompletionChunk(id=request_id, model=model_name, choices=choices).model_dump())
 
+    # OpenAI's first chunk of each choice carries the role and an empty content.
+    for index in range(body.n):
+        yield chunk([ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content=""))])
+    merged = _merge(state.streams)
     try:
-        # OpenAI's first chunk of each choice carries the role and an empty content.
-        for index in range(body.n):
-            yield chunk([ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content=""))])
         async for _, output in merged:
-            timer.on_output(output)
-            usage.add(0, output)
+            state.timer.on_output(output)
+            state.usage.add(0, output)
             for delta in output.outputs:
                 if not delta.text and delta.finish_reason is None and not (wants_logprobs and delta.logprobs):
                     continue
-                logprobs = _chat_logprobs(tokenizer, delta.logprobs or [], num_top) if body.logprobs else None
-                reasons[delta.index] = delta.finish_reason
+                logprobs = _chat_logprobs(tokenizer, delta.logprobs or [], num_top) if wants_logprobs else None
+                state.reasons[delta.index] = delta.finish_reason
                 yield chunk(
                     [
                         ChatChunkChoice(
@@ -593,13 +702,5 @@ async def _chat_stream(
                         )
                     ]
                 )
-        _finish_timer(timer, list(reasons.values()))
-        _record_usage(request, usage.usage())
-        if include_usage:
-            yield _sse(ChatCompletionChunk(id=request_id, model=model_name, choices=[], usage=usage.usage()).model_dump())
-        yield _sse("[DONE]")
-    except KVServeError as exc:
-        yield _sse(_error_payload(exc))
-        yield _sse("[DONE]")
     finally:
         await merged.aclose()
