@@ -100,7 +100,9 @@ def micro_benchmarks(engine: LLMEngine, repeats: int = 20) -> list[tuple[str, fl
     num_seqs, context = 32, 256
     blocks_per_seq = context // block_size
     tables = [list(range(1 + i * blocks_per_seq, 1 + (i + 1) * blocks_per_seq)) for i in range(num_seqs)]
-    meta = build_attention_metadata([context - 1] * num_seqs, [1] * num_seqs, tables, block_size, None, 0, engine.runner.device)
+    meta = build_attention_metadata(
+        [context - 1] * num_seqs, [1] * num_seqs, tables, block_size, None, 0, engine.runner.device
+    )
     query = torch.randn(num_seqs, cfg.num_heads, cfg.head_dim, dtype=key_cache.dtype)
     scale = cfg.head_dim**-0.5
 
@@ -111,8 +113,8 @@ def micro_benchmarks(engine: LLMEngine, repeats: int = 20) -> list[tuple[str, fl
             fn()
         return (time.perf_counter() - started) / repeats * 1e3
 
-    keys = key_cache.view(-1, cfg.num_kv_heads, cfg.head_dim)[: context]
-    values = value_cache.view(-1, cfg.num_kv_heads, cfg.head_dim)[: context]
+    keys = key_cache.view(-1, cfg.num_kv_heads, cfg.head_dim)[:context]
+    values = value_cache.view(-1, cfg.num_kv_heads, cfg.head_dim)[:context]
     positions = torch.arange(context)
 
     def dense_all():
@@ -122,11 +124,20 @@ def micro_benchmarks(engine: LLMEngine, repeats: int = 20) -> list[tuple[str, fl
     logits = torch.randn(num_seqs, cfg.vocab_size)
     rows = [SamplingRow(SamplingParams(temperature=0.8, top_p=0.9), [1, 2, 3], 2, (2,), None) for _ in range(num_seqs)]
     return [
-        ("paged attention, 1 layer, 32 seqs x 256 ctx (ms)", timed(lambda: paged_attention(query, key_cache, value_cache, meta, scale))),
+        (
+            "paged attention, 1 layer, 32 seqs x 256 ctx (ms)",
+            timed(lambda: paged_attention(query, key_cache, value_cache, meta, scale)),
+        ),
         ("dense reference attention, same (ms)", timed(dense_all)),
         ("sampler, 32 rows, top-p (ms)", timed(lambda: sample(logits, rows))),
-        ("attention metadata build, 32 seqs (ms)", timed(lambda: build_attention_metadata(
-            [context - 1] * num_seqs, [1] * num_seqs, tables, block_size, None, 0, engine.runner.device))),
+        (
+            "attention metadata build, 32 seqs (ms)",
+            timed(
+                lambda: build_attention_metadata(
+                    [context - 1] * num_seqs, [1] * num_seqs, tables, block_size, None, 0, engine.runner.device
+                )
+            ),
+        ),
     ]
 
 

@@ -20,8 +20,11 @@ HELP_TEXT = "commands: /exit  /reset  /help"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     env = os.environ.get
-    parser.add_argument("--base-url", default=env("KVSERVE_BASE_URL", "http://127.0.0.1:8000"),
-                        help="server address (env KVSERVE_BASE_URL)")
+    parser.add_argument(
+        "--base-url",
+        default=env("KVSERVE_BASE_URL", "http://127.0.0.1:8000"),
+        help="server address (env KVSERVE_BASE_URL)",
+    )
     parser.add_argument("--api-key", default=env("KVSERVE_API_KEY"), help="bearer token (env KVSERVE_API_KEY)")
     parser.add_argument("--model", default=None, help="model to chat with (default: the server's generation model)")
     parser.add_argument("--system", default=None, help="system message that starts the conversation")
@@ -78,9 +81,7 @@ def run(args: argparse.Namespace, stdin: TextIO | None = None, stdout: TextIO | 
     stdout = stdout or sys.stdout
     is_interactive = stdin.isatty()
     with Client(args.base_url, args.api_key, timeout=args.timeout, model=args.model) as client:
-        session = ChatSession(
-            client, args.model, args.system, max_tokens=args.max_tokens, temperature=args.temperature
-        )
+        session = ChatSession(client, args.model, args.system, max_tokens=args.max_tokens, temperature=args.temperature)
         if is_interactive:
             stdout.write(f"kvserve chat at {client.base_url} ({HELP_TEXT})\n")
         while True:

@@ -251,19 +251,20 @@ def _parse_completion(body: dict, is_chat: bool) -> Completion:
         text = ((c.get("message") or {}).get("content") or "") if is_chat else (c.get("text") or "")
         choices.append(Choice(int(c.get("index", i)), text, c.get("finish_reason"), c.get("logprobs")))
     choices.sort(key=lambda c: c.index)
-    return Completion(str(body.get("id", "")), str(body.get("model", "")), choices, Usage.from_dict(body.get("usage")), body)
+    return Completion(
+        str(body.get("id", "")), str(body.get("model", "")), choices, Usage.from_dict(body.get("usage")), body
+    )
 
 
 def _parse_embeddings(body: dict) -> Embeddings:
     items = sorted(body.get("data") or [], key=lambda d: d.get("index", 0))
-    return Embeddings(str(body.get("model", "")), [list(d["embedding"]) for d in items], Usage.from_dict(body.get("usage")), body)
+    return Embeddings(
+        str(body.get("model", "")), [list(d["embedding"]) for d in items], Usage.from_dict(body.get("usage")), body
+    )
 
 
 def _parse_models(body: dict) -> list[ModelInfo]:
-    return [
-        ModelInfo(str(m["id"]), m.get("task"), m.get("max_model_len"), m)
-        for m in body.get("data") or []
-    ]
+    return [ModelInfo(str(m["id"]), m.get("task"), m.get("max_model_len"), m) for m in body.get("data") or []]
 
 
 def _pick_model(models: list[ModelInfo], task: str) -> str:
@@ -297,7 +298,10 @@ class _StreamState:
             code = err.get("code")
             status = int(code) if isinstance(code, int) or (isinstance(code, str) and code.isdigit()) else 500
             raise KVServeAPIError(
-                status, str(err.get("message", "stream error")), err.get("type"), err.get("param"),
+                status,
+                str(err.get("message", "stream error")),
+                err.get("type"),
+                err.get("param"),
                 None if code is None else str(code),
             )
         self.num_chunks += 1
@@ -563,7 +567,9 @@ class Client(_ClientBase):
     ) -> TokenizeResult:  # fmt: skip
         payload = self._tokenize_payload(model or self._default_model("generate"), prompt, messages, params)
         body = self._json("POST", "/tokenize", payload)
-        return TokenizeResult(list(body["tokens"]), int(body.get("count", len(body["tokens"]))), body.get("max_model_len"))
+        return TokenizeResult(
+            list(body["tokens"]), int(body.get("count", len(body["tokens"]))), body.get("max_model_len")
+        )
 
     def models(self) -> list[ModelInfo]:
         return _parse_models(self._json("GET", "/v1/models"))
@@ -728,7 +734,9 @@ class AsyncClient(_ClientBase):
     ) -> TokenizeResult:  # fmt: skip
         payload = self._tokenize_payload(model or await self._default_model("generate"), prompt, messages, params)
         body = await self._json("POST", "/tokenize", payload)
-        return TokenizeResult(list(body["tokens"]), int(body.get("count", len(body["tokens"]))), body.get("max_model_len"))
+        return TokenizeResult(
+            list(body["tokens"]), int(body.get("count", len(body["tokens"]))), body.get("max_model_len")
+        )
 
     async def models(self) -> list[ModelInfo]:
         return _parse_models(await self._json("GET", "/v1/models"))

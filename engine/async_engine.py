@@ -28,6 +28,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -207,6 +208,9 @@ class AsyncEngine:
         if self._loop_task is not None:
             raise RuntimeError("AsyncEngine already started")
         self._wakeup = asyncio.Event()
+        # Steps always run on this one thread: torch keeps one OpenMP team per calling thread, and a
+        # rotating pool thread would start new teams and oversubscribe the cores.
+        self._step_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-step")
         self._loop_task = asyncio.create_task(self._run_loop(), name="kvserve-engine-loop")
 
     async def stop(self) -> None:
@@ -218,6 +222,7 @@ class AsyncEngine:
             self._queues[request_id].put_nowait(EngineDeadError("server is shutting down"))
         self._wake()
         await self._loop_task  # the loop catches (and logs) its own errors
+        self._step_executor.shutdown(wait=False)
         self._fail_everything(EngineDeadError("server is shutting down"))
 
     @property
@@ -351,7 +356,8 @@ class AsyncEngine:
                     self._idle_since_failure += time.monotonic() - idle_start
                     continue
                 try:
-                    outputs = await asyncio.to_thread(self.engine.step)
+                    loop = asyncio.get_running_loop()
+                    outputs = await loop.run_in_executor(self._step_executor, self.engine.step)
                 except Exception as exc:  # noqa: BLE001 - one failed step fails its requests, not the server
                     self._handle_step_failure(exc)
                     continue

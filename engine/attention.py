@@ -111,7 +111,9 @@ def build_attention_metadata(
         query_positions[i, :count] = np.arange(start, start + count)
         query_index[i, :count] = np.arange(offset, offset + count)
         offset += count
-    mask = visible_mask(torch.from_numpy(query_positions), torch.from_numpy(key_positions), sliding_window, num_sink_tokens)
+    mask = visible_mask(
+        torch.from_numpy(query_positions), torch.from_numpy(key_positions), sliding_window, num_sink_tokens
+    )
     # Padding queries see one key so their (discarded) softmax stays finite.
     mask[:, :, 0] |= torch.from_numpy(query_positions < 0)
     return AttentionMetadata(

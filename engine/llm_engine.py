@@ -96,9 +96,15 @@ class LLMEngine:
         num_blocks = config.num_blocks or max(2, min(config.kv_cache_memory_bytes // per_block, useful))
         logger.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB), max_model_len %d, sliding window %s",
-            num_blocks, config.block_size, num_blocks * per_block / 2**20, self.max_model_len, self.sliding_window,
+            num_blocks,
+            config.block_size,
+            num_blocks * per_block / 2**20,
+            self.max_model_len,
+            self.sliding_window,
         )
-        self.runner = ModelRunner(model_config, state_dict, config, num_blocks, self.sliding_window, self.num_sink_tokens)
+        self.runner = ModelRunner(
+            model_config, state_dict, config, num_blocks, self.sliding_window, self.num_sink_tokens
+        )
         self.pool = BlockPool(num_blocks, config.enable_prefix_caching)
         self.block_manager = BlockManager(self.pool, config.block_size, self.sliding_window, self.num_sink_tokens)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)

@@ -57,7 +57,10 @@ class ModelRunner:
         shape = (num_blocks, config.block_size, model_config.num_kv_heads, model_config.head_dim)
         # One (key, value) pair per layer, allocated once for the whole life of the engine.
         self.kv_caches = [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device))
+            (
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+            )
             for _ in range(model_config.num_layers)
         ]
 
@@ -67,7 +70,9 @@ class ModelRunner:
         window, sinks = self.sliding_window, self.num_sink_tokens
         starts = [seq.num_computed_tokens for seq in batch.seqs]
         counts = batch.num_new_tokens
-        input_ids = np.concatenate([np.asarray(s.token_ids[st : st + n]) for s, st, n in zip(batch.seqs, starts, counts)])
+        input_ids = np.concatenate(
+            [np.asarray(s.token_ids[st : st + n]) for s, st, n in zip(batch.seqs, starts, counts)]
+        )
         positions = np.concatenate([np.arange(st, st + n) for st, n in zip(starts, counts)])
 
         block_tables = [seq.block_table for seq in batch.seqs]

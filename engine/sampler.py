@@ -186,13 +186,15 @@ def _sample_random(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
     return token_ids
 
 
-def _logprobs(raw_logprobs: torch.Tensor, token_ids: torch.Tensor, rows: list[SamplingRow]) -> list[TokenLogprob | None]:
+def _logprobs(
+    raw_logprobs: torch.Tensor, token_ids: torch.Tensor, rows: list[SamplingRow]
+) -> list[TokenLogprob | None]:
     wanted = [r.params.logprobs for r in rows]
     if all(w is None for w in wanted):
         return [None] * len(rows)
     chosen = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1).tolist()
     max_top = max(w or 0 for w in wanted)
-    top_values, top_ids = (raw_logprobs.topk(max_top, dim=-1) if max_top else (None, None))
+    top_values, top_ids = raw_logprobs.topk(max_top, dim=-1) if max_top else (None, None)
     out: list[TokenLogprob | None] = []
     for i, w in enumerate(wanted):
         if w is None:

@@ -24,7 +24,12 @@ def _model_config_from_hf(hf_config, path: Path) -> ModelConfig:
     architectures = list(getattr(hf_config, "architectures", None) or [])
     if not architectures:
         # GGUF metadata carries no `architectures`; derive it from model_type.
-        by_type = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM", "gpt2": "GPT2LMHeadModel"}
+        by_type = {
+            "llama": "LlamaForCausalLM",
+            "mistral": "MistralForCausalLM",
+            "qwen2": "Qwen2ForCausalLM",
+            "gpt2": "GPT2LMHeadModel",
+        }
         architectures = [by_type.get(hf_config.model_type, hf_config.model_type)]
     architecture = architectures[0]
     if architecture not in SUPPORTED_ARCHITECTURES:

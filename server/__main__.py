@@ -53,7 +53,9 @@ def _cmd_models(args: argparse.Namespace) -> int:
 
     rows = [("NAME", "ROLE", "PACKAGE", "CACHED", "SIZE", "PATH")]
     for m in models_hub.list_models():
-        rows.append((m.name, m.role, m.package, "yes" if m.is_cached else "no", _format_size(m.size_bytes), str(m.path)))
+        rows.append(
+            (m.name, m.role, m.package, "yes" if m.is_cached else "no", _format_size(m.size_bytes), str(m.path))
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
     for row in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(row[:-1], widths)) + "  " + row[-1])
@@ -140,9 +142,7 @@ def _configure_logging(args: argparse.Namespace) -> None:
     # chat and models print for a person at a terminal: no INFO chatter (e.g. one httpx line per request) there
     quiet_default = "warning" if args.command in ("chat", "models") else "info"
     level = (
-        args.global_log_level
-        or getattr(args, "log_level", None)
-        or os.environ.get("KVSERVE_LOG_LEVEL", quiet_default)
+        args.global_log_level or getattr(args, "log_level", None) or os.environ.get("KVSERVE_LOG_LEVEL", quiet_default)
     )
     logging.basicConfig(
         level=str(level).upper(),

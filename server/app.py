@@ -171,7 +171,10 @@ def api_error_for(exc: BaseException) -> APIError:
         return APIError(400, exc.message, param=exc.param, code=type(exc).__name__)
     if isinstance(exc, QueueFullError):
         return APIError(
-            429, str(exc), type="rate_limit_error", code="queue_full",
+            429,
+            str(exc),
+            type="rate_limit_error",
+            code="queue_full",
             headers={"Retry-After": str(max(1, round(exc.retry_after)))},
         )
     if isinstance(exc, EngineDeadError):
@@ -214,7 +217,9 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def _on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kinds = {401: "authentication_error", 404: "not_found_error", 413: "invalid_request_error"}
         error = APIError(
-            exc.status_code, str(exc.detail), type=kinds.get(exc.status_code, "invalid_request_error"),
+            exc.status_code,
+            str(exc.detail),
+            type=kinds.get(exc.status_code, "invalid_request_error"),
             headers=dict(exc.headers or {}),
         )
         return render(error)

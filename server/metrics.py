@@ -18,10 +18,52 @@ from engine.outputs import EngineStats, RequestOutput
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
-_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-                    40.0, 80.0, 160.0, 640.0)
-_TOKEN_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
-                          0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
+_LATENCY_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+)
+_TOKEN_LATENCY_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.015,
+    0.02,
+    0.025,
+    0.03,
+    0.04,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
 
 
 class _EngineStatsCollector(Collector):
@@ -64,36 +106,55 @@ class ServerMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         label = ["model_name"]
         self.time_to_first_token = Histogram(
-            "kvserve:time_to_first_token_seconds", "Time from arrival to the first generated token.", label,
-            buckets=_LATENCY_BUCKETS, registry=self.registry,
+            "kvserve:time_to_first_token_seconds",
+            "Time from arrival to the first generated token.",
+            label,
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
         )
         self.inter_token_latency = Histogram(
-            "kvserve:inter_token_latency_seconds", "Time between consecutive generated tokens.", label,
-            buckets=_TOKEN_LATENCY_BUCKETS, registry=self.registry,
+            "kvserve:inter_token_latency_seconds",
+            "Time between consecutive generated tokens.",
+            label,
+            buckets=_TOKEN_LATENCY_BUCKETS,
+            registry=self.registry,
         )
         self.e2e_request_latency = Histogram(
-            "kvserve:e2e_request_latency_seconds", "Time from arrival to the last token.", label,
-            buckets=_LATENCY_BUCKETS, registry=self.registry,
+            "kvserve:e2e_request_latency_seconds",
+            "Time from arrival to the last token.",
+            label,
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
         )
         self.request_queue_time = Histogram(
-            "kvserve:request_queue_time_seconds", "Time a request waited before it was first scheduled.", label,
-            buckets=_LATENCY_BUCKETS, registry=self.registry,
+            "kvserve:request_queue_time_seconds",
+            "Time a request waited before it was first scheduled.",
+            label,
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
         )
         self.request_success = Counter(
-            "kvserve:request_success", "Finished requests, by finish reason.", ["model_name", "finished_reason"],
+            "kvserve:request_success",
+            "Finished requests, by finish reason.",
+            ["model_name", "finished_reason"],
             registry=self.registry,
         )
         self.registry.register(_EngineStatsCollector(model_name, get_stats))
         # Embeddings (server/routes/embeddings.py calls observe_embedding_request).
         self.embedding_request_latency = Histogram(
-            "kvserve:embedding_request_latency_seconds", "Time to answer an embedding request.", ["endpoint"],
-            buckets=_LATENCY_BUCKETS, registry=self.registry,
+            "kvserve:embedding_request_latency_seconds",
+            "Time to answer an embedding request.",
+            ["endpoint"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
         )
         self.embedding_inputs = Counter(
             "kvserve:embedding_inputs", "Texts embedded.", ["endpoint"], registry=self.registry
         )
         self.embedding_prompt_tokens = Counter(
-            "kvserve:embedding_prompt_tokens", "Tokens run through the embedding model.", ["endpoint"],
+            "kvserve:embedding_prompt_tokens",
+            "Tokens run through the embedding model.",
+            ["endpoint"],
             registry=self.registry,
         )
 

@@ -108,7 +108,9 @@ class KVServeMiddleware:
             )
         if not self.is_ready():
             return APIError(
-                503, "the server is loading its models; retry shortly", type="service_unavailable",
+                503,
+                "the server is loading its models; retry shortly",
+                type="service_unavailable",
                 headers={"Retry-After": "1"},
             )
         length = _header(scope, b"content-length")

@@ -82,7 +82,11 @@ class ScriptedEngine:
                 request["out"].append(token)
                 finished = len(request["out"]) >= request["params"].max_tokens
                 completion = CompletionOutput(
-                    0, f"<{token}>", [token], None, finish_reason="length" if finished else None,
+                    0,
+                    f"<{token}>",
+                    [token],
+                    None,
+                    finish_reason="length" if finished else None,
                     num_generated_tokens=len(request["out"]),
                 )
                 outputs.append(RequestOutput(request_id, [completion], request["ids"], finished))
@@ -260,9 +264,7 @@ def test_dead_loop_fails_everyone_and_reports_unhealthy():
 
     async def main():
         engine = await _started(scripted, max_consecutive_step_failures=2)
-        results = await asyncio.gather(
-            *(_collect(engine, [i], max_tokens=3) for i in range(3)), return_exceptions=True
-        )
+        results = await asyncio.gather(*(_collect(engine, [i], max_tokens=3) for i in range(3)), return_exceptions=True)
         assert all(isinstance(r, (EngineStepError, EngineDeadError)) for r in results), results
         for _ in range(100):
             if not engine.is_healthy:

@@ -20,7 +20,9 @@ def _prompts(engine: LLMEngine, count: int, seed: int = 0) -> list[list[int]]:
 
 def _params(i: int, seeded: bool) -> SamplingParams:
     if seeded:
-        return SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=1000 + i, max_tokens=12 + i % 5, ignore_eos=True)
+        return SamplingParams(
+            temperature=0.9, top_p=0.95, top_k=50, seed=1000 + i, max_tokens=12 + i % 5, ignore_eos=True
+        )
     return SamplingParams(temperature=0, max_tokens=12 + i % 5, ignore_eos=True)
 
 
@@ -58,9 +60,7 @@ def test_prefix_caching_hits_and_matches_caching_off(tiny_llama_dir):
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
     def run(caching: bool):
-        engine = LLMEngine.from_config(
-            EngineConfig(model=tiny_llama_dir, block_size=4, enable_prefix_caching=caching)
-        )
+        engine = LLMEngine.from_config(EngineConfig(model=tiny_llama_dir, block_size=4, enable_prefix_caching=caching))
         outs = [engine.generate([shared + s], params)[0][0].token_ids for s in suffixes]
         return engine, outs
 

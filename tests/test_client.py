@@ -100,25 +100,45 @@ def make_app() -> FastAPI:
             return _error(404, f"model {body.get('model')!r} does not exist", "not_found_error", "model")
         max_tokens = body.get("max_tokens", 16)
         if max_tokens < 1:
-            return _error(400, f"max_tokens must be at least 1, got {max_tokens}", "invalid_request_error",
-                          "max_tokens")
+            return _error(
+                400, f"max_tokens must be at least 1, got {max_tokens}", "invalid_request_error", "max_tokens"
+            )
         words = _reply_words(body["prompt"], max_tokens)
         finish = "length" if len(words) == max_tokens else "stop"
-        usage = {"prompt_tokens": len(body["prompt"].split()), "completion_tokens": len(words),
-                 "total_tokens": len(body["prompt"].split()) + len(words)}
+        usage = {
+            "prompt_tokens": len(body["prompt"].split()),
+            "completion_tokens": len(words),
+            "total_tokens": len(body["prompt"].split()) + len(words),
+        }
         if not body.get("stream"):
-            return {"id": "cmpl-1", "object": "text_completion", "model": GEN_MODEL, "usage": usage,
-                    "choices": [{"index": 0, "text": " ".join(words), "finish_reason": finish, "logprobs": None}]}
+            return {
+                "id": "cmpl-1",
+                "object": "text_completion",
+                "model": GEN_MODEL,
+                "usage": usage,
+                "choices": [{"index": 0, "text": " ".join(words), "finish_reason": finish, "logprobs": None}],
+            }
         include_usage = (body.get("stream_options") or {}).get("include_usage")
         chunks = [
-            {"id": "cmpl-1", "object": "text_completion", "model": GEN_MODEL, "usage": None,
-             "choices": [{"index": 0, "text": (" " if i else "") + w,
-                          "finish_reason": finish if i == len(words) - 1 else None}]}
+            {
+                "id": "cmpl-1",
+                "object": "text_completion",
+                "model": GEN_MODEL,
+                "usage": None,
+                "choices": [
+                    {
+                        "index": 0,
+                        "text": (" " if i else "") + w,
+                        "finish_reason": finish if i == len(words) - 1 else None,
+                    }
+                ],
+            }
             for i, w in enumerate(words)
         ]
         if include_usage:
-            chunks.append({"id": "cmpl-1", "object": "text_completion", "model": GEN_MODEL, "choices": [],
-                           "usage": usage})
+            chunks.append(
+                {"id": "cmpl-1", "object": "text_completion", "model": GEN_MODEL, "choices": [], "usage": usage}
+            )
         return StreamingResponse(_sse(chunks), media_type="text/event-stream")
 
     @app.post("/v1/chat/completions")
@@ -127,40 +147,72 @@ def make_app() -> FastAPI:
         if body.get("model") != GEN_MODEL:
             return _error(404, f"model {body.get('model')!r} does not exist", "not_found_error", "model")
         if body["messages"][-1]["content"] == "explode mid-stream":
-            chunks = [{"id": "c", "model": GEN_MODEL, "choices": [{"index": 0, "delta": {"content": "par"}}]},
-                      {"error": {"message": "engine died", "type": "internal_error", "param": None, "code": None}}]
+            chunks = [
+                {"id": "c", "model": GEN_MODEL, "choices": [{"index": 0, "delta": {"content": "par"}}]},
+                {"error": {"message": "engine died", "type": "internal_error", "param": None, "code": None}},
+            ]
             return StreamingResponse(_sse(chunks), media_type="text/event-stream")
         text = _chat_reply(body["messages"])
-        usage = {"prompt_tokens": len(body["messages"]), "completion_tokens": len(text.split()),
-                 "total_tokens": len(body["messages"]) + len(text.split())}
+        usage = {
+            "prompt_tokens": len(body["messages"]),
+            "completion_tokens": len(text.split()),
+            "total_tokens": len(body["messages"]) + len(text.split()),
+        }
         if not body.get("stream"):
-            return {"id": "chat-1", "object": "chat.completion", "model": GEN_MODEL, "usage": usage,
-                    "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                                 "finish_reason": "stop"}]}
+            return {
+                "id": "chat-1",
+                "object": "chat.completion",
+                "model": GEN_MODEL,
+                "usage": usage,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
+            }
         words = text.split(" ")
-        chunks = [{"id": "chat-1", "object": "chat.completion.chunk", "model": GEN_MODEL,
-                   "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}]
+        chunks = [
+            {
+                "id": "chat-1",
+                "object": "chat.completion.chunk",
+                "model": GEN_MODEL,
+                "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}],
+            }
+        ]
         chunks += [
-            {"id": "chat-1", "object": "chat.completion.chunk", "model": GEN_MODEL,
-             "choices": [{"index": 0, "delta": {"content": (" " if i else "") + w}, "finish_reason": None}]}
+            {
+                "id": "chat-1",
+                "object": "chat.completion.chunk",
+                "model": GEN_MODEL,
+                "choices": [{"index": 0, "delta": {"content": (" " if i else "") + w}, "finish_reason": None}],
+            }
             for i, w in enumerate(words)
         ]
-        chunks.append({"id": "chat-1", "object": "chat.completion.chunk", "model": GEN_MODEL,
-                       "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
+        chunks.append(
+            {
+                "id": "chat-1",
+                "object": "chat.completion.chunk",
+                "model": GEN_MODEL,
+                "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
+            }
+        )
         if (body.get("stream_options") or {}).get("include_usage"):
-            chunks.append({"id": "chat-1", "object": "chat.completion.chunk", "model": GEN_MODEL, "choices": [],
-                           "usage": usage})
+            chunks.append(
+                {"id": "chat-1", "object": "chat.completion.chunk", "model": GEN_MODEL, "choices": [], "usage": usage}
+            )
         return StreamingResponse(_sse(chunks), media_type="text/event-stream")
 
     @app.post("/v1/embeddings")
     async def embeddings(request: Request):
         body = await request.json()
         texts = [body["input"]] if isinstance(body["input"], str) else body["input"]
-        data = [{"object": "embedding", "index": i, "embedding": [float(len(t)), float(sum(c in "aeiou" for c in t))]}
-                for i, t in enumerate(texts)]
+        data = [
+            {"object": "embedding", "index": i, "embedding": [float(len(t)), float(sum(c in "aeiou" for c in t))]}
+            for i, t in enumerate(texts)
+        ]
         data.reverse()  # the client must order by index
-        return {"object": "list", "model": body["model"], "data": data,
-                "usage": {"prompt_tokens": len(texts), "total_tokens": len(texts)}}
+        return {
+            "object": "list",
+            "model": body["model"],
+            "data": data,
+            "usage": {"prompt_tokens": len(texts), "total_tokens": len(texts)},
+        }
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
@@ -278,8 +330,7 @@ def test_sampling_params_are_sent(client: Client, live_server: LiveServer) -> No
     client.complete("x y", model=GEN_MODEL, max_tokens=3, temperature=0.0, stop=["\n"], seed=7, top_p=None)
     path, body = live_server.app.state.bodies[-1]
     assert path == "/v1/completions"
-    assert body == {"model": GEN_MODEL, "prompt": "x y", "max_tokens": 3, "temperature": 0.0, "stop": ["\n"],
-                    "seed": 7}
+    assert body == {"model": GEN_MODEL, "prompt": "x y", "max_tokens": 3, "temperature": 0.0, "stop": ["\n"], "seed": 7}
 
 
 def test_embed_orders_vectors_by_index(client: Client) -> None:
@@ -300,7 +351,10 @@ def test_tokenize_prompt_and_messages(client: Client) -> None:
 def test_health_and_models(client: Client) -> None:
     assert client.health() is True
     models = client.models()
-    assert [(m.id, m.task, m.max_model_len) for m in models] == [(EMBED_MODEL, "embed", 64), (GEN_MODEL, "generate", 128)]
+    assert [(m.id, m.task, m.max_model_len) for m in models] == [
+        (EMBED_MODEL, "embed", 64),
+        (GEN_MODEL, "generate", 128),
+    ]
     client.wait_until_ready(timeout=5)
 
 
@@ -425,6 +479,7 @@ def test_async_client_end_to_end(live_server: LiveServer) -> None:
 def test_async_streams_run_concurrently(live_server: LiveServer) -> None:
     async def main() -> list[str]:
         async with AsyncClient(live_server.base_url, model=GEN_MODEL) as c:
+
             async def one(i: int) -> str:
                 stream = await c.stream(f"w{i} v{i}")
                 return "".join([d async for d in stream])
@@ -438,8 +493,20 @@ def test_async_streams_run_concurrently(live_server: LiveServer) -> None:
 
 
 def test_sse_parser_handles_comments_multiline_and_done() -> None:
-    lines = [": ping", "", "data:{\"a\":1}", "", "event: x", "data: line1", "data: line2", "", "data: [DONE]", "",
-             "data: after-done", ""]
+    lines = [
+        ": ping",
+        "",
+        'data:{"a":1}',
+        "",
+        "event: x",
+        "data: line1",
+        "data: line2",
+        "",
+        "data: [DONE]",
+        "",
+        "data: after-done",
+        "",
+    ]
     assert list(iter_sse_data(lines)) == ['{"a":1}', "line1\nline2"]
     assert list(iter_sse_data(["data: tail-without-blank-line"])) == ["tail-without-blank-line"]
 

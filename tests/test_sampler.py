@@ -113,8 +113,18 @@ def test_logprobs_are_raw_log_softmax():
 
 @pytest.mark.parametrize(
     "field,value",
-    [("temperature", -1), ("top_p", 0), ("top_k", -2), ("n", 0), ("max_tokens", 0), ("min_p", 2),
-     ("presence_penalty", 3), ("repetition_penalty", 0), ("logprobs", 21), ("seed", -1)],
+    [
+        ("temperature", -1),
+        ("top_p", 0),
+        ("top_k", -2),
+        ("n", 0),
+        ("max_tokens", 0),
+        ("min_p", 2),
+        ("presence_penalty", 3),
+        ("repetition_penalty", 0),
+        ("logprobs", 21),
+        ("seed", -1),
+    ],
 )
 def test_invalid_values_raise_naming_the_field(field, value):
     with pytest.raises(InvalidRequestError) as err:

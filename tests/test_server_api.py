@@ -165,7 +165,11 @@ def test_chat_stream_equals_non_stream_and_shapes(server, client):
 
     chunks = list(
         client.chat.completions.create(
-            model=MODEL, messages=MESSAGES, max_tokens=10, stream=True, stream_options={"include_usage": True},
+            model=MODEL,
+            messages=MESSAGES,
+            max_tokens=10,
+            stream=True,
+            stream_options={"include_usage": True},
             **greedy(),
         )
     )
@@ -197,8 +201,9 @@ def test_chat_logprobs_and_n(client):
 
 
 def test_sixteen_concurrent_streams(server, client):
-    expected = {p: client.completions.create(model=MODEL, prompt=p, max_tokens=16, **greedy()).choices[0].text
-                for p in PROMPTS}
+    expected = {
+        p: client.completions.create(model=MODEL, prompt=p, max_tokens=16, **greedy()).choices[0].text for p in PROMPTS
+    }
     body = {"model": MODEL, "max_tokens": 16, "temperature": 0, "ignore_eos": True, "stream": True}
 
     async def one(http: httpx.AsyncClient, prompt: str) -> str:
@@ -265,11 +270,17 @@ def test_metrics_parse_and_move(server, client):
     )
     for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds"):
         assert metric(after, f"kvserve:{name}_count") == metric(before, f"kvserve:{name}_count") + 1, name
-    assert metric(after, "kvserve:inter_token_latency_seconds_count") >= metric(
-        before, "kvserve:inter_token_latency_seconds_count"
-    ) + 6
-    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "num_preemptions_total",
-                 "prefix_cache_queries_total"):
+    assert (
+        metric(after, "kvserve:inter_token_latency_seconds_count")
+        >= metric(before, "kvserve:inter_token_latency_seconds_count") + 6
+    )
+    for name in (
+        "num_requests_running",
+        "num_requests_waiting",
+        "kv_cache_usage_perc",
+        "num_preemptions_total",
+        "prefix_cache_queries_total",
+    ):
         assert ("kvserve:" + name, (("model_name", MODEL),)) in after, name
 
 

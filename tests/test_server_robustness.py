@@ -145,8 +145,10 @@ def test_dropped_streams_free_their_blocks_within_a_second(server, knobs):
         response.close()
         http.close()
     elapsed = wait_until(
-        lambda: (g := gauges(server.base_url))["kvserve:kv_cache_usage_perc"] == 0
-        and g["kvserve:num_requests_running"] == 0,
+        lambda: (
+            (g := gauges(server.base_url))["kvserve:kv_cache_usage_perc"] == 0
+            and g["kvserve:num_requests_running"] == 0
+        ),
         timeout=1.0,
     )
     print(f"8 dropped streams: blocks back in {elapsed * 1000:.0f} ms")
@@ -283,7 +285,9 @@ def test_retry_with_the_same_request_id_is_served(server, knobs):
             lines = first.iter_lines()  # keep the iterator: dropping it closes the connection
             next(lines)
             retry = httpx.post(
-                f"{server.base_url}/v1/completions", headers=headers, timeout=30,
+                f"{server.base_url}/v1/completions",
+                headers=headers,
+                timeout=30,
                 json={"model": MODEL, "prompt": "Hello", "max_tokens": 4, "ignore_eos": True},
             )
     assert retry.status_code == 200, retry.text
@@ -299,15 +303,22 @@ def test_stream_dropped_before_its_first_chunk_is_aborted(server, knobs):
         with http.stream("POST", "/v1/completions", json=keeper_body) as keeper:
             lines = keeper.iter_lines()
             next(lines)  # the loop is busy stepping now
-            body = {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 200, "ignore_eos": True,
-                    "stream": True}
+            body = {
+                "model": MODEL,
+                "prompt": "The quick brown fox",
+                "max_tokens": 200,
+                "ignore_eos": True,
+                "stream": True,
+            }
             _open_and_drop(server.base_url, body, linger=0.15)
             time.sleep(0.5)  # the dropped request got submitted meanwhile
     knobs.step_delay = 0.02
     wait_until(
-        lambda: (g := gauges(server.base_url))["kvserve:num_requests_running"] == 0
-        and g["kvserve:kv_cache_usage_perc"] == 0
-        and server.app.state.engine.num_active_requests == 0,
+        lambda: (
+            (g := gauges(server.base_url))["kvserve:num_requests_running"] == 0
+            and g["kvserve:kv_cache_usage_perc"] == 0
+            and server.app.state.engine.num_active_requests == 0
+        ),
         timeout=2.0,
     )
     assert_still_serves(server.base_url)
@@ -322,8 +333,13 @@ def test_stream_whose_first_send_fails_aborts_its_request(model_dir, path):
     if path == "/v1/completions":
         body = {"model": MODEL, "prompt": "Hello", "max_tokens": 200, "ignore_eos": True, "stream": True, "echo": True}
     else:
-        body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 200,
-                "ignore_eos": True, "stream": True}
+        body = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 200,
+            "ignore_eos": True,
+            "stream": True,
+        }
     payload = json.dumps(body).encode()
 
     async def main():
@@ -333,9 +349,17 @@ def test_stream_whose_first_send_fails_aborts_its_request(model_dir, path):
             engine = app.state.engine
             engine.engine.step_delay = 0.02  # 200 tokens take 4 s
             scope = {
-                "type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "http_version": "1.1",
-                "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(), "root_path": "",
-                "query_string": b"", "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80),
+                "type": "http",
+                "asgi": {"version": "3.0", "spec_version": "2.4"},
+                "http_version": "1.1",
+                "method": "POST",
+                "scheme": "http",
+                "path": path,
+                "raw_path": path.encode(),
+                "root_path": "",
+                "query_string": b"",
+                "client": ("127.0.0.1", 1),
+                "server": ("127.0.0.1", 80),
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())],
             }
             sent = []
@@ -411,8 +435,11 @@ def test_api_key_is_required_except_for_health_and_metrics(guarded):
 def test_cors_preflight_and_headers(guarded):
     preflight = httpx.options(
         f"{guarded.base_url}/v1/chat/completions",
-        headers={"Origin": ORIGIN, "Access-Control-Request-Method": "POST",
-                 "Access-Control-Request-Headers": "authorization,content-type"},
+        headers={
+            "Origin": ORIGIN,
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization,content-type",
+        },
     )
     assert preflight.status_code == 200
     assert preflight.headers["access-control-allow-origin"] == ORIGIN
@@ -486,8 +513,18 @@ def test_env_vars_set_defaults_and_flags_win(monkeypatch):
 
 def test_sigterm_lets_running_requests_finish_then_exits_0(model_dir, tmp_path):
     proc = ServerProcess(
-        ["--model", str(model_dir), "--embedding-model", "none", "--max-model-len", "256",
-         "--kv-cache-memory", "16MiB", "--shutdown-timeout", "20"],
+        [
+            "--model",
+            str(model_dir),
+            "--embedding-model",
+            "none",
+            "--max-model-len",
+            "256",
+            "--kv-cache-memory",
+            "16MiB",
+            "--shutdown-timeout",
+            "20",
+        ],
         tmp_path / "server.log",
         env={"KVSERVE_SERVED_MODEL_NAME": "from-env", "KVSERVE_LOG_LEVEL": "info"},
     )

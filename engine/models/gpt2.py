@@ -56,7 +56,9 @@ class GPT2LMHeadModel(nn.Module):
         super().__init__()
         hf = config.hf_config
         if hf.scale_attn_by_inverse_layer_idx or hf.reorder_and_upcast_attn:
-            raise ValueError("GPT-2 variants with scale_attn_by_inverse_layer_idx / reorder_and_upcast_attn are not supported")
+            raise ValueError(
+                "GPT-2 variants with scale_attn_by_inverse_layer_idx / reorder_and_upcast_attn are not supported"
+            )
         self.config = config
         self.wte = nn.Embedding(config.vocab_size, config.hidden_size)
         self.wpe = nn.Embedding(config.max_position_embeddings, config.hidden_size)
@@ -84,7 +86,12 @@ class GPT2LMHeadModel(nn.Module):
             assign(getattr(self.ln_f, name), take(state, f"ln_f.{name}"), f"ln_f.{name}")
         for i, layer in enumerate(self.layers):
             p = f"h.{i}."
-            for ours, theirs in (("c_attn", "attn.c_attn"), ("c_proj", "attn.c_proj"), ("c_fc", "mlp.c_fc"), ("mlp_proj", "mlp.c_proj")):
+            for ours, theirs in (
+                ("c_attn", "attn.c_attn"),
+                ("c_proj", "attn.c_proj"),
+                ("c_fc", "mlp.c_fc"),
+                ("mlp_proj", "mlp.c_proj"),
+            ):
                 linear = getattr(layer, ours)
                 assign(linear.weight, take(state, f"{p}{theirs}.weight").t(), f"{p}{theirs}.weight")
                 assign(linear.bias, take(state, f"{p}{theirs}.bias"), f"{p}{theirs}.bias")

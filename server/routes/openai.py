@@ -450,9 +450,11 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     if body.stream:
         state = _StreamState(request, streams, timer, body.stream_options)
         chunks = _completion_chunks(state, body, echoes, request_id, model_name, tokenizer)
-        return _sse_response(state, chunks, lambda usage: CompletionResponse(
-            id=request_id, model=model_name, choices=[], usage=usage
-        ).model_dump())
+        return _sse_response(
+            state,
+            chunks,
+            lambda usage: CompletionResponse(id=request_id, model=model_name, choices=[], usage=usage).model_dump(),
+        )
 
     async def collect() -> CompletionResponse:
         samples: dict[int, _Sample] = {}
@@ -471,8 +473,11 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
                 logprobs = _completion_logprobs(tokenizer, sample.logprobs, len(echo))
             choices.append(
                 CompletionChoice(
-                    index=index, text=echo + sample.text, logprobs=logprobs,
-                    finish_reason=sample.finish_reason, stop_reason=sample.stop_reason,
+                    index=index,
+                    text=echo + sample.text,
+                    logprobs=logprobs,
+                    finish_reason=sample.finish_reason,
+                    stop_reason=sample.stop_reason,
                 )
             )
         _finish_timer(timer, [c.finish_reason for c in choices])
@@ -598,8 +603,11 @@ async def _completion_chunks(
                 yield chunk(
                     [
                         CompletionChoice(
-                            index=index, text=delta.text, logprobs=logprobs,
-                            finish_reason=delta.finish_reason, stop_reason=delta.stop_reason,
+                            index=index,
+                            text=delta.text,
+                            logprobs=logprobs,
+                            finish_reason=delta.finish_reason,
+                            stop_reason=delta.stop_reason,
                         )
                     ]
                 )
@@ -638,9 +646,11 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     if body.stream:
         state = _StreamState(request, streams, timer, body.stream_options)
         chunks = _chat_chunks(state, body, num_top, request_id, model_name, tokenizer)
-        return _sse_response(state, chunks, lambda usage: ChatCompletionChunk(
-            id=request_id, model=model_name, choices=[], usage=usage
-        ).model_dump())
+        return _sse_response(
+            state,
+            chunks,
+            lambda usage: ChatCompletionChunk(id=request_id, model=model_name, choices=[], usage=usage).model_dump(),
+        )
 
     async def collect() -> ChatCompletionResponse:
         samples: dict[int, _Sample] = {}
@@ -656,8 +666,11 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
             logprobs = _chat_logprobs(tokenizer, sample.logprobs, num_top) if body.logprobs else None
             choices.append(
                 ChatChoice(
-                    index=index, message=ChatResponseMessage(content=sample.text), logprobs=logprobs,
-                    finish_reason=sample.finish_reason, stop_reason=sample.stop_reason,
+                    index=index,
+                    message=ChatResponseMessage(content=sample.text),
+                    logprobs=logprobs,
+                    finish_reason=sample.finish_reason,
+                    stop_reason=sample.stop_reason,
                 )
             )
         _finish_timer(timer, [c.finish_reason for c in choices])
