@@ -126,6 +126,10 @@ def _load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     except Exception as exc:
         raise ModelLoadError(f"{path}: cannot read GGUF metadata: {exc}") from exc
     model_config = _model_config_from_hf(hf_config, path)
+    if hf_config.model_type == "llama":
+        tensors = _read_llama_gguf_tensors(path, model_config)
+        if tensors is not None:
+            return model_config, tensors
     try:
         with torch.device("meta"):
             skeleton = AutoModelForCausalLM.from_config(hf_config)
@@ -133,6 +137,61 @@ def _load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     except Exception as exc:
         raise ModelLoadError(f"{path}: cannot dequantize GGUF tensors: {exc}") from exc
     return model_config, {name: torch.as_tensor(t) for name, t in tensors.items()}
+
+
+_LLAMA_GGUF_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_LLAMA_GGUF_TOP = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def _unpermute_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row order (rotary pairs interleaved per head) -> HF's half-split order."""
+    rows = weight.shape[0]
+    return weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
+
+
+def _read_llama_gguf_tensors(path: Path, model_config: ModelConfig) -> dict[str, torch.Tensor] | None:
+    """One pass over a LLaMA GGUF with the `gguf` package: dequantize and rename (~3x faster than
+    transformers' converter, which parses the file again). None when a tensor is not one we know,
+    so the caller falls back to transformers."""
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+        tensors: dict[str, torch.Tensor] = {}
+        for tensor in reader.tensors:
+            name = tensor.name
+            if name in _LLAMA_GGUF_TOP:
+                hf_name = _LLAMA_GGUF_TOP[name]
+            else:
+                prefix, _, rest = name.partition(".")
+                layer, _, suffix = rest.partition(".")
+                if prefix != "blk" or not layer.isdigit() or suffix not in _LLAMA_GGUF_NAMES:
+                    logger.debug("%s: unknown GGUF tensor %s; using transformers' converter", path, name)
+                    return None
+                hf_name = f"model.layers.{layer}.{_LLAMA_GGUF_NAMES[suffix]}"
+            weight = torch.from_numpy(gguf.quants.dequantize(tensor.data, tensor.tensor_type).copy()).float()
+            if hf_name.endswith("q_proj.weight"):
+                weight = _unpermute_rows(weight, model_config.num_heads)
+            elif hf_name.endswith("k_proj.weight"):
+                weight = _unpermute_rows(weight, model_config.num_kv_heads)
+            tensors[hf_name] = weight
+        return tensors
+    except Exception as exc:
+        raise ModelLoadError(f"{path}: cannot dequantize GGUF tensors: {exc}") from exc
 
 
 def load_checkpoint(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
