@@ -26,17 +26,10 @@ from server.config import ServerConfig
 from server.errors import APIError
 from server.metrics import ServerMetrics
 from server.middleware import KVServeMiddleware
+from server.routes import embeddings as embedding_routes
 from server.routes import native, openai
 
 logger = logging.getLogger(__name__)
-
-try:  # the embeddings side lives in its own modules; generation works without them
-    from server.routes import embeddings as embedding_routes
-except ImportError as exc:  # pragma: no cover - only while the embeddings modules are absent
-    embedding_routes = None
-    _EMBEDDINGS_IMPORT_ERROR: Exception | None = exc
-else:
-    _EMBEDDINGS_IMPORT_ERROR = None
 
 EngineFactory = Callable[[EngineConfig], Any]
 EmbedderFactory = Callable[[ServerConfig], Any]
@@ -59,8 +52,7 @@ async def _default_embedder_factory(config: ServerConfig) -> Any:
         max_batch_tokens=config.embedding_max_batch_tokens,
         pooling=config.pooling,
     )
-    if inspect.iscoroutinefunction(AsyncEmbedder.from_config):
-        return await AsyncEmbedder.from_config(embedder_config)
+    # Loading reads and converts weights: keep it off the event loop so /health answers meanwhile.
     return await asyncio.to_thread(AsyncEmbedder.from_config, embedder_config)
 
 
@@ -106,10 +98,7 @@ def create_app(
 
     app.include_router(openai.router)
     app.include_router(native.router)
-    if embedding_routes is not None:
-        app.include_router(embedding_routes.router)
-    elif config.embedding_model:
-        logger.warning("embedding routes unavailable (%s); serving generation only", _EMBEDDINGS_IMPORT_ERROR)
+    app.include_router(embedding_routes.router)
     _install_error_handlers(app)
 
     # Added last = outermost: CORS answers preflights before auth sees them.
@@ -145,7 +134,7 @@ async def _load_models(
         )
         await engine.start()
         app.state.engine = engine
-        if config.embedding_model and embedding_routes is not None:
+        if config.embedding_model:
             logger.info("loading embedding model %s", config.embedding_model)
             embedder = embedder_factory(config)
             if inspect.isawaitable(embedder):
