@@ -164,6 +164,36 @@ def test_client_leaving_a_non_streamed_request_aborts_it(server, knobs):
     assert gauges(server.base_url)["kvserve:kv_cache_usage_perc"] == 0
 
 
+def test_non_streamed_request_dropped_right_away_is_aborted_without_gc(server, knobs):
+    """The client hangs up as soon as the request is sent: the abort must not wait for the GC."""
+    import gc
+    import json as jsonlib
+    import socket
+    from urllib.parse import urlparse
+
+    knobs.step_delay = 0.02
+    body = jsonlib.dumps({"model": MODEL, "prompt": "Hello", "max_tokens": 200, "ignore_eos": True}).encode()
+    url = urlparse(server.base_url)
+    gc.disable()
+    try:
+        for _ in range(3):
+            with socket.create_connection((url.hostname, url.port)) as sock:
+                sock.sendall(
+                    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    + f"Content-Length: {len(body)}\r\n\r\n".encode()
+                    + body
+                )
+                time.sleep(0.05)
+            time.sleep(0.2)  # let the server take the request in (it may not have been running yet)
+            wait_until(lambda: _is_idle(gauges(server.base_url)), timeout=1.0)
+    finally:
+        gc.enable()
+
+
+def _is_idle(values: dict[str, float]) -> bool:
+    return values["kvserve:num_requests_running"] == 0 and values["kvserve:kv_cache_usage_perc"] == 0
+
+
 def test_request_timeout_aborts_and_answers_an_error(server, knobs):
     knobs.step_delay = 0.05  # 200 tokens would take 10 s; the timeout is 3 s
     body = {"model": MODEL, "prompt": "Hello", "max_tokens": 200, "ignore_eos": True}

@@ -483,14 +483,20 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         _finish_timer(timer, [c.finish_reason for c in choices])
         return CompletionResponse(id=request_id, model=model_name, choices=choices, usage=usage.usage())
 
-    return await _respond(request, collect())
+    return await _respond(request, collect(), streams)
 
 
-async def _respond(request: Request, work) -> Response:
+async def _respond(request: Request, work, streams: list[RequestStream]) -> Response:
     try:
         response = await _unless_disconnected(request, asyncio.ensure_future(work))
     except _ClientGone:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
+    finally:
+        # Cancelling `work` does not close the generators it iterates (nor does a task cancelled
+        # before it ever ran): close the streams here, so the engine requests are aborted now,
+        # not whenever the garbage collector gets to them. Closing a finished stream is a no-op.
+        for stream in streams:
+            stream.close()
     _record_usage(request, response.usage)
     return JSONResponse(response.model_dump())
 
@@ -676,7 +682,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         _finish_timer(timer, [c.finish_reason for c in choices])
         return ChatCompletionResponse(id=request_id, model=model_name, choices=choices, usage=usage.usage())
 
-    return await _respond(request, collect())
+    return await _respond(request, collect(), streams)
 
 
 async def _chat_chunks(
