@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from engine.config import TORCH_DTYPES
 from engine.errors import InvalidRequestError, ModelLoadError
 from engine.models.bert import BertModel, EncoderBatch, load_bert
+from engine.models_hub import resolve_or_download
 
 logger = logging.getLogger(__name__)
 
@@ -226,7 +227,7 @@ class Embedder:
     def __init__(self, config: EmbedderConfig) -> None:
         self.config = config
         self.model_name = config.model
-        model_dir = _resolve(config.model)
+        model_dir = resolve_or_download(config.model)
         encoder_dir = _encoder_dir(model_dir)
         if not (encoder_dir / "config.json").exists():
             raise ModelLoadError(f"embedding model {config.model!r}: {encoder_dir} has no config.json")
@@ -352,26 +353,6 @@ class Embedder:
                 f"dimensions must be between 1 and {self.hidden_size} for this model, got {dimensions}",
                 param="dimensions",
             )
-
-
-def _resolve(model: str) -> Path:
-    """Alias or local path -> directory; a Hub id (org/name, not on disk) is downloaded where the Hub is reachable."""
-    try:
-        from engine.models_hub import resolve_model
-    except ImportError:  # the hub module is optional for a plain local path
-        path = Path(model).expanduser()
-    else:
-        path = Path(resolve_model(model))
-    if path.exists() or str(model).count("/") != 1:
-        return path
-    try:
-        from huggingface_hub import snapshot_download
-
-        return Path(snapshot_download(str(model), allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"]))
-    except Exception as exc:
-        raise ModelLoadError(
-            f"embedding model {model!r} is not a local directory and the Hub fetch failed: {exc}"
-        ) from exc
 
 
 def _encoder_dir(model_dir: Path) -> Path:

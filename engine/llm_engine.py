@@ -19,9 +19,9 @@ import torch
 from engine.block_manager import BlockManager, BlockPool
 from engine.config import TORCH_DTYPES, EngineConfig, ModelConfig, cdiv
 from engine.detokenizer import append_token_text, find_stop_string, take_new_text
-from engine.errors import InvalidRequestError, ModelLoadError, PromptTooLongError
+from engine.errors import InvalidRequestError, PromptTooLongError
 from engine.model_runner import ModelRunner, kv_bytes_per_block
-from engine.models_hub import resolve_model
+from engine.models_hub import resolve_or_download
 from engine.outputs import (
     FINISH_ABORT,
     FINISH_LENGTH,
@@ -51,22 +51,6 @@ class _Request:
     @property
     def is_finished(self) -> bool:
         return all(s.is_finished for s in self.seqs)
-
-
-def _resolve_model_path(name: str) -> Path:
-    """Alias -> cached path; local path -> itself; otherwise try the Hugging Face Hub."""
-    path = Path(resolve_model(name))
-    if path.exists():
-        return path
-    if name.count("/") == 1 and not name.startswith((".", "/")):
-        try:
-            from huggingface_hub import snapshot_download
-
-            patterns = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
-            return Path(snapshot_download(name, allow_patterns=patterns))
-        except Exception as exc:
-            raise ModelLoadError(f"{name}: not a local path, and fetching it from the Hub failed: {exc}") from exc
-    raise ModelLoadError(f"{name}: no such file or directory")
 
 
 def _extra_eos_ids(model_config: ModelConfig, path: Path) -> tuple[int, ...]:
@@ -118,7 +102,7 @@ class LLMEngine:
     def from_config(cls, config: EngineConfig) -> LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        path = _resolve_model_path(config.model)
+        path = resolve_or_download(config.model)
         started = time.monotonic()
         model_config, state_dict = load_checkpoint(path)
         tokenizer = Tokenizer.from_path(path, _extra_eos_ids(model_config, path))

@@ -539,3 +539,22 @@ def list_models() -> list[ModelStatus]:
             )
         )
     return rows
+
+
+_HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
+
+
+def resolve_or_download(name_or_path: str) -> Path:
+    """`resolve_model`, then fetch a Hub id ("org/name", not on disk) where the Hub is reachable.
+
+    Only what kvserve loads is downloaded: configs, safetensors and tokenizer files.
+    """
+    path = resolve_model(name_or_path)
+    if path.exists():
+        return path
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(str(name_or_path).strip(), allow_patterns=_HUB_PATTERNS))
+    except Exception as exc:
+        raise ModelLoadError(f"{name_or_path}: not a local path, and fetching it from the Hub failed: {exc}") from exc
