@@ -25,7 +25,7 @@ ENV PIP_NO_CACHE_DIR=1 \
     KVSERVE_HOME=/opt/kvserve/home
 
 RUN apt-get update \
- && apt-get install -y --no-install-recommends make \
+ && apt-get install -y --no-install-recommends make gcc libc6-dev \
  && rm -rf /var/lib/apt/lists/*
 
 WORKDIR /opt/kvserve
@@ -46,6 +46,10 @@ RUN case "$VARIANT" in \
 # The default models, RECORD-verified, into $KVSERVE_HOME: the container needs no network to serve.
 RUN make models VENV=/opt/kvserve/.venv EXTRAS= \
  && /opt/kvserve/.venv/bin/kvserve models
+
+# The int8 CPU kernel, built into $KVSERVE_HOME/kernels so the runtime image needs no compiler
+# (on a CPU without AVX2, or in the cuda variant, it is skipped and the torch path runs).
+RUN /opt/kvserve/.venv/bin/python -c "from engine.kernels.loader import load_library; load_library('int8_gemm')"
 
 # ---------------------------------------------------------------- runtime
 FROM ${PYTHON_IMAGE} AS runtime

@@ -5,7 +5,8 @@
 Prints a Markdown table: prefill tokens/s for a 512-token prompt and decode
 tokens/s at batch 1, 8 and 32, with the ratio kvserve / transformers; then the
 micro-benchmarks that find a regression by part (one decode step, paged vs
-dense attention, the sampler). Ratios, not absolute times, are the point:
+dense attention, the sampler, and every linear layer of a step in float32
+beside the int8 kernel at M = 1, 8, 32, 48, 64 rows). Ratios, not absolute times, are the point:
 both sides run in this process on this machine.
 """
 
@@ -89,6 +90,15 @@ def hf_decode(model, prompts: list[list[int]], num_steps: int) -> float:
     return len(prompts) * num_steps / max(total - prefill, 1e-9)
 
 
+def _timed_ms(fn, repeats: int) -> float:
+    """Mean milliseconds per call over `repeats` calls, after one warm-up call."""
+    fn()
+    started = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    return (time.perf_counter() - started) / repeats * 1e3
+
+
 def micro_benchmarks(engine: LLMEngine, repeats: int = 20) -> list[tuple[str, float]]:
     """Per-part timings in milliseconds at batch 32 (decode shapes of the real model)."""
     from engine.attention import build_attention_metadata, dense_reference_attention, paged_attention
@@ -107,11 +117,7 @@ def micro_benchmarks(engine: LLMEngine, repeats: int = 20) -> list[tuple[str, fl
     scale = cfg.head_dim**-0.5
 
     def timed(fn) -> float:
-        fn()
-        started = time.perf_counter()
-        for _ in range(repeats):
-            fn()
-        return (time.perf_counter() - started) / repeats * 1e3
+        return _timed_ms(fn, repeats)
 
     keys = key_cache.view(-1, cfg.num_kv_heads, cfg.head_dim)[:context]
     values = value_cache.view(-1, cfg.num_kv_heads, cfg.head_dim)[:context]
@@ -145,6 +151,34 @@ def micro_benchmarks(engine: LLMEngine, repeats: int = 20) -> list[tuple[str, fl
     ]
 
 
+def int8_micro_benchmarks(engine: LLMEngine, row_counts: list[int], repeats: int = 5) -> list[tuple[int, float, float]]:
+    """(rows, float32 ms, int8 kernel ms) for all linear layers of one step of the engine's model."""
+    from engine.quantization import Int8Linear, int8_kernel, int8_linear_kernel
+
+    if int8_kernel() is None:
+        return []
+    linears = [m for m in engine.runner.model.modules() if isinstance(m, torch.nn.Linear)]
+    if not linears:  # the engine itself runs int8: time its layers' float copies
+        quantized = [m for m in engine.runner.model.modules() if isinstance(m, Int8Linear)]
+        floats = [(q.weight_integers, q.bias) for q in quantized]
+    else:
+        quantized = [Int8Linear(m) for m in linears]
+        floats = [(m.weight, m.bias) for m in linears]
+
+    def timed(fn) -> float:
+        return _timed_ms(fn, repeats)
+
+    results = []
+    for rows in row_counts:
+        inputs = {q.in_features: torch.randn(rows, q.in_features) for q in quantized}
+        float_ms = timed(lambda x=inputs: [torch.nn.functional.linear(x[w.shape[1]], w, b) for w, b in floats])
+        int8_ms = timed(
+            lambda x=inputs: [int8_linear_kernel(x[q.in_features], q.quantized, q.scale, q.bias) for q in quantized]
+        )
+        results.append((rows, float_ms, int8_ms))
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=DEFAULT_GENERATION_MODEL)
@@ -152,11 +186,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode-steps", type=int, default=32)
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--prefill-tokens", type=int, default=512)
+    parser.add_argument("--quantization", default="none", choices=("none", "int8", "auto"))
+    parser.add_argument("--int8-rows", default="1,8,32,48,64", help="rows for the int8 kernel micro-benchmark")
     parser.add_argument("--skip-transformers", action="store_true")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
 
-    engine = LLMEngine.from_config(EngineConfig(model=args.model, dtype=args.dtype, max_num_batched_tokens=4096))
+    config = EngineConfig(
+        model=args.model, dtype=args.dtype, max_num_batched_tokens=4096, quantization=args.quantization
+    )
+    engine = LLMEngine.from_config(config)
     hf_model = None
     if not args.skip_transformers:
         from transformers import AutoModelForCausalLM
@@ -182,7 +221,9 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(Row(f"decode, batch {batch}", ours, theirs, "tokens/s"))
             bar.update()
 
-    print(f"\nkvserve engine vs transformers: {args.model}, {args.dtype}, {torch.get_num_threads()} threads\n")
+    threads = torch.get_num_threads()
+    mode = engine.config.quantization
+    print(f"\nkvserve engine ({mode}) vs transformers: {args.model}, {args.dtype}, {threads} threads\n")
     print("| case | kvserve | transformers | ratio |")
     print("| --- | ---: | ---: | ---: |")
     for row in rows:
@@ -191,6 +232,12 @@ def main(argv: list[str] | None = None) -> int:
     print("\n| part | ms |\n| --- | ---: |")
     for name, ms in micro_benchmarks(engine):
         print(f"| {name} | {ms:.3f} |")
+    int8_rows = int8_micro_benchmarks(engine, [int(r) for r in args.int8_rows.split(",")])
+    if int8_rows:
+        print("\nAll linear layers of one step: float32 F.linear vs the int8 kernel\n")
+        print("| rows | float32 ms | int8 kernel ms | speed-up |\n| ---: | ---: | ---: | ---: |")
+        for rows, float_ms, int8_ms in int8_rows:
+            print(f"| {rows} | {float_ms:.1f} | {int8_ms:.1f} | {float_ms / int8_ms:.2f}x |")
     return 0
 
 

@@ -13,6 +13,10 @@ import torch
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SUPPORTED_DTYPES = tuple(TORCH_DTYPES)
+# none: weights in `dtype`. int8: weight-only int8 linear layers (CPU, float32;
+# engine/quantization.py). auto: int8 for a GGUF file on CPU in float32 (its
+# weights are stored quantized already), none otherwise.
+QUANTIZATION_MODES = ("none", "int8", "auto")
 
 
 def cdiv(numerator: int, denominator: int) -> int:
@@ -29,6 +33,7 @@ class EngineConfig:
     kv_cache_memory_bytes: budget for the KV block pool; num_blocks overrides it.
     sliding_window: force a window on any model (None: the model's own, if any).
     num_sink_tokens: with a window, the first S tokens stay visible forever.
+    quantization: one of QUANTIZATION_MODES; LLMEngine.from_config resolves auto.
     """
 
     model: str
@@ -44,10 +49,15 @@ class EngineConfig:
     num_sink_tokens: int = 0
     enable_prefix_caching: bool = True
     num_threads: int | None = None
+    quantization: str = "none"
 
     def __post_init__(self) -> None:
         if self.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
+        if self.quantization not in QUANTIZATION_MODES:
+            raise ValueError(f"quantization must be one of {QUANTIZATION_MODES}, got {self.quantization!r}")
+        if self.quantization == "int8" and (self.device != "cpu" or self.dtype != "float32"):
+            raise ValueError("quantization int8 runs on CPU with dtype float32; use bfloat16 on GPUs")
         if self.dtype == "float16" and not self.device.startswith("cuda"):
             raise ValueError("dtype float16 is only supported on CUDA; use float32 or bfloat16 on CPU")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

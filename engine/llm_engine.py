@@ -6,6 +6,7 @@ server) calls it from one thread at a time.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import logging
@@ -32,6 +33,7 @@ from engine.outputs import (
     RequestOutput,
 )
 from engine.params import SamplingParams
+from engine.quantization import resolve_quantization
 from engine.sampler import SamplingRow, sample
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Sequence
@@ -103,11 +105,18 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         path = resolve_or_download(config.model)
+        config = dataclasses.replace(config, quantization=resolve_quantization(config, path))
         started = time.monotonic()
         model_config, state_dict = load_checkpoint(path)
         tokenizer = Tokenizer.from_path(path, _extra_eos_ids(model_config, path))
         engine = cls(config, model_config, state_dict, tokenizer)
-        logger.info("loaded %s (%s) in %.1f s", config.model, model_config.architecture, time.monotonic() - started)
+        logger.info(
+            "loaded %s (%s, quantization %s) in %.1f s",
+            config.model,
+            model_config.architecture,
+            config.quantization,
+            time.monotonic() - started,
+        )
         return engine
 
     def _derive_max_model_len(self) -> int:

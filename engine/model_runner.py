@@ -16,6 +16,7 @@ from engine.attention import AttentionMetadata, build_attention_metadata
 from engine.config import TORCH_DTYPES, EngineConfig, ModelConfig
 from engine.models.gpt2 import GPT2LMHeadModel
 from engine.models.llama import LlamaForCausalLM
+from engine.quantization import quantize_linears
 from engine.scheduler import ScheduledBatch
 
 logger = logging.getLogger(__name__)
@@ -53,6 +54,8 @@ class ModelRunner:
             model = _MODEL_CLASSES[model_config.architecture](model_config)
         model = model.to_empty(device=self.device).to(self.dtype)
         model.load_weights(state_dict)
+        if config.quantization == "int8":
+            logger.info("int8 weights: %d linear layers", quantize_linears(model))
         self.model = model.eval().requires_grad_(False)
         shape = (num_blocks, config.block_size, model_config.num_kv_heads, model_config.head_dim)
         # One (key, value) pair per layer, allocated once for the whole life of the engine.

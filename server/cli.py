@@ -54,6 +54,11 @@ _FLAGS: list[tuple[str, Callable[[str], Any], str]] = [
     ("host", str, "address to listen on"),
     ("port", int, "TCP port to listen on"),
     ("dtype", str, "weights and activations dtype: float32, bfloat16 or float16 (CUDA only)"),
+    (
+        "quantization",
+        str,
+        "none, int8 (weight-only int8 linear layers, CPU float32) or auto (int8 for a .gguf on CPU, else none)",
+    ),
     ("device", str, "torch device: cpu, cuda, cuda:1, ..."),
     ("max_model_len", _optional(int), "longest prompt plus output, in tokens (default: the model's context)"),
     ("kv_cache_memory", _size, "memory for the paged KV cache: bytes or with a unit (512MiB, 2GB)"),

@@ -68,6 +68,7 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     dtype: str = "float32"
+    quantization: str = "auto"
     device: str = "cpu"
     max_model_len: int | None = None
     kv_cache_memory: int = 512 * 1024**2
@@ -135,6 +136,7 @@ class ServerConfig:
         return EngineConfig(
             model=self.model,
             dtype=self.dtype,
+            quantization=self.quantization,
             device=self.device,
             max_model_len=self.max_model_len,
             block_size=self.block_size,
