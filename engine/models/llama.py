@@ -14,6 +14,7 @@ from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention, write_kv
 from engine.config import ModelConfig
+from engine.kernels.rms_norm import rms_norm
 from engine.models.common import RotaryEmbedding, apply_rotary, assign, take
 
 
@@ -24,8 +25,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # One fused kernel; it accumulates in float32 whatever the activations' dtype.
-        return torch.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class LlamaLayer(nn.Module):
