@@ -8,15 +8,12 @@ and runs one forward in the embedder's own worker thread, so the event loop keep
 While a forward runs, new requests queue up and ride in the next one: many one-input requests
 share a forward, and one big request is split across several.
 
-Threads and generation: the forward runs in a dedicated single-thread executor (never the
-default executor the generation loop or other `to_thread` calls use), so at most one embedding
-forward runs at a time and it never waits behind generation work in a shared pool. torch's
-intra-op pool size is process-wide (`torch.set_num_threads`, set once by the server from
---num-threads); kvserve does not change it per thread, because that would also change the
-generation thread. When a generation step and an embedding forward overlap, both use that many
-OpenMP threads and the OS time-slices them: neither starves, each slows down. The token budget
-bounds how long one embedding forward can hold its share (~8k MiniLM tokens is well under a
-second on 2 cores), so generation latency degrades gracefully rather than stalling.
+Threads and generation: forwards run on a single-thread executor, one at a time. In the server
+that is the one thread that runs all torch work (engine/torch_thread.py explains why: two
+threads doing torch work halve the speed of both), so an embedding forward and a generation
+step take turns in FIFO order: neither starves. The token budget bounds how long one embedding
+forward holds the thread (~8k MiniLM tokens is well under a second on 2 cores), so generation
+latency degrades gracefully rather than stalling. Standalone, the embedder makes its own thread.
 """
 
 from __future__ import annotations
@@ -24,12 +21,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
 import torch
 
 from engine.embedder import Embedder, EmbedderConfig, EmbedInputs, EmbedResult, finalize
+from engine.torch_thread import single_torch_thread
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +68,8 @@ class AsyncEmbedder:
         self._queue: collections.deque[_Item] = collections.deque()
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
-        self._executor: ThreadPoolExecutor | None = None
+        self._executor: Executor | None = None
+        self._owns_executor = False
         self.num_forwards = 0  # forwards run so far (tests and logs read it)
 
     @classmethod
@@ -102,11 +101,13 @@ class AsyncEmbedder:
 
     # ---------------------------------------------------------------- lifecycle
 
-    async def start(self) -> None:
+    async def start(self, executor: Executor | None = None) -> None:
+        """Start batching; forwards run on `executor` (one thread), or on a thread of its own."""
         if self._task is not None:
             return
         self._wakeup = asyncio.Event()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-embed")
+        self._owns_executor = executor is None
+        self._executor = executor or single_torch_thread("kvserve-embed")
         self._task = asyncio.create_task(self._batch_loop(), name="kvserve-embed-batcher")
 
     async def stop(self) -> None:
@@ -120,7 +121,8 @@ class AsyncEmbedder:
                 pass
         self._fail_queued(RuntimeError("the embedding model is shutting down"))
         executor, self._executor = self._executor, None
-        if executor is not None:  # waits for a forward still running, without blocking the event loop
+        # Waits for a forward still running, without blocking the event loop.
+        if executor is not None and self._owns_executor:
             await asyncio.get_running_loop().run_in_executor(None, executor.shutdown, True)
 
     # ---------------------------------------------------------------- requests

@@ -28,13 +28,14 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from engine.errors import InvalidRequestError, KVServeError
 from engine.outputs import EngineStats, RequestOutput
 from engine.params import SamplingParams
+from engine.torch_thread import single_torch_thread
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -188,6 +189,7 @@ class AsyncEngine:
         self._dead_error: BaseException | None = None
         self._is_stopping = False
         self._num_step_failures = 0
+        self._owns_executor = False
         self.num_steps = 0
 
     # ---- facts about the model (read-only, safe from any thread) ----
@@ -204,13 +206,19 @@ class AsyncEngine:
         return self.engine.max_model_len
 
     # ---- life cycle ----
-    async def start(self) -> None:
+    async def start(self, executor: Executor | None = None) -> None:
+        """Start the step loop. Steps run on `executor`, which must have exactly one thread.
+
+        The server passes the one thread that runs all its torch work (engine/torch_thread.py);
+        without one, the engine gets a thread of its own.
+        """
         if self._loop_task is not None:
             raise RuntimeError("AsyncEngine already started")
         self._wakeup = asyncio.Event()
-        # Steps always run on this one thread: torch keeps one OpenMP team per calling thread, and a
+        # Steps always run on one thread: torch keeps one OpenMP team per calling thread, and a
         # rotating pool thread would start new teams and oversubscribe the cores.
-        self._step_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-step")
+        self._owns_executor = executor is None
+        self._step_executor = executor or single_torch_thread("kvserve-step")
         self._loop_task = asyncio.create_task(self._run_loop(), name="kvserve-engine-loop")
 
     async def stop(self) -> None:
@@ -222,7 +230,8 @@ class AsyncEngine:
             self._queues[request_id].put_nowait(EngineDeadError("server is shutting down"))
         self._wake()
         await self._loop_task  # the loop catches (and logs) its own errors
-        self._step_executor.shutdown(wait=False)
+        if self._owns_executor:
+            self._step_executor.shutdown(wait=False)
         self._fail_everything(EngineDeadError("server is shutting down"))
 
     @property

@@ -10,6 +10,7 @@ import asyncio
 import inspect
 import logging
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Executor
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -22,6 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from engine.async_engine import AsyncEngine, EngineDeadError, EngineStepError, QueueFullError, RequestTimeoutError
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError, KVServeError
+from engine.torch_thread import single_torch_thread
 from server.config import ServerConfig
 from server.errors import APIError
 from server.metrics import ServerMetrics
@@ -41,7 +43,7 @@ def _default_engine_factory(engine_config: EngineConfig) -> Any:
     return LLMEngine.from_config(engine_config)
 
 
-async def _default_embedder_factory(config: ServerConfig) -> Any:
+def _default_embedder_factory(config: ServerConfig) -> Any:
     from engine.async_embedder import AsyncEmbedder
     from engine.embedder import EmbedderConfig
 
@@ -52,8 +54,7 @@ async def _default_embedder_factory(config: ServerConfig) -> Any:
         max_batch_tokens=config.embedding_max_batch_tokens,
         pooling=config.pooling,
     )
-    # Loading reads and converts weights: keep it off the event loop so /health answers meanwhile.
-    return await asyncio.to_thread(AsyncEmbedder.from_config, embedder_config)
+    return AsyncEmbedder.from_config(embedder_config)
 
 
 def create_app(
@@ -63,8 +64,9 @@ def create_app(
     embedder_factory: Callable[[ServerConfig], Any] | None = None,
     on_fatal: Callable[[BaseException], None] | None = None,
 ) -> FastAPI:
-    """engine_factory(EngineConfig) -> LLMEngine runs in a worker thread (default: LLMEngine.from_config).
-    embedder_factory(ServerConfig) -> AsyncEmbedder, sync or async (default: AsyncEmbedder.from_config).
+    """engine_factory(EngineConfig) -> LLMEngine (default: LLMEngine.from_config) and
+    embedder_factory(ServerConfig) -> AsyncEmbedder (default: AsyncEmbedder.from_config) run on the
+    server's one torch thread (engine/torch_thread.py), off the event loop so /health answers meanwhile.
     on_fatal(exc) is called when a model fails to load (the CLI stops the server with it).
     """
     engine_factory = engine_factory or _default_engine_factory
@@ -72,7 +74,8 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        load_task = asyncio.create_task(_load_models(app, engine_factory, embedder_factory, on_fatal))
+        torch_thread = single_torch_thread()
+        load_task = asyncio.create_task(_load_models(app, engine_factory, embedder_factory, on_fatal, torch_thread))
         try:
             yield
         finally:
@@ -84,6 +87,8 @@ def create_app(
                 await app.state.engine.stop()
             if app.state.embedder is not None:
                 await app.state.embedder.stop()
+            # Waits for a job still running (a model load cancelled above), off the event loop.
+            await asyncio.get_running_loop().run_in_executor(None, torch_thread.shutdown, True)
             logger.info("kvserve stopped")
 
     app = FastAPI(title="kvserve", summary="OpenAI-compatible LLM inference server", lifespan=lifespan)
@@ -124,22 +129,24 @@ async def _load_models(
     engine_factory: EngineFactory,
     embedder_factory: Callable[[ServerConfig], Any],
     on_fatal: Callable[[BaseException], None] | None,
+    torch_thread: Executor,
 ) -> None:
     config: ServerConfig = app.state.config
+    loop = asyncio.get_running_loop()
     try:
         logger.info("loading generation model %s", config.model)
-        llm_engine = await asyncio.to_thread(engine_factory, config.to_engine_config())
+        llm_engine = await loop.run_in_executor(torch_thread, engine_factory, config.to_engine_config())
         engine = AsyncEngine(
             llm_engine, max_queued_requests=config.max_queued_requests, request_timeout=config.request_timeout
         )
-        await engine.start()
+        await engine.start(torch_thread)
         app.state.engine = engine
         if config.embedding_model:
             logger.info("loading embedding model %s", config.embedding_model)
-            embedder = embedder_factory(config)
+            embedder = await loop.run_in_executor(torch_thread, embedder_factory, config)
             if inspect.isawaitable(embedder):
                 embedder = await embedder
-            await embedder.start()
+            await embedder.start(torch_thread)
             app.state.embedder = embedder
         app.state.is_ready = True
         logger.info("kvserve ready: serving %s", config.model_name)
