@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import cdiv
+from engine.kernels import decode_attention as native_decode
 
 
 @dataclass
@@ -148,9 +149,24 @@ def paged_attention(
 ) -> torch.Tensor:
     """Attention of T flat queries [T, H_q, D] over the paged cache -> [T, H_q, D].
 
-    The new tokens' K/V must already be written (write_kv). Torch ops only, so
-    the same code runs on CPU and CUDA.
+    The new tokens' K/V must already be written (write_kv). Decode-only steps on
+    float32 CPU tensors run the native kernel (engine/kernels/decode_attention.c),
+    which reads the cache in place; everything else runs `paged_attention_torch`.
     """
+    if meta.is_decode_only and native_decode.can_run(query, key_cache):
+        visible = meta.attn_mask[:, 0] if meta.attn_mask is not None else None
+        return native_decode.decode_attention(query, key_cache, value_cache, meta.key_blocks, visible, scale)
+    return paged_attention_torch(query, key_cache, value_cache, meta, scale)
+
+
+def paged_attention_torch(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """paged_attention in torch ops only, so the same code runs on CPU and CUDA."""
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     num_seqs, num_blocks = meta.key_blocks.shape
