@@ -66,6 +66,9 @@ class ModelRunner:
             )
             for _ in range(model_config.num_layers)
         ]
+        enable_fused = getattr(self.model, "enable_fused_decode", None)
+        if enable_fused is not None and enable_fused(self.kv_caches):
+            logger.info("decode steps run all layers in one native call (engine/kernels/llama_decode.c)")
 
     def build_inputs(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Flat input ids [T], positions [T] and the attention metadata for one step."""

@@ -38,11 +38,11 @@ static inline void axpy(float *out, float w, const float *v, int64_t n) {
     for (; i < n; i++) out[i] += w * v[i];
 }
 
-/* Returns 0 on success, 1 if a scratch buffer could not be allocated. */
-int kv_decode_attention(const float *query, const float *key_cache, const float *value_cache,
-                        const int64_t *blocks, const uint8_t *mask, float *out, int64_t num_seqs,
-                        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                        int64_t num_blocks_per_seq, float scale, int num_threads) {
+/* Attention of rows [b] for all heads; query row b starts at query + b * query_row_stride. */
+static int decode_attention_strided(const float *query, int64_t query_row_stride, const float *key_cache,
+                                    const float *value_cache, const int64_t *blocks, const uint8_t *mask, float *out,
+                                    int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                                    int64_t block_size, int64_t num_blocks_per_seq, float scale, int num_threads) {
     int64_t num_keys = num_blocks_per_seq * block_size;
     int64_t group = num_heads / num_kv_heads;
     int64_t slot_stride = num_kv_heads * head_dim; /* floats between consecutive cache slots */
@@ -58,7 +58,7 @@ int kv_decode_attention(const float *query, const float *key_cache, const float 
         for (int64_t task = 0; task < num_seqs * num_heads; task++) {
             if (!scores) continue;
             int64_t b = task / num_heads, h = task % num_heads, kvh = h / group;
-            const float *q = query + (b * num_heads + h) * head_dim;
+            const float *q = query + b * query_row_stride + h * head_dim;
             const int64_t *table = blocks + b * num_blocks_per_seq;
             const uint8_t *visible = mask ? mask + b * num_keys : NULL;
             float best = -INFINITY;
@@ -86,4 +86,14 @@ int kv_decode_attention(const float *query, const float *key_cache, const float 
         free(scores);
     }
     return failed;
+}
+
+/* Returns 0 on success, 1 if a scratch buffer could not be allocated. */
+int kv_decode_attention(const float *query, const float *key_cache, const float *value_cache,
+                        const int64_t *blocks, const uint8_t *mask, float *out, int64_t num_seqs,
+                        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                        int64_t num_blocks_per_seq, float scale, int num_threads) {
+    return decode_attention_strided(query, num_heads * head_dim, key_cache, value_cache, blocks, mask, out, num_seqs,
+                                    num_heads, num_kv_heads, head_dim, block_size, num_blocks_per_seq, scale,
+                                    num_threads);
 }

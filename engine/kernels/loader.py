@@ -44,9 +44,12 @@ def _check_machine() -> None:
 
 
 def library_path(name: str) -> Path:
-    """Where the build of `engine/kernels/<name>.c` is cached: keyed by its source and flags."""
-    source = SOURCE_DIR / f"{name}.c"
-    digest = hashlib.sha256(source.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:16]
+    """Where the build of `engine/kernels/<name>.c` is cached: keyed by the sources and flags.
+
+    Every .c file counts, because a kernel may #include another.
+    """
+    sources = [SOURCE_DIR / f"{name}.c", *sorted(SOURCE_DIR.glob("*.c"))]
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in sources) + " ".join(CFLAGS).encode()).hexdigest()[:16]
     return kvserve_home() / "kernels" / f"{name}-{digest}.so"
 
 

@@ -14,6 +14,7 @@ from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention, write_kv
 from engine.config import ModelConfig
+from engine.kernels.llama_decode import FusedLlamaDecode
 from engine.kernels.rms_norm import rms_norm
 from engine.models.common import RotaryEmbedding, apply_rotary, assign, take
 
@@ -88,6 +89,14 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(config.hidden_size, eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary: RotaryEmbedding | None = None
+        self.fused_decode: FusedLlamaDecode | None = None
+
+    def enable_fused_decode(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+        """Run decode-only steps through one native call (int8 float32 CPU models); True if enabled."""
+        layers = list(self.layers)
+        if FusedLlamaDecode.supported(layers, kv_caches):
+            self.fused_decode = FusedLlamaDecode(layers, kv_caches, layers[0].input_norm.eps)
+        return self.fused_decode is not None
 
     def forward(
         self,
@@ -95,12 +104,19 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
+        allow_fused: bool = True,
     ) -> torch.Tensor:
-        """input_ids, positions: [T] -> final hidden states [T, hidden]."""
+        """input_ids, positions: [T] -> final hidden states [T, hidden].
+
+        allow_fused=False forces the torch layers (the reference for the fused decode path).
+        """
         hidden = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden = layer(hidden, cos, sin, kv_cache, meta)
+        if meta.is_decode_only and allow_fused and self.fused_decode is not None:
+            hidden = self.fused_decode(hidden, cos, sin, meta)
+        else:
+            for layer, kv_cache in zip(self.layers, kv_caches):
+                hidden = layer(hidden, cos, sin, kv_cache, meta)
         return self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
