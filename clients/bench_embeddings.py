@@ -22,9 +22,12 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
+
+from engine.torch_thread import single_torch_thread
 
 _WORD_TEXT = (
     "the of and to in is that for it as was with be by on not he this are or his from at which but have an they "
@@ -131,8 +134,16 @@ def main(argv: list[str] | None = None) -> int:
 
     sentences = make_sentences(args.num_sentences, args.seed)
     model_dir = str(resolve_model(args.model))
-    embedder = Embedder(EmbedderConfig(model=model_dir, dtype=args.dtype, max_batch_tokens=args.max_batch_tokens))
-    st = SentenceTransformer(model_dir, device="cpu")
+    # All torch work (loading, encoding, kvserve's forwards) on one thread, as in the server:
+    # a second thread doing torch work would slow both down (engine/torch_thread.py).
+    torch_thread = single_torch_thread()
+
+    def on_torch(fn: Callable[[], Any]) -> Any:
+        return torch_thread.submit(fn).result()
+
+    config = EmbedderConfig(model=model_dir, dtype=args.dtype, max_batch_tokens=args.max_batch_tokens)
+    embedder = on_torch(lambda: Embedder(config))
+    st = on_torch(lambda: SentenceTransformer(model_dir, device="cpu"))
     num_tokens = sum(len(ids) for ids in embedder.tokenize(sentences))
     print(
         f"{len(sentences)} sentences, {num_tokens} tokens ({num_tokens / len(sentences):.1f}/sentence); "
@@ -140,25 +151,30 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     # warm-up: first calls allocate and pick kernels
-    st.encode(sentences[:64], batch_size=args.batch_size)
-    embedder.embed(sentences[:64])
+    on_torch(lambda: st.encode(sentences[:64], batch_size=args.batch_size))
+    on_torch(lambda: embedder.embed(sentences[:64]))
 
     def st_batched() -> torch.Tensor:
-        return st.encode(sentences, batch_size=args.batch_size, convert_to_tensor=True, show_progress_bar=False)
+        return on_torch(
+            lambda: st.encode(sentences, batch_size=args.batch_size, convert_to_tensor=True, show_progress_bar=False)
+        )
 
     single_sentences = sentences[: args.st_single_limit]
 
     def st_single() -> torch.Tensor:
-        vecs = [st.encode([s], convert_to_tensor=True)[0] for s in tqdm(single_sentences, desc="st x1", leave=False)]
-        return torch.stack(vecs)
+        def encode_each() -> torch.Tensor:
+            bar = tqdm(single_sentences, desc="st x1", leave=False)
+            return torch.stack([st.encode([s], convert_to_tensor=True)[0] for s in bar])
+
+        return on_torch(encode_each)
 
     def kv_batch() -> torch.Tensor:
-        return embedder.embed(sentences).vectors
+        return on_torch(lambda: embedder.embed(sentences).vectors)
 
     def kv_async_single() -> torch.Tensor:
         async def run() -> torch.Tensor:
             async_embedder = AsyncEmbedder(embedder)
-            await async_embedder.start()
+            await async_embedder.start(torch_thread)
             try:
                 return await _async_single_requests(async_embedder, sentences, args.concurrency, "kvserve x1")
             finally:
