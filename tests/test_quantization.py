@@ -51,7 +51,7 @@ def test_kernel_builds_where_it_should():
 @needs_kernel
 @pytest.mark.parametrize(
     "rows,out_features,in_features",
-    [(1, 7, 13), (1, 1536, 576), (2, 9, 576), (3, 576, 1536), (5, 33, 100), (16, 40, 17), (48, 130, 64)],
+    [(1, 7, 13), (1, 1536, 576), (1, 5, 600), (2, 9, 576), (3, 576, 1536), (5, 33, 100), (16, 40, 17), (48, 130, 64)],
 )
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_kernel_matches_reference(rows, out_features, in_features, with_bias):
@@ -78,14 +78,15 @@ def test_kernel_rows_do_not_depend_on_each_other():
 
 
 @needs_kernel
-def test_kernel_long_rows_do_not_overflow_int32():
-    # 9,000 products of 32767 * 127 sum to ~3.7e10: int32 accumulators must be flushed on the way.
-    in_features = 9000
+@pytest.mark.parametrize("rows", [1, 2], ids=["row path", "tile path"])
+def test_kernel_long_rows_do_not_overflow_int32(rows):
+    # 20,000 products of 32767 * 127 sum to ~8e10: int32 accumulators must be flushed on the way.
+    in_features = 20000
     quantized = torch.full((5, in_features), 127, dtype=torch.int8)
     scale = torch.ones(5)
-    x = torch.ones(2, in_features)
+    x = torch.ones(rows, in_features)
     got = int8_linear_kernel(x, quantized, scale, None)
-    assert torch.allclose(got, torch.full((2, 5), 127.0 * in_features), rtol=1e-6)
+    assert torch.allclose(got, torch.full((rows, 5), 127.0 * in_features), rtol=1e-6)
 
 
 @needs_kernel

@@ -16,6 +16,10 @@
  * KCHUNK columns so no sum overflows: |one vpmaddwd lane| <= 2 * 32767 * 127 and
  * a lane adds KCHUNK / 16 of them (< 2^31); lanes are summed in int64.
  *
+ * Batch 1 (M == 1) streams each thread's block of weight rows one row at a time
+ * (row_dot); larger M uses tiles of 4 weight rows x 2 activation rows, so each
+ * widened weight vector serves two rows.
+ *
  * Built at first use by engine/kernels/loader.py against the OpenMP runtime
  * torch already loaded.
  */
@@ -74,6 +78,38 @@ static inline __attribute__((always_inline)) void tile(const int16_t *xq, int64_
     }
 }
 
+/* One weight row against one activation row, 64 columns a step into four accumulators.
+ * Used when M == 1 (batch-1 decode): each thread then streams its block of weight rows
+ * front to back, which the tile path's four interleaved rows did not: measured 21 GB/s
+ * against 12 GB/s on a 3072 x 576 matrix. */
+static inline int64_t row_dot(const int16_t *xq, const int8_t *row, int64_t K) {
+    int64_t total = 0;
+    for (int64_t k0 = 0; k0 < K; k0 += 4 * KCHUNK) { /* each accumulator lane adds one vpmaddwd per 64 columns */
+        int64_t k1 = k0 + 4 * KCHUNK < K ? k0 + 4 * KCHUNK : K;
+        __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
+        int64_t k = k0;
+        for (; k + 64 <= k1; k += 64) {
+            _mm_prefetch((const char *)(row + k + 1024), _MM_HINT_T0);
+            __m256i w01 = _mm256_loadu_si256((const __m256i *)(row + k));
+            __m256i w23 = _mm256_loadu_si256((const __m256i *)(row + k + 32));
+            const __m256i *xv = (const __m256i *)(xq + k);
+            a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(_mm256_loadu_si256(xv),
+                                                         _mm256_cvtepi8_epi16(_mm256_castsi256_si128(w01))));
+            a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(_mm256_loadu_si256(xv + 1),
+                                                         _mm256_cvtepi8_epi16(_mm256_extracti128_si256(w01, 1))));
+            a2 = _mm256_add_epi32(a2, _mm256_madd_epi16(_mm256_loadu_si256(xv + 2),
+                                                         _mm256_cvtepi8_epi16(_mm256_castsi256_si128(w23))));
+            a3 = _mm256_add_epi32(a3, _mm256_madd_epi16(_mm256_loadu_si256(xv + 3),
+                                                         _mm256_cvtepi8_epi16(_mm256_extracti128_si256(w23, 1))));
+        }
+        for (; k + 16 <= k1; k += 16)
+            a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(xq + k)), load_w16(row + k)));
+        total += hsum_i64(a0) + hsum_i64(a1) + hsum_i64(a2) + hsum_i64(a3);
+        for (; k < k1; k++) total += (int64_t)xq[k] * row[k];
+    }
+    return total;
+}
+
 /* Round each row of x to int16 with its own scale; returns the scales in x_scale. */
 static void quantize_rows(const float *x, int64_t M, int64_t K, int16_t *xq, float *x_scale) {
     for (int64_t m = 0; m < M; m++) {
@@ -97,6 +133,15 @@ int kv_int8_gemm(const float *x, int64_t M, int64_t K, const int8_t *w, const fl
     if (!xq) return 1;
     float *x_scale = (float *)(xq + M * K);
     quantize_rows(x, M, K, xq, x_scale);
+    if (M == 1) {
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+        for (int64_t n = 0; n < N; n++) {
+            float v = (float)row_dot(xq, w + n * K, K) * x_scale[0] * w_scale[n];
+            y[n] = bias ? v + bias[n] : v;
+        }
+        free(xq);
+        return 0;
+    }
     int64_t num_tiles = (N + 3) / 4;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int64_t t = 0; t < num_tiles; t++) {
