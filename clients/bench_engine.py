@@ -160,7 +160,7 @@ def int8_micro_benchmarks(engine: LLMEngine, row_counts: list[int], repeats: int
     linears = [m for m in engine.runner.model.modules() if isinstance(m, torch.nn.Linear)]
     if not linears:  # the engine itself runs int8: time its layers' float copies
         quantized = [m for m in engine.runner.model.modules() if isinstance(m, Int8Linear)]
-        floats = [(q.weight_integers, q.bias) for q in quantized]
+        floats = [(q.dequantized, q.bias) for q in quantized]
     else:
         quantized = [Int8Linear(m) for m in linears]
         floats = [(m.weight, m.bias) for m in linears]

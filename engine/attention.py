@@ -31,8 +31,11 @@ class AttentionMetadata:
     key_blocks:     [B, N]        cache blocks each sequence's queries may read (padded with the null block);
                                   whole blocks are gathered, K = N * block_size keys per sequence
     attn_mask:      [B, Q, K]     True where query q of sequence b may see key k; None when all True
+                                  or when is_causal says it all
     query_index:    [B, Q]        flat token index of each padded query (padding -> T, a scratch row)
     is_decode_only: every sequence has exactly one new token (Q == 1, query_index is arange)
+    is_causal:      every sequence starts at position 0 and no window cuts in: query q sees keys
+                    0..q, which SDPA's is_causal computes without a mask, skipping the masked half
     """
 
     slot_mapping: torch.Tensor
@@ -40,6 +43,7 @@ class AttentionMetadata:
     attn_mask: torch.Tensor | None
     query_index: torch.Tensor
     is_decode_only: bool
+    is_causal: bool = False
 
     @property
     def num_seqs(self) -> int:
@@ -117,13 +121,22 @@ def build_attention_metadata(
     )
     # Padding queries see one key so their (discarded) softmax stays finite.
     mask[:, :, 0] |= torch.from_numpy(query_positions < 0)
+    is_decode_only = max_queries == 1
+    # Prompts computed from their first token with no window inside them (the usual prefill):
+    # the mask is plain causal from key 0 (padding queries see key 0 too, so stay finite).
+    is_causal = (
+        not is_decode_only
+        and all(start == 0 for start in starts)
+        and (sliding_window is None or sliding_window >= max_queries)
+    )
     return AttentionMetadata(
         slot_mapping=torch.from_numpy(np.concatenate(new_slots)).to(device),
         key_blocks=torch.from_numpy(key_blocks).to(device),
         # An all-visible mask (e.g. one decoding sequence) is dropped: SDPA is faster without one.
-        attn_mask=None if bool(mask.all()) else mask.to(device),
+        attn_mask=None if is_causal or bool(mask.all()) else mask.to(device),
         query_index=torch.from_numpy(query_index).to(device),
-        is_decode_only=max_queries == 1,
+        is_decode_only=is_decode_only,
+        is_causal=is_causal,
     )
 
 
@@ -189,6 +202,7 @@ def paged_attention_torch(
         keys,
         values,
         attn_mask=meta.attn_mask.unsqueeze(1) if meta.attn_mask is not None else None,
+        is_causal=meta.is_causal,
         scale=scale,
         enable_gqa=num_heads != num_kv_heads,
     ).transpose(1, 2)  # [B, Q, H_q, D]

@@ -4,11 +4,11 @@ Each nn.Linear's weight [N, K] is rounded to int8 with one symmetric float32
 scale per output channel (w ~= q * scale[n], q in -127..127); activations stay
 float32. Decode-sized products (M <= MAX_KERNEL_ROWS) run in the AVX2 kernel
 `engine/kernels/int8_gemm.c`, which reads a quarter of float32's weight bytes.
-Larger ones (prefill) are compute-bound and run in float32 BLAS with the
-kernel's own arithmetic (`int8_linear_blas`: the same int16-rounded rows times
-a float copy of the integer weights, scales applied after), so a row gets the
-same result, to float32 rounding, whichever path its batch took: sampling
-stays batch-invariant. The price is memory: float32 + int8 weights.
+Larger ones (prefill) are compute-bound and run in float32 BLAS on the same
+numbers (`int8_linear_blas`: the activation rows rounded to the kernel's int16
+grid, times the dequantized int8 weight), so a row gets the same result, to
+float32 rounding, whichever path its batch took: sampling stays
+batch-invariant. The price is memory: float32 + int8 weights.
 `int8_linear_reference` is the plain definition both are tested against; the
 BLAS path also runs when the kernel cannot be built.
 
@@ -57,20 +57,28 @@ def int8_linear_reference(
     return F.linear(x, dequantize_int8(quantized, scale).to(x.dtype), None if bias is None else bias.to(x.dtype))
 
 
-def round_rows_int16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] float32 -> (integer-valued float32 [M, K], scale [M, 1]), exactly as the kernel rounds."""
+def round_rows_int16(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] float32 -> each row rounded to the kernel's int16 grid (q * scale, scale = max|row| / 32767)."""
+    rounder = _round_rows_kernel()
+    if rounder is not None and x.dtype == torch.float32 and x.device.type == "cpu":
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        rounder(x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], torch.get_num_threads())
+        return out
     amax = x.abs().amax(dim=-1, keepdim=True)
     scale = torch.where(amax > 0, amax / 32767.0, torch.ones_like(amax))
-    return torch.round(x * (1.0 / scale)).clamp_(-32767, 32767), scale
+    return torch.round(x * (1.0 / scale)).clamp_(-32767, 32767) * scale
 
 
-def int8_linear_blas(
-    x: torch.Tensor, weight_integers: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
-) -> torch.Tensor:
-    """The kernel's arithmetic in float32 BLAS. x [M, K]; weight_integers: the int8 weight as float32."""
-    rounded, row_scale = round_rows_int16(x)
-    out = F.linear(rounded, weight_integers) * row_scale * scale
-    return out if bias is None else out + bias
+def int8_linear_blas(x: torch.Tensor, dequantized: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The kernel's numbers in float32 BLAS: x [M, K] rounded like the kernel, dequantized weight [N, K]."""
+    return F.linear(round_rows_int16(x), dequantized, bias)
+
+
+@functools.cache
+def _round_rows_kernel():
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    return load_function("int8_gemm", "kv_round_rows_int16", [ptr, ptr, i64, i64, ctypes.c_int], None)
 
 
 @functools.cache
@@ -112,8 +120,8 @@ def int8_linear_kernel(
 class Int8Linear(nn.Module):
     """Drop-in for a float32 CPU nn.Linear whose weight is rounded to int8.
 
-    Keeps the int8 weight for the kernel and a float32 copy of its integers
-    for large batches (see the module docstring).
+    Keeps the int8 weight for the kernel and its dequantized float32 copy for
+    large batches (see the module docstring).
     """
 
     def __init__(self, linear: nn.Linear) -> None:
@@ -125,7 +133,7 @@ class Int8Linear(nn.Module):
         quantized, scale = quantize_int8(linear.weight)
         self.register_buffer("quantized", quantized)
         self.register_buffer("scale", scale)
-        self.register_buffer("weight_integers", quantized.float())
+        self.register_buffer("dequantized", dequantize_int8(quantized, scale))
         bias = linear.bias.detach().float().contiguous() if linear.bias is not None else None
         self.register_buffer("bias", bias)
 
@@ -135,7 +143,7 @@ class Int8Linear(nn.Module):
         if flat.shape[0] <= MAX_KERNEL_ROWS and int8_kernel() is not None:
             out = int8_linear_kernel(flat.float(), self.quantized, self.scale, self.bias)
         else:
-            out = int8_linear_blas(flat.float(), self.weight_integers, self.scale, self.bias)
+            out = int8_linear_blas(flat.float(), self.dequantized, self.bias)
         return out.view(*leading, self.out_features)
 
     def extra_repr(self) -> str:

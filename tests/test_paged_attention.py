@@ -95,3 +95,34 @@ def test_decode_kernel_builds_where_it_should():
 
     expected = shutil.which("gcc") is not None and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
     assert (decode_attention_kernel() is not None) == expected
+
+
+@pytest.mark.parametrize("window", [None, 64, 5], ids=["no window", "window past the prompts", "window inside"])
+def test_prompts_from_position_zero_match_dense(window):
+    """Whole prompts (the usual prefill) skip the mask for SDPA's is_causal unless a window cuts in."""
+    torch.manual_seed(7)
+    block_size, num_kv_heads, num_heads, head_dim = 4, 2, 4, 8
+    key_cache = torch.zeros(64, block_size, num_kv_heads, head_dim)
+    value_cache = torch.zeros_like(key_cache)
+    lengths = [9, 3, 14]
+    tables, next_block = [], 1
+    for length in lengths:
+        count = -(-length // block_size)
+        tables.append(list(range(next_block, next_block + count)))
+        next_block += count
+    meta = build_attention_metadata([0] * 3, lengths, tables, block_size, window, 0, torch.device("cpu"))
+    assert meta.is_causal == (window != 5) and (meta.attn_mask is None) == meta.is_causal
+    keys = torch.randn(sum(lengths), num_kv_heads, head_dim)
+    values = torch.randn(sum(lengths), num_kv_heads, head_dim)
+    write_kv(key_cache, value_cache, keys, values, meta.slot_mapping)
+    queries = torch.randn(sum(lengths), num_heads, head_dim)
+    out = paged_attention(queries, key_cache, value_cache, meta, head_dim**-0.5)
+    offset = 0
+    for length in lengths:
+        rows = slice(offset, offset + length)
+        positions = torch.arange(length)
+        expected = dense_reference_attention(
+            queries[rows], keys[rows], values[rows], positions, positions, head_dim**-0.5, window
+        )
+        torch.testing.assert_close(out[rows], expected, atol=1e-5, rtol=1e-5)
+        offset += length

@@ -106,7 +106,7 @@ def test_blas_path_matches_reference_without_the_kernel():
     torch.manual_seed(3)
     layer = Int8Linear(nn.Linear(50, 20))
     x = torch.randn(7, 50)
-    got = int8_linear_blas(x, layer.weight_integers, layer.scale, layer.bias)
+    got = int8_linear_blas(x, layer.dequantized, layer.bias)
     expected = _reference64(x, layer.quantized, layer.scale, layer.bias)
     assert (got.double() - expected).abs().max() <= 1e-4 * expected.abs().max()
 
@@ -156,3 +156,15 @@ def test_int8_engine_logits_stay_close_to_float32(tiny_llama_dir):
     got = int8_engine.generate([prompt], params)[0][0]
     # Tiny random weights have no outliers, so per-channel int8 keeps greedy choices here.
     assert got.token_ids == expected.token_ids
+
+
+def test_rounding_rows_matches_the_kernel_grid_in_torch():
+    from engine.quantization import round_rows_int16
+
+    torch.manual_seed(4)
+    x = torch.randn(9, 70) * torch.logspace(-3, 3, 9)[:, None]
+    x[4] = 0
+    amax = x.abs().amax(dim=-1, keepdim=True)
+    scale = torch.where(amax > 0, amax / 32767.0, torch.ones_like(amax))
+    expected = torch.round(x * (1.0 / scale)).clamp(-32767, 32767) * scale
+    assert torch.equal(round_rows_int16(x), expected)

@@ -165,3 +165,20 @@ int kv_int8_gemm(const float *x, int64_t M, int64_t K, const int8_t *w, const fl
     return 0;
 }
 
+
+/* out = each row of x rounded to the kernel's int16 grid (q * scale, q as in quantize_rows):
+ * what the float32 BLAS path for large M multiplies, so both paths see the same activations. */
+void kv_round_rows_int16(const float *x, float *out, int64_t M, int64_t K, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t m = 0; m < M; m++) {
+        const float *row = x + m * K;
+        float amax = 0.0f;
+        for (int64_t k = 0; k < K; k++) amax = fmaxf(amax, fabsf(row[k]));
+        float scale = amax > 0.0f ? amax / 32767.0f : 1.0f;
+        float inv = 1.0f / scale;
+        for (int64_t k = 0; k < K; k++) {
+            float q = nearbyintf(row[k] * inv);
+            out[m * K + k] = (q > 32767.0f ? 32767.0f : (q < -32767.0f ? -32767.0f : q)) * scale;
+        }
+    }
+}
