@@ -61,6 +61,7 @@ class ServerThread:
             log_level="warning",
             access_log=False,
             lifespan="on",
+            loop="asyncio",  # as `kvserve serve` runs it (server/cli.py says why)
             timeout_graceful_shutdown=shutdown_timeout,
         )
         self.server = uvicorn.Server(config)
