@@ -110,18 +110,25 @@ static inline int64_t row_dot(const int16_t *xq, const int8_t *row, int64_t K) {
     return total;
 }
 
+/* The int16 grid of one activation row: scale = max|row| / 32767 (1 for an all-zero row). */
+static inline float row_scale(const float *row, int64_t K) {
+    float amax = 0.0f;
+    for (int64_t k = 0; k < K; k++) amax = fmaxf(amax, fabsf(row[k]));
+    return amax > 0.0f ? amax / 32767.0f : 1.0f;
+}
+
+/* v on that grid, as an integer in -32767..32767 (inv = 1 / scale) */
+static inline float grid_value(float v, float inv) {
+    float q = nearbyintf(v * inv);
+    return q > 32767.0f ? 32767.0f : (q < -32767.0f ? -32767.0f : q);
+}
+
 /* Round each row of x to int16 with its own scale; returns the scales in x_scale. */
 static void quantize_rows(const float *x, int64_t M, int64_t K, int16_t *xq, float *x_scale) {
     for (int64_t m = 0; m < M; m++) {
         const float *row = x + m * K;
-        float amax = 0.0f;
-        for (int64_t k = 0; k < K; k++) amax = fmaxf(amax, fabsf(row[k]));
-        float scale = amax > 0.0f ? amax / 32767.0f : 1.0f;
-        float inv = 1.0f / scale;
-        for (int64_t k = 0; k < K; k++) {
-            float q = nearbyintf(row[k] * inv);
-            xq[m * K + k] = (int16_t)(q > 32767.0f ? 32767.0f : (q < -32767.0f ? -32767.0f : q));
-        }
+        float scale = row_scale(row, K), inv = 1.0f / scale;
+        for (int64_t k = 0; k < K; k++) xq[m * K + k] = (int16_t)grid_value(row[k], inv);
         x_scale[m] = scale;
     }
 }
@@ -172,13 +179,7 @@ void kv_round_rows_int16(const float *x, float *out, int64_t M, int64_t K, int n
 #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int64_t m = 0; m < M; m++) {
         const float *row = x + m * K;
-        float amax = 0.0f;
-        for (int64_t k = 0; k < K; k++) amax = fmaxf(amax, fabsf(row[k]));
-        float scale = amax > 0.0f ? amax / 32767.0f : 1.0f;
-        float inv = 1.0f / scale;
-        for (int64_t k = 0; k < K; k++) {
-            float q = nearbyintf(row[k] * inv);
-            out[m * K + k] = (q > 32767.0f ? 32767.0f : (q < -32767.0f ? -32767.0f : q)) * scale;
-        }
+        float scale = row_scale(row, K), inv = 1.0f / scale;
+        for (int64_t k = 0; k < K; k++) out[m * K + k] = grid_value(row[k], inv) * scale;
     }
 }
