@@ -116,24 +116,28 @@ def build_attention_metadata(
         query_positions[i, :count] = np.arange(start, start + count)
         query_index[i, :count] = np.arange(offset, offset + count)
         offset += count
-    mask = visible_mask(
-        torch.from_numpy(query_positions), torch.from_numpy(key_positions), sliding_window, num_sink_tokens
-    )
-    # Padding queries see one key so their (discarded) softmax stays finite.
-    mask[:, :, 0] |= torch.from_numpy(query_positions < 0)
     is_decode_only = max_queries == 1
     # Prompts computed from their first token with no window inside them (the usual prefill):
-    # the mask is plain causal from key 0 (padding queries see key 0 too, so stay finite).
+    # the mask is plain causal from key 0 (padding queries see key 0 too, so stay finite),
+    # which SDPA computes without one; no mask is built for them.
     is_causal = (
         not is_decode_only
         and all(start == 0 for start in starts)
         and (sliding_window is None or sliding_window >= max_queries)
     )
+    attn_mask = None
+    if not is_causal:
+        mask = visible_mask(
+            torch.from_numpy(query_positions), torch.from_numpy(key_positions), sliding_window, num_sink_tokens
+        )
+        # Padding queries see one key so their (discarded) softmax stays finite.
+        mask[:, :, 0] |= torch.from_numpy(query_positions < 0)
+        # An all-visible mask (e.g. one decoding sequence) is dropped: SDPA is faster without one.
+        attn_mask = None if bool(mask.all()) else mask.to(device)
     return AttentionMetadata(
         slot_mapping=torch.from_numpy(np.concatenate(new_slots)).to(device),
         key_blocks=torch.from_numpy(key_blocks).to(device),
-        # An all-visible mask (e.g. one decoding sequence) is dropped: SDPA is faster without one.
-        attn_mask=None if is_causal or bool(mask.all()) else mask.to(device),
+        attn_mask=attn_mask,
         query_index=torch.from_numpy(query_index).to(device),
         is_decode_only=is_decode_only,
         is_causal=is_causal,

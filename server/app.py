@@ -7,7 +7,6 @@ app.state holds everything the routes share: config, engine (AsyncEngine), embed
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Executor
@@ -144,8 +143,6 @@ async def _load_models(
         if config.embedding_model:
             logger.info("loading embedding model %s", config.embedding_model)
             embedder = await loop.run_in_executor(torch_thread, embedder_factory, config)
-            if inspect.isawaitable(embedder):
-                embedder = await embedder
             await embedder.start(torch_thread)
             app.state.embedder = embedder
         app.state.is_ready = True

@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
-import torch
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.params import SamplingParams
+from tests.native_kernels import needs_kernels
 
-KERNEL_EXPECTED = shutil.which("gcc") is not None and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
-pytestmark = pytest.mark.skipif(not KERNEL_EXPECTED, reason="needs gcc and an AVX2 CPU")
+pytestmark = needs_kernels
 
 WORDS = "the quick brown fox jumps over lazy dog hello world paged cache".split()
 

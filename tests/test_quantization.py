@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
@@ -24,9 +23,7 @@ from engine.quantization import (
     quantize_linears,
     resolve_quantization,
 )
-
-KERNEL_EXPECTED = shutil.which("gcc") is not None and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
-needs_kernel = pytest.mark.skipif(not KERNEL_EXPECTED, reason="needs gcc and an AVX2 CPU")
+from tests.native_kernels import KERNELS_EXPECTED, needs_kernels
 
 
 def _reference64(x, quantized, scale, bias):
@@ -45,10 +42,10 @@ def test_quantize_rounds_each_channel_to_its_scale():
 
 def test_kernel_builds_where_it_should():
     # A machine with gcc and AVX2 (CI, this project's laptops) must not silently fall back.
-    assert (int8_kernel() is not None) == KERNEL_EXPECTED
+    assert (int8_kernel() is not None) == KERNELS_EXPECTED
 
 
-@needs_kernel
+@needs_kernels
 @pytest.mark.parametrize(
     "rows,out_features,in_features",
     [(1, 7, 13), (1, 1536, 576), (1, 5, 600), (2, 9, 576), (3, 576, 1536), (5, 33, 100), (16, 40, 17), (48, 130, 64)],
@@ -65,7 +62,7 @@ def test_kernel_matches_reference(rows, out_features, in_features, with_bias):
     assert (got.double() - expected).abs().max() <= 1e-4 * expected.abs().max()
 
 
-@needs_kernel
+@needs_kernels
 def test_kernel_rows_do_not_depend_on_each_other():
     torch.manual_seed(1)
     layer = Int8Linear(nn.Linear(300, 45))
@@ -77,7 +74,7 @@ def test_kernel_rows_do_not_depend_on_each_other():
         assert torch.equal(together[i], alone[0])
 
 
-@needs_kernel
+@needs_kernels
 @pytest.mark.parametrize("rows", [1, 2], ids=["row path", "tile path"])
 def test_kernel_long_rows_do_not_overflow_int32(rows):
     # 20,000 products of 32767 * 127 sum to ~8e10: int32 accumulators must be flushed on the way.
@@ -89,7 +86,7 @@ def test_kernel_long_rows_do_not_overflow_int32(rows):
     assert torch.allclose(got, torch.full((rows, 5), 127.0 * in_features), rtol=1e-6)
 
 
-@needs_kernel
+@needs_kernels
 def test_small_and_large_batches_compute_the_same_model():
     torch.manual_seed(2)
     layer = Int8Linear(nn.Linear(96, 64))

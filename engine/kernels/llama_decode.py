@@ -74,7 +74,7 @@ class FusedLlamaDecode:
 
     def __init__(self, layers, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], eps: float) -> None:
         first = layers[0]
-        self.dims = (first.q_size + 2 * first.kv_size, first.intermediate, first.num_heads, first.num_kv_heads)
+        self.intermediate, self.num_heads, self.num_kv_heads = first.intermediate, first.num_heads, first.num_kv_heads
         self.head_dim, self.scale, self.eps = first.head_dim, first.scale, eps
         self.layers = (_LlamaLayer * len(layers))(
             *[
@@ -108,20 +108,19 @@ class FusedLlamaDecode:
         self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         """hidden [B, H] after the embedding -> [B, H] after the last layer (before the final norm)."""
-        hidden = hidden.contiguous().clone()
+        hidden = hidden.clone(memory_format=torch.contiguous_format)  # updated in place by the kernel
         num_seqs, hidden_size = hidden.shape
         cos = cos.reshape(num_seqs, self.head_dim).contiguous()
         sin = sin.reshape(num_seqs, self.head_dim).contiguous()
         blocks = meta.key_blocks.contiguous()
         mask = meta.attn_mask[:, 0].contiguous().view(torch.uint8) if meta.attn_mask is not None else None
         slots = meta.slot_mapping.contiguous()
-        _, intermediate, num_heads, num_kv_heads = self.dims
         step = _DecodeStep(
             num_seqs,
             hidden_size,
-            intermediate,
-            num_heads,
-            num_kv_heads,
+            self.intermediate,
+            self.num_heads,
+            self.num_kv_heads,
             self.head_dim,
             self.block_size,
             blocks.shape[1],

@@ -1,6 +1,6 @@
 """RMSNorm: the native kernel (rms_norm.c) for float32 CPU tensors, torch.rms_norm otherwise.
 
-torch.rms_norm is the reference; tests/test_quantization.py holds the two equal.
+torch.rms_norm is the reference; tests/test_rms_norm_kernel.py holds the two equal.
 """
 
 from __future__ import annotations
