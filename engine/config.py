@@ -14,7 +14,7 @@ import torch
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SUPPORTED_DTYPES = tuple(TORCH_DTYPES)
 # none: weights in `dtype`. int8: weight-only int8 linear layers (CPU, float32;
-# engine/quantization.py). auto: int8 for a GGUF file on CPU in float32 (its
+# engine/ops/int8_linear.py). auto: int8 for a GGUF file on CPU in float32 (its
 # weights are stored quantized already), none otherwise.
 QUANTIZATION_MODES = ("none", "int8", "auto")
 
@@ -28,7 +28,7 @@ def cdiv(numerator: int, denominator: int) -> int:
 class EngineConfig:
     """Everything needed to build an LLMEngine.
 
-    model: a default-model alias (see engine.models_hub), a local HF directory,
+    model: a default-model alias (see engine.hub.models_hub), a local HF directory,
         a local .gguf file, or a Hub id.
     kv_cache_memory_bytes: budget for the KV block pool; num_blocks overrides it.
     sliding_window: force a window on any model (None: the model's own, if any).

@@ -1,6 +1,6 @@
 """Sentence embeddings: tokenize -> length-sorted token-budget batches -> BERT encoder -> pool -> normalise.
 
-`Embedder` is synchronous and owns the model and tokenizer; `engine.async_embedder.AsyncEmbedder`
+`Embedder` is synchronous and owns the model and tokenizer; `engine.serving.async_embedder.AsyncEmbedder`
 batches concurrent requests on top of its two halves (`tokenize` and `forward_pooled`).
 
 Which limit applies: an input may be as long as the model's position table
@@ -29,8 +29,8 @@ import torch.nn.functional as F
 
 from engine.config import TORCH_DTYPES
 from engine.errors import InvalidRequestError, ModelLoadError
+from engine.hub.models_hub import resolve_or_download
 from engine.models.bert import BertModel, EncoderBatch, load_bert
-from engine.models_hub import resolve_or_download
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ EmbedInputs = Sequence[str] | Sequence[Sequence[int]]
 class EmbedderConfig:
     """What a user sets for the embedding model.
 
-    model: alias (engine.models_hub), or a local Hugging Face directory.
+    model: alias (engine.hub.models_hub), or a local Hugging Face directory.
     max_batch_tokens: token budget of one encoder forward (real tokens; batches are packed, no padding).
     pooling: None = from the model's sentence-transformers files (mean when there are none).
     normalize: default for requests that do not say; None = from the model's files (a Normalize

@@ -21,8 +21,8 @@ _LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
 def _cmd_pull(args: argparse.Namespace) -> int:
-    from engine import models_hub
     from engine.errors import ModelLoadError
+    from engine.hub import models_hub
 
     names = args.names or list(models_hub.MODELS)
     status = 0
@@ -49,7 +49,7 @@ def _format_size(num_bytes: int) -> str:
 
 
 def _cmd_models(args: argparse.Namespace) -> int:
-    from engine import models_hub
+    from engine.hub import models_hub
 
     rows = [("NAME", "ROLE", "PACKAGE", "CACHED", "SIZE", "PATH")]
     for m in models_hub.list_models():

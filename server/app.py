@@ -19,10 +19,16 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.async_engine import AsyncEngine, EngineDeadError, EngineStepError, QueueFullError, RequestTimeoutError
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError, KVServeError
-from engine.torch_thread import single_torch_thread
+from engine.serving.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    EngineStepError,
+    QueueFullError,
+    RequestTimeoutError,
+)
+from engine.serving.torch_thread import single_torch_thread
 from server.config import ServerConfig
 from server.errors import APIError
 from server.metrics import ServerMetrics
@@ -37,14 +43,14 @@ EmbedderFactory = Callable[[ServerConfig], Any]
 
 
 def _default_engine_factory(engine_config: EngineConfig) -> Any:
-    from engine.llm_engine import LLMEngine
+    from engine.core.llm_engine import LLMEngine
 
     return LLMEngine.from_config(engine_config)
 
 
 def _default_embedder_factory(config: ServerConfig) -> Any:
-    from engine.async_embedder import AsyncEmbedder
     from engine.embedder import EmbedderConfig
+    from engine.serving.async_embedder import AsyncEmbedder
 
     embedder_config = EmbedderConfig(
         model=config.embedding_model,
@@ -65,7 +71,7 @@ def create_app(
 ) -> FastAPI:
     """engine_factory(EngineConfig) -> LLMEngine (default: LLMEngine.from_config) and
     embedder_factory(ServerConfig) -> AsyncEmbedder (default: AsyncEmbedder.from_config) run on the
-    server's one torch thread (engine/torch_thread.py), off the event loop so /health answers meanwhile.
+    server's one torch thread (engine/serving/torch_thread.py), off the event loop so /health answers meanwhile.
     on_fatal(exc) is called when a model fails to load (the CLI stops the server with it).
     """
     engine_factory = engine_factory or _default_engine_factory

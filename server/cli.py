@@ -162,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
         lifespan="on",
         # Not "auto": with uvloop installed, a client that hung up right after sending a
         # non-streamed request was sometimes never reported as gone, so its generation ran to
-        # the end (tests/test_server_robustness.py failed ~40% of runs); asyncio's loop never missed it.
+        # the end (tests/server/test_server_robustness.py failed ~40% of runs); asyncio's loop never missed it.
         loop="asyncio",
     )
     server = uvicorn.Server(uvicorn_config)

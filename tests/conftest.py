@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.tiny_models import make_tiny_model
+from tests.support.tiny_models import make_tiny_model
 
 ARCHS = ("llama", "mistral", "qwen2", "gpt2")
 

@@ -12,11 +12,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import AttentionMetadata, paged_attention, write_kv
 from engine.config import ModelConfig
-from engine.kernels.llama_decode import FusedLlamaDecode
-from engine.kernels.rms_norm import rms_norm
 from engine.models.common import RotaryEmbedding, apply_rotary, assign, take
+from engine.ops.llama_decode import FusedLlamaDecode
+from engine.ops.rms_norm import rms_norm
+from engine.runner.attention import AttentionMetadata, paged_attention, write_kv
 
 
 class RMSNorm(nn.Module):

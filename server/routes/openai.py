@@ -19,10 +19,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from engine.async_engine import AsyncEngine, RequestStream
 from engine.errors import InvalidRequestError, KVServeError
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from engine.params import SamplingParams
+from engine.serving.async_engine import AsyncEngine, RequestStream
 from server.errors import APIError
 from server.metrics import RequestTimer
 from server.schemas import (

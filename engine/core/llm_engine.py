@@ -1,0 +1,361 @@
+"""The synchronous engine: add_request / abort / step (schedule -> execute -> update).
+
+Single-threaded by design: whoever owns an LLMEngine (engine.serving.async_engine in the
+server) calls it from one thread at a time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.config import TORCH_DTYPES, EngineConfig, ModelConfig, cdiv
+from engine.core.block_manager import BlockManager, BlockPool
+from engine.core.scheduler import ScheduledBatch, Scheduler
+from engine.core.sequence import Sequence
+from engine.errors import InvalidRequestError, PromptTooLongError
+from engine.hub.models_hub import resolve_or_download
+from engine.models.weights import load_checkpoint
+from engine.ops.int8_linear import resolve_quantization
+from engine.outputs import (
+    FINISH_ABORT,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    CompletionOutput,
+    EngineStats,
+    GenerationResult,
+    RequestOutput,
+)
+from engine.params import SamplingParams
+from engine.runner.model_runner import ModelRunner, kv_bytes_per_block
+from engine.runner.sampler import SamplingRow, sample
+from engine.text.detokenizer import append_token_text, find_stop_string, take_new_text
+from engine.text.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    seqs: list[Sequence]
+    arrival_time: float
+
+    @property
+    def is_finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+
+def _extra_eos_ids(model_config: ModelConfig, path: Path) -> tuple[int, ...]:
+    ids: list[int] = []
+    for source in (getattr(model_config.hf_config, "eos_token_id", None),):
+        ids.extend(source if isinstance(source, list) else [source] if source is not None else [])
+    gen_config = path / "generation_config.json" if path.is_dir() else None
+    if gen_config is not None and gen_config.is_file():
+        eos = json.loads(gen_config.read_text()).get("eos_token_id")
+        ids.extend(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    return tuple(int(i) for i in ids)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, state_dict: dict, tokenizer: Tokenizer) -> None:
+        self.config = config
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self.model_name = config.model
+        self.sliding_window = config.sliding_window or model_config.sliding_window
+        self.num_sink_tokens = config.num_sink_tokens if self.sliding_window is not None else 0
+        self.max_model_len = self._derive_max_model_len()
+
+        per_block = kv_bytes_per_block(model_config, config.block_size, TORCH_DTYPES[config.dtype])
+        blocks_per_seq = self._max_blocks_per_seq()
+        useful = config.max_num_seqs * blocks_per_seq + 1  # more than this is never used at once
+        num_blocks = config.num_blocks or max(2, min(config.kv_cache_memory_bytes // per_block, useful))
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%.1f MiB), max_model_len %d, sliding window %s",
+            num_blocks,
+            config.block_size,
+            num_blocks * per_block / 2**20,
+            self.max_model_len,
+            self.sliding_window,
+        )
+        self.runner = ModelRunner(
+            model_config, state_dict, config, num_blocks, self.sliding_window, self.num_sink_tokens
+        )
+        self.pool = BlockPool(num_blocks, config.enable_prefix_caching)
+        self.block_manager = BlockManager(self.pool, config.block_size, self.sliding_window, self.num_sink_tokens)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self._requests: dict[str, _Request] = {}
+        self._seq_ids = itertools.count()
+        self._pending_outputs: list[RequestOutput] = []
+        self.num_prompt_tokens_total = 0
+        self.num_generation_tokens_total = 0
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLMEngine:
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        path = resolve_or_download(config.model)
+        config = dataclasses.replace(config, quantization=resolve_quantization(config, path))
+        started = time.monotonic()
+        model_config, state_dict = load_checkpoint(path)
+        tokenizer = Tokenizer.from_path(path, _extra_eos_ids(model_config, path))
+        engine = cls(config, model_config, state_dict, tokenizer)
+        logger.info(
+            "loaded %s (%s, quantization %s) in %.1f s",
+            config.model,
+            model_config.architecture,
+            config.quantization,
+            time.monotonic() - started,
+        )
+        return engine
+
+    def _derive_max_model_len(self) -> int:
+        model_limit = self.model_config.max_position_embeddings
+        asked = self.config.max_model_len
+        if asked is None:
+            return model_limit
+        if asked > model_limit:
+            learned_positions = self.model_config.architecture == "GPT2LMHeadModel"
+            if self.sliding_window is None or learned_positions:
+                raise ValueError(
+                    f"max_model_len {asked} exceeds the model's context of {model_limit} tokens "
+                    "(only RoPE models with a sliding window can stream past it)"
+                )
+        return asked
+
+    def _max_blocks_per_seq(self) -> int:
+        bs = self.config.block_size
+        if self.sliding_window is None:
+            return cdiv(self.max_model_len, bs)
+        live = cdiv(self.sliding_window, bs) + 1 + cdiv(self.num_sink_tokens, bs)
+        chunk = cdiv(self.config.max_num_batched_tokens, bs) + 1
+        return min(cdiv(self.max_model_len, bs), live + chunk)
+
+    # ----------------------------------------------------------------- requests
+
+    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt)
+            vocab = self.model_config.vocab_size
+            bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+            if bad:
+                raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}", "prompt")
+        if not ids:
+            raise InvalidRequestError("the prompt is empty", "prompt")
+        return ids
+
+    def _check_length(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        limit = self.max_model_len
+        if num_prompt_tokens >= limit:
+            raise PromptTooLongError(
+                f"the prompt has {num_prompt_tokens} tokens; this model's maximum context length is {limit} tokens "
+                "(the prompt must leave room for at least one generated token)",
+                "prompt",
+            )
+        if params.max_tokens is not None and num_prompt_tokens + params.max_tokens > limit:
+            raise PromptTooLongError(
+                f"the prompt ({num_prompt_tokens} tokens) plus max_tokens ({params.max_tokens}) is "
+                f"{num_prompt_tokens + params.max_tokens} tokens, more than this model's maximum context length "
+                f"of {limit} tokens",
+                "max_tokens",
+            )
+        longest = min(limit, num_prompt_tokens + (params.max_tokens or limit))
+        # With a window a sequence never holds more than its live window (plus a prefill chunk).
+        blocks = min(cdiv(longest, self.config.block_size), self._max_blocks_per_seq())
+        if blocks > self.pool.num_blocks - 1:
+            raise PromptTooLongError(
+                f"a sequence of {longest} tokens needs {blocks} KV blocks but the cache has only "
+                f"{self.pool.num_blocks - 1}; lower max_tokens or raise the KV cache memory",
+                "max_tokens",
+            )
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> str:
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self._requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
+        prompt_ids = self._prompt_ids(prompt)
+        self._check_length(len(prompt_ids), params)
+        now = time.monotonic()
+        seqs: list[Sequence] = []
+        for index in range(params.n):
+            generator = None
+            if params.seed is not None:
+                generator = torch.Generator(device=self.runner.device)
+                generator.manual_seed(params.seed + index)
+            seq = Sequence(
+                seq_id=next(self._seq_ids),
+                request_id=request_id,
+                index=index,
+                prompt_token_ids=prompt_ids,
+                params=params,
+                arrival_time=now,
+                generator=generator,
+                parent=seqs[0] if seqs else None,
+            )
+            seqs.append(seq)
+            self.scheduler.add(seq)
+        self._requests[request_id] = _Request(request_id, prompt_ids, seqs, now)
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return
+        for seq in request.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, FINISH_ABORT)
+        self._pending_outputs.append(self._request_output(request, request.seqs))
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests) or bool(self._pending_outputs)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    # --------------------------------------------------------------------- step
+
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        # Taken only now: if scheduling raises, abort notices are still delivered by a later step.
+        outputs, self._pending_outputs = self._pending_outputs, []
+        if batch.is_empty:
+            return outputs
+        logits = self.runner.execute(batch)
+        sampling_seqs = [seq for i, seq in enumerate(batch.seqs) if batch.samples(i)]
+        self.scheduler.update_computed(batch)
+        self.num_prompt_tokens_total += self._count_prompt_tokens(batch)
+        if sampling_seqs:
+            rows = [
+                SamplingRow(s.params, s.token_ids, s.num_prompt_tokens, self.tokenizer.eos_token_ids, s.generator)
+                for s in sampling_seqs
+            ]
+            result = sample(logits, rows)
+            for seq, token_id, logprob in zip(sampling_seqs, result.token_ids, result.logprobs):
+                self._append_token(seq, token_id, logprob)
+            self.num_generation_tokens_total += len(sampling_seqs)
+        outputs.extend(self._collect_outputs(sampling_seqs))
+        return outputs
+
+    def _count_prompt_tokens(self, batch: ScheduledBatch) -> int:
+        """Prompt tokens computed this step (for the prompt_tokens_total counter)."""
+        total = 0
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            start = seq.num_computed_tokens - n
+            total += max(0, min(seq.num_computed_tokens, seq.num_prompt_tokens) - start)
+        return total
+
+    def _append_token(self, seq: Sequence, token_id: int, logprob) -> None:
+        seq.token_ids.append(token_id)
+        if logprob is not None:
+            seq.logprobs.append(logprob)
+        params = seq.params
+        if token_id in params.stop_token_ids:
+            self.scheduler.finish(seq, FINISH_STOP, token_id)
+            return
+        if token_id in self.tokenizer.eos_token_ids and not params.ignore_eos:
+            self.scheduler.finish(seq, FINISH_STOP)
+            return
+        before = len(seq.output_text)
+        append_token_text(self.tokenizer, seq)
+        if params.stop and seq.num_generated_tokens >= params.min_tokens:
+            stop = find_stop_string(seq, len(seq.output_text) - before)
+            if stop is not None:
+                self.scheduler.finish(seq, FINISH_STOP, stop)
+                return
+        max_tokens = params.max_tokens or self.max_model_len
+        if seq.num_generated_tokens >= max_tokens or len(seq.token_ids) >= self.max_model_len:
+            self.scheduler.finish(seq, FINISH_LENGTH)
+
+    def _collect_outputs(self, sampling_seqs: list[Sequence]) -> list[RequestOutput]:
+        by_request: dict[str, list[Sequence]] = {}
+        for seq in sampling_seqs:
+            by_request.setdefault(seq.request_id, []).append(seq)
+        outputs = []
+        for request_id, seqs in by_request.items():
+            request = self._requests.get(request_id)
+            if request is None:
+                continue
+            outputs.append(self._request_output(request, seqs))
+            if request.is_finished:
+                del self._requests[request_id]
+        return outputs
+
+    def _request_output(self, request: _Request, seqs: list[Sequence]) -> RequestOutput:
+        completions = []
+        for seq in seqs:
+            new_ids = seq.generated_token_ids[seq.num_emitted_tokens :]
+            seq.num_emitted_tokens += len(new_ids)
+            new_logprobs = None
+            if seq.params.logprobs is not None:
+                new_logprobs = seq.logprobs[seq.num_emitted_logprobs :]
+                seq.num_emitted_logprobs = len(seq.logprobs)
+            completions.append(
+                CompletionOutput(
+                    index=seq.index,
+                    text=take_new_text(seq),
+                    token_ids=new_ids,
+                    logprobs=new_logprobs,
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                    num_generated_tokens=seq.num_generated_tokens,
+                )
+            )
+        scheduled = [s.first_scheduled_time for s in request.seqs if s.first_scheduled_time is not None]
+        return RequestOutput(
+            request_id=request.request_id,
+            outputs=completions,
+            prompt_token_ids=request.prompt_token_ids,
+            finished=request.is_finished,
+            arrival_time=request.arrival_time,
+            first_scheduled_time=min(scheduled) if scheduled else None,
+        )
+
+    # -------------------------------------------------------------------- misc
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_used_blocks=self.pool.num_used_blocks,
+            num_total_blocks=self.pool.num_blocks - 1,
+            prefix_cache_queries=self.pool.cache_stats.queries,
+            prefix_cache_hits=self.pool.cache_stats.hits,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_prompt_tokens=self.num_prompt_tokens_total,
+            num_generation_tokens=self.num_generation_tokens_total,
+        )
+
+    def generate(
+        self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams]
+    ) -> list[list[GenerationResult]]:
+        """Offline batch generation: every prompt's samples, in input order."""
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
+        results: dict[str, dict[int, GenerationResult]] = {rid: {} for rid in ids}
+        while self.has_unfinished_requests():
+            for out in self.step():
+                for completion in out.outputs:
+                    slot = results[out.request_id].setdefault(
+                        completion.index,
+                        GenerationResult(out.request_id, completion.index, out.prompt_token_ids, [], "", ""),
+                    )
+                    slot.token_ids.extend(completion.token_ids)
+                    slot.text += completion.text
+                    if completion.logprobs is not None:
+                        slot.logprobs = (slot.logprobs or []) + completion.logprobs
+                    if completion.finish_reason:
+                        slot.finish_reason = completion.finish_reason
+        return [[results[rid][i] for i in sorted(results[rid])] for rid in ids]

@@ -1,0 +1,76 @@
+"""One generated sample: its tokens, progress, block table and detokenizer state.
+
+A request with n samples owns n Sequences. Each Sequence is the one owner of
+its token list and block table (the BlockManager edits the table on its behalf).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.outputs import TokenLogprob
+from engine.params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: int
+    request_id: str
+    index: int  # which of the request's n samples
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    token_ids: list[int] = field(default_factory=list)  # prompt + generated
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # chained hash of each full block
+    num_registered_blocks: int = 0  # full blocks already published to the prefix cache
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    generator: torch.Generator | None = None  # per-request seed: same tokens in any batch
+    parent: Sequence | None = None  # sample 0 of the request, for n > 1 prefix sharing
+    first_scheduled_time: float | None = None
+    # Detokenizer state (engine.text.detokenizer).
+    output_text: str = ""
+    num_emitted_chars: int = 0
+    prefix_offset: int = 0
+    read_offset: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    num_emitted_tokens: int = 0
+    num_emitted_logprobs: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+        self.prefix_offset = max(len(self.prompt_token_ids) - 5, 0)
+        self.read_offset = len(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def generated_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids) :]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED

@@ -1,0 +1,170 @@
+"""Weight-only int8 linear layers for fast CPU decoding.
+
+Each nn.Linear's weight [N, K] is rounded to int8 with one symmetric float32
+scale per output channel (w ~= q * scale[n], q in -127..127); activations stay
+float32. Decode-sized products (M <= MAX_KERNEL_ROWS) run in the AVX2 kernel
+`engine/ops/int8_gemm.c`, which reads a quarter of float32's weight bytes.
+Larger ones (prefill) are compute-bound and run in float32 BLAS on the same
+numbers (`int8_linear_blas`: the activation rows rounded to the kernel's int16
+grid, times the dequantized int8 weight), so a row gets the same result, to
+float32 rounding, whichever path its batch took: sampling stays
+batch-invariant. The price is memory: float32 + int8 weights.
+`int8_linear_reference` is the plain definition both are tested against; the
+BLAS path also runs when the kernel cannot be built.
+
+Accuracy (README, tests/unit/test_quantization.py): weight rounding is at most
+scale/2 per weight; the kernel also rounds each activation row to int16 with
+its own scale, which keeps rows independent of each other and adds an error of
+at most max|x_m| / 65534 per element.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.config import EngineConfig
+from engine.ops.loader import load_function
+
+# Up to this many rows the kernel beats float32 BLAS (it reads 4x fewer weight
+# bytes); above it the product is compute-bound and BLAS wins. Measured by the
+# int8 table of `python -m engine.bench.bench_engine`.
+MAX_KERNEL_ROWS = 48
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] float -> (int8 [N, K], float32 scale [N]); an all-zero row gets scale 1."""
+    weight = weight.detach().float()
+    amax = weight.abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    quantized = torch.round(weight / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return quantized.contiguous(), scale.contiguous()
+
+
+def dequantize_int8(quantized: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return quantized.float() * scale[:, None]
+
+
+def int8_linear_reference(
+    x: torch.Tensor, quantized: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """x [..., K] -> [..., N]: the product with the dequantized weight, in x's precision."""
+    return F.linear(x, dequantize_int8(quantized, scale).to(x.dtype), None if bias is None else bias.to(x.dtype))
+
+
+def round_rows_int16(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] float32 -> each row rounded to the kernel's int16 grid (q * scale, scale = max|row| / 32767)."""
+    rounder = _round_rows_kernel()
+    if rounder is not None and x.dtype == torch.float32 and x.device.type == "cpu":
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        rounder(x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], torch.get_num_threads())
+        return out
+    amax = x.abs().amax(dim=-1, keepdim=True)
+    scale = torch.where(amax > 0, amax / 32767.0, torch.ones_like(amax))
+    return torch.round(x * (1.0 / scale)).clamp_(-32767, 32767) * scale
+
+
+def int8_linear_blas(x: torch.Tensor, dequantized: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The kernel's numbers in float32 BLAS: x [M, K] rounded like the kernel, dequantized weight [N, K]."""
+    return F.linear(round_rows_int16(x), dequantized, bias)
+
+
+@functools.cache
+def _round_rows_kernel():
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    return load_function("int8_gemm", "kv_round_rows_int16", [ptr, ptr, i64, i64, ctypes.c_int], None)
+
+
+@functools.cache
+def int8_kernel():
+    """The ctypes function kv_int8_gemm, or None (logged once) when the BLAS path must run."""
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    return load_function(
+        "int8_gemm", "kv_int8_gemm", [ptr, i64, i64, ptr, ptr, ptr, ptr, i64, ctypes.c_int], ctypes.c_int
+    )
+
+
+def int8_linear_kernel(
+    x: torch.Tensor, quantized: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """x [M, K] float32 on CPU -> [M, N] through the native kernel."""
+    kernel = int8_kernel()
+    if kernel is None:
+        raise RuntimeError("the int8 kernel is not available on this machine")
+    x = x.contiguous()
+    rows, inner = x.shape
+    out_features = quantized.shape[0]
+    out = torch.empty(rows, out_features, dtype=torch.float32)
+    status = kernel(
+        x.data_ptr(),
+        rows,
+        inner,
+        quantized.data_ptr(),
+        scale.data_ptr(),
+        bias.data_ptr() if bias is not None else None,
+        out.data_ptr(),
+        out_features,
+        torch.get_num_threads(),
+    )
+    if status != 0:
+        raise MemoryError("the int8 kernel could not allocate its activation buffer")
+    return out
+
+
+class Int8Linear(nn.Module):
+    """Drop-in for a float32 CPU nn.Linear whose weight is rounded to int8.
+
+    Keeps the int8 weight for the kernel and its dequantized float32 copy for
+    large batches (see the module docstring).
+    """
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        if linear.weight.device.type != "cpu":
+            raise ValueError("int8 linear layers run on CPU only")
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        quantized, scale = quantize_int8(linear.weight)
+        self.register_buffer("quantized", quantized)
+        self.register_buffer("scale", scale)
+        self.register_buffer("dequantized", dequantize_int8(quantized, scale))
+        bias = linear.bias.detach().float().contiguous() if linear.bias is not None else None
+        self.register_buffer("bias", bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        leading = x.shape[:-1]
+        flat = x.reshape(-1, self.in_features)
+        if flat.shape[0] <= MAX_KERNEL_ROWS and int8_kernel() is not None:
+            out = int8_linear_kernel(flat.float(), self.quantized, self.scale, self.bias)
+        else:
+            out = int8_linear_blas(flat.float(), self.dequantized, self.bias)
+        return out.view(*leading, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 per channel"
+
+
+def resolve_quantization(config: EngineConfig, model_path: Path) -> str:
+    """ "none" or "int8" for `config.quantization` (see engine.config.QUANTIZATION_MODES)."""
+    if config.quantization != "auto":
+        return config.quantization
+    on_cpu_float32 = config.device == "cpu" and config.dtype == "float32"
+    return "int8" if on_cpu_float32 and Path(model_path).suffix == ".gguf" else "none"
+
+
+def quantize_linears(model: nn.Module) -> int:
+    """Replace every nn.Linear in `model` by an Int8Linear, in place; returns how many."""
+    count = 0
+    for name, child in list(model.named_children()):
+        if isinstance(child, nn.Linear):
+            setattr(model, name, Int8Linear(child))
+            count += 1
+        else:
+            count += quantize_linears(child)
+    return count

@@ -1,0 +1,244 @@
+"""Attention over the paged KV cache, and the dense reference it must equal.
+
+Layout of one layer's cache: key_cache, value_cache: [num_blocks, block_size,
+num_kv_heads, head_dim]. A token at position p of a sequence lives in slot
+`block_table[p // block_size] * block_size + p % block_size` of the flattened
+cache. Block 0 is the null block: table entries of blocks released by the
+sliding window point at it, and masks never let a query see it.
+
+Per step the runner builds one `AttentionMetadata` for the whole flat batch
+(every layer reuses it): which cache slots each new token writes, which slots
+each sequence's queries read, and the boolean mask (causal, window, sinks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from engine.config import cdiv
+from engine.ops import decode_attention as native_decode
+
+
+@dataclass
+class AttentionMetadata:
+    """Tensors describing one step's flat batch of T new tokens from B sequences.
+
+    slot_mapping:   [T]           cache slot each new token's K/V is written to
+    key_blocks:     [B, N]        cache blocks each sequence's queries may read (padded with the null block);
+                                  whole blocks are gathered, K = N * block_size keys per sequence
+    attn_mask:      [B, Q, K]     True where query q of sequence b may see key k; None when all True
+                                  or when is_causal says it all
+    query_index:    [B, Q]        flat token index of each padded query (padding -> T, a scratch row)
+    is_decode_only: every sequence has exactly one new token (Q == 1, query_index is arange)
+    is_causal:      every sequence starts at position 0 and no window cuts in: query q sees keys
+                    0..q, which SDPA's is_causal computes without a mask, skipping the masked half
+    """
+
+    slot_mapping: torch.Tensor
+    key_blocks: torch.Tensor
+    attn_mask: torch.Tensor | None
+    query_index: torch.Tensor
+    is_decode_only: bool
+    is_causal: bool = False
+
+    @property
+    def num_seqs(self) -> int:
+        return self.key_blocks.shape[0]
+
+
+def visible_mask(
+    query_positions: torch.Tensor,
+    key_positions: torch.Tensor,
+    sliding_window: int | None,
+    num_sink_tokens: int,
+) -> torch.Tensor:
+    """Bool [..., Q, K]: key j visible to query p iff j <= p, and within the window or a sink.
+
+    Negative key positions mark padding and are never visible.
+    query_positions: [..., Q], key_positions: [..., K].
+    """
+    q = query_positions.unsqueeze(-1)
+    k = key_positions.unsqueeze(-2)
+    mask = (k >= 0) & (k <= q)
+    if sliding_window is not None:
+        mask &= ((q - k) < sliding_window) | (k < num_sink_tokens)
+    return mask
+
+
+def build_attention_metadata(
+    starts: list[int],
+    counts: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+    sliding_window: int | None,
+    num_sink_tokens: int,
+    device: torch.device,
+) -> AttentionMetadata:
+    """Metadata for B sequences where sequence i computes positions [starts[i], starts[i] + counts[i])."""
+    num_seqs = len(starts)
+    # Logical blocks each sequence may read: the sink blocks, then every block from the
+    # first query's window start to the last new token. Bounded by (W + S + chunk) / block_size.
+    block_rows = []
+    new_slots = []
+    for start, count, table in zip(starts, counts, block_tables):
+        end = start + count
+        last_block = (end - 1) // block_size
+        if sliding_window is None:
+            logical = np.arange(last_block + 1)
+        else:
+            low_block = max(start - sliding_window + 1, 0) // block_size
+            num_sink_blocks = min(cdiv(num_sink_tokens, block_size), low_block)
+            logical = np.concatenate([np.arange(num_sink_blocks), np.arange(low_block, last_block + 1)])
+        block_rows.append(logical)
+        table = np.asarray(table, dtype=np.int64)
+        positions = np.arange(start, end)
+        new_slots.append(table[positions // block_size] * block_size + positions % block_size)
+    max_blocks = max(len(r) for r in block_rows)
+    key_blocks = np.zeros((num_seqs, max_blocks), dtype=np.int64)
+    logical_blocks = np.full((num_seqs, max_blocks), -1, dtype=np.int64)
+    for i, (table, logical) in enumerate(zip(block_tables, block_rows)):
+        key_blocks[i, : len(logical)] = np.asarray(table, dtype=np.int64)[logical]
+        logical_blocks[i, : len(logical)] = logical
+    offsets = np.arange(block_size)
+    key_positions = (logical_blocks[:, :, None] * block_size + offsets).reshape(num_seqs, -1)
+    key_positions[np.repeat(logical_blocks < 0, block_size, axis=1)] = -1
+
+    max_queries = max(counts)
+    num_tokens = sum(counts)
+    query_positions = np.full((num_seqs, max_queries), -1, dtype=np.int64)
+    query_index = np.full((num_seqs, max_queries), num_tokens, dtype=np.int64)
+    offset = 0
+    for i, (start, count) in enumerate(zip(starts, counts)):
+        query_positions[i, :count] = np.arange(start, start + count)
+        query_index[i, :count] = np.arange(offset, offset + count)
+        offset += count
+    is_decode_only = max_queries == 1
+    # Prompts computed from their first token with no window inside them (the usual prefill):
+    # the mask is plain causal from key 0 (padding queries see key 0 too, so stay finite),
+    # which SDPA computes without one; no mask is built for them.
+    is_causal = (
+        not is_decode_only
+        and all(start == 0 for start in starts)
+        and (sliding_window is None or sliding_window >= max_queries)
+    )
+    attn_mask = None
+    if not is_causal:
+        mask = visible_mask(
+            torch.from_numpy(query_positions), torch.from_numpy(key_positions), sliding_window, num_sink_tokens
+        )
+        # Padding queries see one key so their (discarded) softmax stays finite.
+        mask[:, :, 0] |= torch.from_numpy(query_positions < 0)
+        # An all-visible mask (e.g. one decoding sequence) is dropped: SDPA is faster without one.
+        attn_mask = None if bool(mask.all()) else mask.to(device)
+    return AttentionMetadata(
+        slot_mapping=torch.from_numpy(np.concatenate(new_slots)).to(device),
+        key_blocks=torch.from_numpy(key_blocks).to(device),
+        attn_mask=attn_mask,
+        query_index=torch.from_numpy(query_index).to(device),
+        is_decode_only=is_decode_only,
+        is_causal=is_causal,
+    )
+
+
+def write_kv(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store new keys/values [T, H_kv, D] into their cache slots."""
+    num_kv_heads, head_dim = key.shape[1], key.shape[2]
+    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
+    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of T flat queries [T, H_q, D] over the paged cache -> [T, H_q, D].
+
+    The new tokens' K/V must already be written (write_kv). Decode-only steps on
+    float32 CPU tensors run the native kernel (engine/ops/decode_attention.c),
+    which reads the cache in place; everything else runs `paged_attention_torch`.
+    """
+    if meta.is_decode_only and native_decode.can_run(query, key_cache):
+        visible = meta.attn_mask[:, 0] if meta.attn_mask is not None else None
+        return native_decode.decode_attention(query, key_cache, value_cache, meta.key_blocks, visible, scale)
+    return paged_attention_torch(query, key_cache, value_cache, meta, scale)
+
+
+def paged_attention_torch(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """paged_attention in torch ops only, so the same code runs on CPU and CUDA."""
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = key_cache.shape[2]
+    num_seqs, num_blocks = meta.key_blocks.shape
+    num_keys = num_blocks * key_cache.shape[1]
+    # Whole blocks, gathered as 2-D rows (the fastest gather on CPU): [B * N, block_size * H_kv * D]
+    # -> [B, K, H_kv, D] -> [B, H_kv, K, D]
+    flat_blocks = meta.key_blocks.view(-1)
+    keys = key_cache.view(key_cache.shape[0], -1).index_select(0, flat_blocks)
+    values = value_cache.view(value_cache.shape[0], -1).index_select(0, flat_blocks)
+    keys = keys.view(num_seqs, num_keys, num_kv_heads, head_dim).transpose(1, 2)
+    values = values.view(num_seqs, num_keys, num_kv_heads, head_dim).transpose(1, 2)
+    if meta.is_decode_only:
+        padded_query = query.view(num_seqs, 1, num_heads, head_dim)
+    else:
+        # One scratch row at index T receives the padding queries.
+        scratch = torch.cat([query, query.new_zeros(1, num_heads, head_dim)])
+        padded_query = scratch[meta.query_index]  # [B, Q, H_q, D]
+    out = F.scaled_dot_product_attention(
+        padded_query.transpose(1, 2),
+        keys,
+        values,
+        attn_mask=meta.attn_mask.unsqueeze(1) if meta.attn_mask is not None else None,
+        is_causal=meta.is_causal,
+        scale=scale,
+        enable_gqa=num_heads != num_kv_heads,
+    ).transpose(1, 2)  # [B, Q, H_q, D]
+    if meta.is_decode_only:
+        return out.reshape(num_tokens, num_heads, head_dim)
+    flat = out.new_empty(num_tokens + 1, num_heads, head_dim)
+    flat[meta.query_index.reshape(-1)] = out.reshape(-1, num_heads, head_dim)
+    return flat[:num_tokens]
+
+
+def dense_reference_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    query_positions: torch.Tensor,
+    key_positions: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    num_sink_tokens: int = 0,
+) -> torch.Tensor:
+    """Plain attention for ONE sequence with an explicit mask; no paging, no batching.
+
+    query: [Q, H_q, D], key/value: [K, H_kv, D] (contiguous, all positions),
+    positions: [Q] and [K]. Returns [Q, H_q, D]. Written with explicit
+    matmul/softmax so it shares no code with the fast path.
+    """
+    num_heads, num_kv_heads = query.shape[1], key.shape[1]
+    group = num_heads // num_kv_heads
+    key = key.repeat_interleave(group, dim=1)
+    value = value.repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", query.float(), key.float()) * scale
+    mask = visible_mask(query_positions, key_positions, sliding_window, num_sink_tokens)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("hqk,khd->qhd", probs, value.float()).to(query.dtype)

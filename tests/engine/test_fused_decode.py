@@ -1,0 +1,72 @@
+"""The fused native decode step (engine/ops/llama_decode.c) equals the torch layers it replaces."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.config import EngineConfig
+from engine.core.llm_engine import LLMEngine
+from engine.params import SamplingParams
+from tests.support.native_kernels import needs_kernels
+
+pytestmark = needs_kernels
+
+WORDS = "the quick brown fox jumps over lazy dog hello world paged cache".split()
+
+
+def _engine(model_dir: str, **overrides) -> LLMEngine:
+    return LLMEngine.from_config(EngineConfig(model=model_dir, block_size=4, quantization="int8", **overrides))
+
+
+def _prompts(engine: LLMEngine, count: int) -> list[list[int]]:
+    return [engine.tokenizer.encode(" ".join(WORDS[: 3 + 2 * i])) for i in range(count)]
+
+
+def _decode_metadata(engine: LLMEngine, prompts: list[list[int]]):
+    """Prefill the prompts, then build (without running) the next decode step of all of them."""
+    params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
+    for prompt in prompts:
+        engine.add_request(prompt, params)
+    while any(
+        seq.num_generated_tokens == 0 for seq in engine.scheduler.running + list(engine.scheduler.waiting)
+    ):
+        engine.step()
+    batch = engine.scheduler.schedule()
+    assert all(count == 1 for count in batch.num_new_tokens)
+    return engine.runner.build_inputs(batch)
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
+def test_fused_step_equals_torch_layers(tiny_model_dirs, arch):
+    # mistral: window 16 is shorter than the longer prompts (a masked step); qwen2: q/k/v biases.
+    engine = _engine(tiny_model_dirs[arch])
+    model = engine.runner.model
+    assert model.fused_decode is not None
+    input_ids, positions, meta = _decode_metadata(engine, _prompts(engine, 5))
+    assert meta.is_decode_only
+    if arch == "mistral":
+        assert meta.attn_mask is not None
+    fused = model(input_ids, positions, engine.runner.kv_caches, meta)
+    reference = model(input_ids, positions, engine.runner.kv_caches, meta, allow_fused=False)
+    assert (fused - reference).abs().max() <= 1e-5 * reference.abs().max()
+
+
+def test_fused_generation_matches_torch_generation(tiny_model_dirs):
+    fused_engine = _engine(tiny_model_dirs["llama"])
+    torch_engine = _engine(tiny_model_dirs["llama"])
+    torch_engine.runner.model.fused_decode = None
+    prompts = _prompts(fused_engine, 6)
+    params = [
+        SamplingParams(temperature=0.8, seed=i, max_tokens=20, ignore_eos=True, logprobs=2) for i in range(len(prompts))
+    ]
+    fused = fused_engine.generate(prompts, params)
+    reference = torch_engine.generate(prompts, params)
+    assert [f[0].token_ids for f in fused] == [r[0].token_ids for r in reference]
+    for f, r in zip(fused, reference):
+        for got, expected in zip(f[0].logprobs, r[0].logprobs):
+            assert abs(got.logprob - expected.logprob) < 1e-3  # float32 rounding, compounded over 20 steps
+
+
+def test_float32_models_keep_the_torch_layers(tiny_model_dirs):
+    engine = LLMEngine.from_config(EngineConfig(model=tiny_model_dirs["llama"]))
+    assert engine.runner.model.fused_decode is None

@@ -1,0 +1,97 @@
+"""pyproject.toml and the Makefile: what `make install` / `make test` rely on."""
+
+from __future__ import annotations
+
+import importlib
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from packaging.requirements import Requirement
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+ROOT = Path(__file__).resolve().parents[2]
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def test_console_script_points_at_the_cli() -> None:
+    target = PYPROJECT["project"]["scripts"]["kvserve"]
+    module_name, _, func_name = target.partition(":")
+    assert callable(getattr(importlib.import_module(module_name), func_name))
+
+
+def test_every_dependency_is_bounded_and_explained() -> None:
+    text = (ROOT / "pyproject.toml").read_text()
+    deps = PYPROJECT["project"]["dependencies"] + [
+        d for ds in PYPROJECT["project"]["optional-dependencies"].values() for d in ds
+    ]
+    for dep in deps:
+        operators = {spec.operator for spec in Requirement(dep).specifier}
+        assert ">=" in operators and "<" in operators, f"{dep}: needs a lower and an upper bound"
+        # a comment says why: on the line above, or above a run of requirements sharing it
+        lines_before = [line.strip() for line in text.split(f'"{dep}"')[0].rstrip().splitlines()]
+        reason = next(line for line in reversed(lines_before) if not line.startswith('"'))
+        assert reason.startswith("#"), f"{dep}: no reason given"
+    torch = next(Requirement(d) for d in PYPROJECT["project"]["dependencies"] if d.startswith("torch"))
+    assert torch.specifier.contains("2.13.0")  # the pinned CPU wheel the Makefile installs satisfies the range
+
+
+def test_packages_found_include_every_top_level_package() -> None:
+    include = PYPROJECT["tool"]["setuptools"]["packages"]["find"]["include"]
+    for package in ("engine", "server", "clients"):
+        assert (ROOT / package / "__init__.py").is_file()
+        assert package in include and f"{package}.*" in include
+
+
+def test_gpu_tests_are_deselected_by_default() -> None:
+    options = PYPROJECT["tool"]["pytest"]["ini_options"]
+    assert "-m 'not gpu'" in options["addopts"]
+    assert any(m.startswith("gpu:") for m in options["markers"])
+
+
+def test_make_test_installs_pulls_then_runs_pytest() -> None:
+    proc = subprocess.run(["make", "-n", "-B", "-C", str(ROOT), "test"], capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    torch_at = next(i for i, line in enumerate(lines) if "pip install" in line and "'torch==2.13.0'" in line)
+    package_at = next(i for i, line in enumerate(lines) if "pip install" in line and "-e '.[dev]'" in line)
+    pull_at = next(i for i, line in enumerate(lines) if "kvserve pull" in line)
+    pytest_at = next(i for i, line in enumerate(lines) if re.search(r"python -m pytest", line))
+    assert torch_at < package_at < pull_at < pytest_at  # torch first: the CPU wheel, never a CUDA build
+
+
+def test_ci_runs_make_test() -> None:
+    script = (ROOT / ".ci" / "run").read_text()
+    assert script.startswith("#!/usr/bin/env bash") and "set -euo pipefail" in script
+    assert re.search(r"^make test$", script, re.MULTILINE)
+
+
+def test_python_m_server_is_the_cli() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "server", "--help"], cwd=ROOT, capture_output=True, text=True, check=False
+    )
+    assert proc.returncode == 0
+    for command in ("serve", "pull", "models", "chat", "bench"):
+        assert command in proc.stdout
+
+
+def test_readme_starts_with_the_two_commands_and_lists_every_serve_flag() -> None:
+    import argparse
+
+    from server import cli
+
+    readme = (ROOT / "README.md").read_text()
+    first_block = readme.split("```bash", 1)[1].split("```", 1)[0]
+    assert [line.split()[0:2] for line in first_block.strip().splitlines()] == [["make", "serve"], ["make", "test"]]
+    parser = argparse.ArgumentParser(add_help=False)
+    cli.add_arguments(parser)
+    flags = [opt for action in parser._actions for opt in action.option_strings if opt.startswith("--")]
+    assert len(flags) > 20
+    for flag in flags:
+        env = "KVSERVE_" + flag[2:].replace("-", "_").upper()
+        assert f"| `{flag}` | `{env}` |" in readme, f"README's flag table lacks {flag}"

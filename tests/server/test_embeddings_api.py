@@ -1,0 +1,203 @@
+"""POST /v1/embeddings (through the openai SDK) and POST /embed (httpx) over real HTTP.
+
+The embedding router is mounted on a small FastAPI app with the app.state the server
+gives it (config, embedder, engine, metrics) and served by uvicorn on a free port.
+"""
+
+from __future__ import annotations
+
+import base64
+import socket
+import threading
+import time
+import types
+from contextlib import asynccontextmanager
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import torch
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from engine.errors import InvalidRequestError
+from engine.serving.async_embedder import AsyncEmbedder
+from server.config import ServerConfig
+from server.errors import APIError
+from server.routes import embeddings as embedding_routes
+from tests.engine.test_embedder import MODEL_NAME, SENTENCES, embedder, minilm_dir, st_model, st_vectors  # noqa: F401
+
+GENERATION_MODEL = "smollm2-135m-instruct"
+MAX_CLIENT_BATCH_SIZE = 40
+
+
+class _RecordingMetrics:
+    """Stands in for ServerMetrics: records what the routes observe."""
+
+    def __init__(self) -> None:
+        self.observed: list[dict] = []
+
+    def observe_embedding_request(self, **fields) -> None:
+        self.observed.append(fields)
+
+
+def _make_app(async_embedder: AsyncEmbedder) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await async_embedder.start()
+        yield
+        await async_embedder.stop()
+
+    app = FastAPI(lifespan=lifespan)
+    app.state.config = ServerConfig(
+        model=GENERATION_MODEL, embedding_model=MODEL_NAME, max_client_batch_size=MAX_CLIENT_BATCH_SIZE
+    )
+    app.state.embedder = async_embedder
+    app.state.engine = types.SimpleNamespace(model_name=GENERATION_MODEL)
+    app.state.metrics = _RecordingMetrics()
+    app.include_router(embedding_routes.router)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.to_body(), status_code=exc.status_code)
+
+    @app.exception_handler(InvalidRequestError)
+    async def _invalid(request: Request, exc: InvalidRequestError) -> JSONResponse:
+        return JSONResponse(APIError(400, exc.message, param=exc.param).to_body(), status_code=400)
+
+    return app
+
+
+@pytest.fixture(scope="module")
+def server(embedder):  # noqa: F811 - the session fixture imported above
+    async_embedder = AsyncEmbedder(embedder)
+    assert async_embedder.model_name == MODEL_NAME  # the alias it was configured with
+    app = _make_app(async_embedder)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not uv.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+        time.sleep(0.05)
+    yield types.SimpleNamespace(url=f"http://127.0.0.1:{port}", app=app)
+    uv.should_exit = True
+    thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+def _assert_exact(ours: torch.Tensor, ref: torch.Tensor) -> None:
+    assert ours.shape == ref.shape
+    assert (ours - ref).abs().max().item() <= 1e-5
+    assert torch.nn.functional.cosine_similarity(ours, ref).min().item() >= 0.99999
+
+
+def test_openai_sdk_float_matches_sentence_transformers(client, st_vectors, server):  # noqa: F811
+    response = client.embeddings.create(model=MODEL_NAME, input=SENTENCES, encoding_format="float")
+    assert [d.index for d in response.data] == list(range(len(SENTENCES)))
+    _assert_exact(torch.tensor([d.embedding for d in response.data]), st_vectors)
+    assert response.model == MODEL_NAME
+    assert response.usage.prompt_tokens == response.usage.total_tokens > len(SENTENCES) * 3
+    observed = server.app.state.metrics.observed[-1]
+    assert observed["endpoint"] == "/v1/embeddings" and observed["num_inputs"] == len(SENTENCES)
+    assert observed["num_prompt_tokens"] == response.usage.prompt_tokens and observed["latency_seconds"] > 0
+
+
+def test_openai_sdk_default_base64_matches_sentence_transformers(client, st_vectors):  # noqa: F811
+    # the SDK asks for base64 when encoding_format is not given, and decodes it itself
+    response = client.embeddings.create(model=MODEL_NAME, input=SENTENCES)
+    _assert_exact(torch.tensor(np.array([d.embedding for d in response.data])), st_vectors)
+
+
+def test_base64_decodes_to_the_float_vector(server):
+    body = {"model": MODEL_NAME, "input": "base64 round trip"}
+    floats = httpx.post(f"{server.url}/v1/embeddings", json={**body, "encoding_format": "float"}).json()
+    packed = httpx.post(f"{server.url}/v1/embeddings", json={**body, "encoding_format": "base64"}).json()
+    decoded = np.frombuffer(base64.b64decode(packed["data"][0]["embedding"]), dtype="<f4")
+    assert decoded.tolist() == floats["data"][0]["embedding"]  # bit for bit
+
+
+def test_single_string_token_ids_and_dimensions(client, embedder):  # noqa: F811
+    one = client.embeddings.create(model=MODEL_NAME, input="Hello", encoding_format="float")
+    assert len(one.data) == 1 and len(one.data[0].embedding) == 384
+    ids = embedder.tokenize(["Hello"])[0]
+    by_ids = client.embeddings.create(model=MODEL_NAME, input=ids, encoding_format="float")
+    np.testing.assert_allclose(by_ids.data[0].embedding, one.data[0].embedding, atol=1e-6)
+    two = client.embeddings.create(model=MODEL_NAME, input=[ids, ids[:2]], encoding_format="float")
+    assert len(two.data) == 2 and two.usage.prompt_tokens == len(ids) + 2
+    short = client.embeddings.create(model=MODEL_NAME, input="Hello", dimensions=32, encoding_format="float")
+    full = np.array(one.data[0].embedding[:32])
+    np.testing.assert_allclose(short.data[0].embedding, full / np.linalg.norm(full), atol=1e-6)
+
+
+def test_tei_embed_matches_sentence_transformers(server, st_vectors):  # noqa: F811
+    response = httpx.post(f"{server.url}/embed", json={"inputs": SENTENCES}, timeout=120)
+    assert response.status_code == 200
+    _assert_exact(torch.tensor(response.json()), st_vectors)
+    single = httpx.post(f"{server.url}/embed", json={"inputs": "Hello", "normalize": False}).json()
+    assert len(single) == 1 and abs(np.linalg.norm(single[0]) - 1.0) > 1e-3
+
+
+def test_tei_embed_truncates_both_ways(server, embedder):  # noqa: F811
+    text = " ".join(f"piece{i}" for i in range(600))
+    too_long = httpx.post(f"{server.url}/embed", json={"inputs": text})
+    assert too_long.status_code == 400
+    message = too_long.json()["error"]["message"]
+    num_tokens = len(embedder.tokenize([text], truncate=True)[0])  # 512: the text itself is longer
+    assert num_tokens == 512 and "512" in message and "1728 tokens" in message
+    for direction in ("Right", "left"):
+        got = httpx.post(
+            f"{server.url}/embed", json={"inputs": text, "truncate": True, "truncation_direction": direction}
+        )
+        assert got.status_code == 200
+        want = embedder.embed([text], truncate=True, truncation_direction=direction.lower()).vectors
+        np.testing.assert_allclose(got.json()[0], want[0].numpy(), atol=1e-6)
+
+
+def test_over_long_input_is_a_400_with_both_numbers(client):
+    text = "word " * 600
+    with pytest.raises(openai.BadRequestError) as info:
+        client.embeddings.create(model=MODEL_NAME, input=["fine", text])
+    message = info.value.body["message"]
+    assert "602" in message and "512" in message
+
+
+def test_too_many_inputs_is_a_413_naming_the_limit(client, server):
+    with pytest.raises(openai.APIStatusError) as info:
+        client.embeddings.create(model=MODEL_NAME, input=["x"] * (MAX_CLIENT_BATCH_SIZE + 1))
+    assert info.value.status_code == 413 and str(MAX_CLIENT_BATCH_SIZE) in info.value.body["message"]
+    response = httpx.post(f"{server.url}/embed", json={"inputs": ["x"] * (MAX_CLIENT_BATCH_SIZE + 1)})
+    assert response.status_code == 413 and str(MAX_CLIENT_BATCH_SIZE) in response.json()["error"]["message"]
+
+
+def test_model_names(client):
+    with pytest.raises(openai.NotFoundError) as info:
+        client.embeddings.create(model="no-such-model", input="x")
+    assert info.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.embeddings.create(model=GENERATION_MODEL, input="x")
+    message = info.value.body["message"]
+    assert "generation model" in message and "/v1/completions" in message and MODEL_NAME in message
+
+
+def test_malformed_requests(server):
+    cases = (
+        {"model": MODEL_NAME, "input": []},
+        {"model": MODEL_NAME, "input": [[1, 2], "mixed"]},
+        {"model": MODEL_NAME, "input": "x", "dimensions": 1000},
+        {"model": MODEL_NAME, "input": [[1, 99999]]},
+    )
+    for body in cases:
+        response = httpx.post(f"{server.url}/v1/embeddings", json=body)
+        assert 400 <= response.status_code < 500, body
+    response = httpx.post(f"{server.url}/v1/embeddings", json={"model": MODEL_NAME, "input": "x", "bogus": 1})
+    assert response.status_code in (400, 422)

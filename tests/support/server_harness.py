@@ -1,0 +1,164 @@
+"""Start a real kvserve server (uvicorn on a free port) for tests: in a thread or in a subprocess."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import httpx
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_for_health(base_url: str, timeout: float = 60.0, process: subprocess.Popen | None = None) -> list[int]:
+    """Poll /health until 200; returns every status seen (connection refused is not a status)."""
+    seen: list[int] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(f"server exited early with status {process.returncode}")
+        try:
+            status = httpx.get(f"{base_url}/health", timeout=2.0).status_code
+        except httpx.TransportError:
+            time.sleep(0.02)
+            continue
+        if not seen or seen[-1] != status:
+            seen.append(status)
+        if status == 200:
+            return seen
+        time.sleep(0.02)
+    raise TimeoutError(f"{base_url}/health not 200 within {timeout}s (saw {seen})")
+
+
+class ServerThread:
+    """uvicorn serving `app` in a background thread of this process (its own event loop)."""
+
+    def __init__(self, app, shutdown_timeout: float = 5.0) -> None:
+        import uvicorn
+
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(
+            app,
+            host="127.0.0.1",
+            port=self.port,
+            log_level="warning",
+            access_log=False,
+            lifespan="on",
+            loop="asyncio",  # as `kvserve serve` runs it (server/cli.py says why)
+            timeout_graceful_shutdown=shutdown_timeout,
+        )
+        self.server = uvicorn.Server(config)
+        self.app = app
+        self._thread = threading.Thread(target=self.server.run, name=f"uvicorn-{self.port}", daemon=True)
+
+    def start(self, wait_ready: bool = True, timeout: float = 120.0) -> ServerThread:
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self._thread.is_alive():
+                raise RuntimeError("uvicorn thread exited during start-up")
+            if time.monotonic() > deadline:
+                raise TimeoutError("uvicorn did not start")
+            time.sleep(0.01)
+        if wait_ready:
+            wait_for_health(self.base_url, timeout)
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self.server.should_exit = True
+        self._thread.join(timeout)
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class ServerProcess:
+    """`python -m server.cli ARGS` in a subprocess, on a free port; stderr goes to a log file."""
+
+    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        full_env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), **(env or {})}
+        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in wait()/kill()
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "server.cli", "--host", "127.0.0.1", "--port", str(self.port), *args],
+            cwd=REPO_ROOT,
+            env=full_env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
+
+    def wait_ready(self, timeout: float = 120.0) -> list[int]:
+        return wait_for_health(self.base_url, timeout, self.process)
+
+    def terminate(self) -> None:
+        self.process.send_signal(signal.SIGTERM)
+
+    def wait(self, timeout: float = 60.0) -> int:
+        try:
+            return self.process.wait(timeout)
+        finally:
+            self._log.close()
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(10)
+        self._log.close()
+
+
+def parse_sse(body: str) -> list[dict | str]:
+    """Split an SSE body into its `data:` payloads (dicts, or the final "[DONE]"); asserts strict framing."""
+    import json
+
+    assert body.endswith("\n\n"), f"SSE body must end with a blank line: {body[-80:]!r}"
+    events = body[:-2].split("\n\n")
+    payloads: list[dict | str] = []
+    for event in events:
+        assert event.startswith("data: ") and "\n" not in event, f"bad SSE event {event!r}"
+        data = event[len("data: ") :]
+        payloads.append(data if data == "[DONE]" else json.loads(data))
+    assert payloads and payloads[-1] == "[DONE]", "the last SSE event must be [DONE]"
+    assert "[DONE]" not in payloads[:-1], "[DONE] must come last, once"
+    return payloads
+
+
+def make_server_config(model_dir, **overrides):
+    """A ServerConfig for a tiny test model: no embeddings, small limits."""
+    from server.config import ServerConfig
+
+    values = {
+        "model": str(model_dir),
+        "embedding_model": None,
+        "served_model_name": "tiny-llama",
+        "max_model_len": 256,
+        "kv_cache_memory": 16 << 20,
+        "max_num_seqs": 16,
+        "log_level": "warning",
+    }
+    values.update(overrides)
+    return ServerConfig(**values)
