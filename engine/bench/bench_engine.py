@@ -58,9 +58,7 @@ def kvserve_decode(engine: LLMEngine, prompts: list[list[int]], num_steps: int) 
     params = SamplingParams(temperature=0, max_tokens=num_steps + 1, ignore_eos=True)
     for prompt in prompts:
         engine.add_request(prompt, params)
-    while any(
-        seq.num_generated_tokens == 0 for seq in engine.scheduler.running + list(engine.scheduler.waiting)
-    ):
+    while any(seq.num_generated_tokens == 0 for seq in engine.scheduler.running + list(engine.scheduler.waiting)):
         engine.step()  # prefill every prompt first
     started = time.perf_counter()
     generated = 0

@@ -27,9 +27,7 @@ def _decode_metadata(engine: LLMEngine, prompts: list[list[int]]):
     params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
     for prompt in prompts:
         engine.add_request(prompt, params)
-    while any(
-        seq.num_generated_tokens == 0 for seq in engine.scheduler.running + list(engine.scheduler.waiting)
-    ):
+    while any(seq.num_generated_tokens == 0 for seq in engine.scheduler.running + list(engine.scheduler.waiting)):
         engine.step()
     batch = engine.scheduler.schedule()
     assert all(count == 1 for count in batch.num_new_tokens)
