@@ -1,7 +1,9 @@
 """Errors the engine raises at its edge.
 
-Bad user input is an exception raised where it enters (DESIGN.md principle 5);
-running out of KV blocks is never an exception, the scheduler handles it.
+Bad user input is an exception raised where it enters; running out of KV blocks
+is never an exception, the scheduler handles it. The serving errors at the end are
+one contract shared by every client of the torch worker (generation and embeddings):
+the server maps each to one HTTP status.
 """
 
 from __future__ import annotations
@@ -33,3 +35,23 @@ class ModelLoadError(KVServeError):
 
 class ModelNotAvailableError(ModelLoadError):
     """A named default model that is not in the local cache and cannot be fetched."""
+
+
+class QueueFullError(KVServeError):
+    """Too many requests are waiting (HTTP 429); retry after `retry_after` seconds."""
+
+    def __init__(self, message: str, retry_after: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class RequestTimeoutError(KVServeError):
+    """The request outlived its deadline and was aborted (HTTP 504)."""
+
+
+class EngineDeadError(KVServeError):
+    """The worker is not running (died, or stopped): no request can be served (HTTP 503)."""
+
+
+class EngineStepError(KVServeError):
+    """A step or forward failed while this request was in it; it was aborted (HTTP 500)."""

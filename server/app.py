@@ -20,14 +20,15 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.config import EngineConfig
-from engine.errors import InvalidRequestError, KVServeError
-from engine.serving.async_engine import (
-    AsyncEngine,
+from engine.errors import (
     EngineDeadError,
     EngineStepError,
+    InvalidRequestError,
+    KVServeError,
     QueueFullError,
     RequestTimeoutError,
 )
+from engine.serving.async_engine import AsyncEngine
 from engine.serving.torch_thread import single_torch_thread
 from server.config import ServerConfig
 from server.errors import APIError

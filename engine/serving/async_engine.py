@@ -32,7 +32,13 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from engine.errors import InvalidRequestError, KVServeError
+from engine.errors import (
+    EngineDeadError,
+    EngineStepError,
+    InvalidRequestError,
+    QueueFullError,
+    RequestTimeoutError,
+)
 from engine.outputs import EngineStats, RequestOutput
 from engine.params import SamplingParams
 from engine.serving.torch_thread import single_torch_thread
@@ -43,26 +49,6 @@ if TYPE_CHECKING:
     from engine.core.llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
-
-
-class EngineDeadError(KVServeError):
-    """The step loop is not running (died, or stopped): no request can be served."""
-
-
-class QueueFullError(KVServeError):
-    """Too many requests are waiting; retry after `retry_after` seconds."""
-
-    def __init__(self, message: str, retry_after: float = 1.0) -> None:
-        super().__init__(message)
-        self.retry_after = retry_after
-
-
-class RequestTimeoutError(KVServeError):
-    """The request outlived its deadline and was aborted."""
-
-
-class EngineStepError(KVServeError):
-    """A step failed while this request was in the engine; it was aborted."""
 
 
 @dataclass

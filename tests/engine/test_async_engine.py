@@ -14,16 +14,17 @@ import time
 
 import pytest
 
-from engine.errors import InvalidRequestError, PromptTooLongError
-from engine.outputs import CompletionOutput, EngineStats, RequestOutput
-from engine.params import SamplingParams
-from engine.serving.async_engine import (
-    AsyncEngine,
+from engine.errors import (
     EngineDeadError,
     EngineStepError,
+    InvalidRequestError,
+    PromptTooLongError,
     QueueFullError,
     RequestTimeoutError,
 )
+from engine.outputs import CompletionOutput, EngineStats, RequestOutput
+from engine.params import SamplingParams
+from engine.serving.async_engine import AsyncEngine
 
 
 class ScriptedEngine:
