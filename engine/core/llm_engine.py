@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 
 from engine.config import TORCH_DTYPES, EngineConfig, ModelConfig, cdiv
-from engine.core.block_manager import BlockManager, BlockPool
+from engine.core.block_pool import BlockPool
+from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.scheduler import ScheduledBatch, Scheduler
 from engine.core.sequence import Sequence
 from engine.errors import InvalidRequestError, PromptTooLongError
@@ -92,8 +93,8 @@ class LLMEngine:
             model_config, state_dict, config, num_blocks, self.sliding_window, self.num_sink_tokens
         )
         self.pool = BlockPool(num_blocks, config.enable_prefix_caching)
-        self.block_manager = BlockManager(self.pool, config.block_size, self.sliding_window, self.num_sink_tokens)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.kv_manager = KVCacheManager(self.pool, config.block_size, self.sliding_window, self.num_sink_tokens)
+        self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self._requests: dict[str, _Request] = {}
         self._seq_ids = itertools.count()
         self._pending_outputs: list[RequestOutput] = []

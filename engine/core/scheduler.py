@@ -13,7 +13,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.core.block_manager import BlockManager
+from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.sequence import Sequence, SequenceStatus
 
 
@@ -39,8 +39,8 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
-        self.block_manager = block_manager
+    def __init__(self, kv_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.kv_manager = kv_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -65,11 +65,11 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.block_manager.free(seq)
+        self.kv_manager.free(seq)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.block_manager.free(seq)
+        self.kv_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
@@ -78,14 +78,14 @@ class Scheduler:
     def _is_blocked_on_parent(self, seq: Sequence) -> bool:
         """Samples 1..n-1 wait until sample 0 has cached the shared prompt blocks."""
         parent = seq.parent
-        if parent is None or not self.block_manager.pool.enable_prefix_caching:
+        if parent is None or not self.kv_manager.pool.enable_prefix_caching:
             return False
         return not parent.is_finished and parent.num_computed_tokens < parent.num_prompt_tokens
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
-        bm = self.block_manager
+        bm = self.kv_manager
 
         # 1. Running sequences, oldest first; preempt from the newest end when blocks run out.
         i = 0
@@ -146,4 +146,4 @@ class Scheduler:
         """Advance progress after the model ran; publish newly full blocks."""
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += num_new
-            self.block_manager.register_computed_blocks(seq)
+            self.kv_manager.register_computed_blocks(seq)

@@ -32,7 +32,7 @@ class Sequence:
     token_ids: list[int] = field(default_factory=list)  # prompt + generated
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     block_table: list[int] = field(default_factory=list)
-    block_hashes: list[int] = field(default_factory=list)  # chained hash of each full block
+    block_hashes: list[bytes] = field(default_factory=list)  # chained digest of each full block
     num_registered_blocks: int = 0  # full blocks already published to the prefix cache
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
