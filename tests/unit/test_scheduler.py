@@ -1,0 +1,141 @@
+"""Scheduler.schedule() at block_size=2, no model: token budget, chunking, sequence cap, preemption."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from engine.core.block_pool import BlockPool
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.scheduler import ScheduledBatch, Scheduler
+from engine.core.sequence import Sequence, SequenceStatus
+from engine.params import SamplingParams
+
+SAMPLED_TOKEN = 7
+_seq_ids = itertools.count()
+
+
+def _scheduler(
+    num_blocks: int = 64, max_num_seqs: int = 8, max_num_batched_tokens: int = 64, prefix_caching: bool = False
+) -> Scheduler:
+    manager = KVCacheManager(BlockPool(num_blocks, prefix_caching), 2, None, 0)
+    return Scheduler(manager, max_num_seqs, max_num_batched_tokens)
+
+
+def _seq(num_prompt_tokens: int, parent: Sequence | None = None) -> Sequence:
+    return Sequence(
+        seq_id=next(_seq_ids),
+        request_id="r",
+        index=0 if parent is None else 1,
+        prompt_token_ids=list(range(100, 100 + num_prompt_tokens)),
+        params=SamplingParams(max_tokens=1000, ignore_eos=True),
+        arrival_time=0.0,
+        parent=parent,
+    )
+
+
+def _add(scheduler: Scheduler, *num_prompt_tokens: int) -> list[Sequence]:
+    seqs = [_seq(n) for n in num_prompt_tokens]
+    for seq in seqs:
+        scheduler.add(seq)
+    return seqs
+
+
+def _run(scheduler: Scheduler, batch: ScheduledBatch) -> None:
+    """What the engine does once the model ran: advance progress, append a token where one was sampled."""
+    sampled = [seq for i, seq in enumerate(batch.seqs) if batch.samples(i)]
+    scheduler.update_computed(batch)
+    for seq in sampled:
+        seq.token_ids.append(SAMPLED_TOKEN)
+
+
+def _plan(batch: ScheduledBatch) -> list[tuple[Sequence, int]]:
+    return list(zip(batch.seqs, batch.num_new_tokens))
+
+
+def test_the_token_budget_is_split_in_arrival_order():
+    scheduler = _scheduler(max_num_batched_tokens=10)
+    a, b, c = _add(scheduler, 6, 6, 6)
+    batch = scheduler.schedule()
+    assert _plan(batch) == [(a, 6), (b, 4)]
+    assert batch.num_tokens == 10
+    assert scheduler.waiting[0] is c
+
+
+def test_running_sequences_are_served_before_waiting_ones():
+    scheduler = _scheduler(max_num_batched_tokens=10)
+    a, b = _add(scheduler, 3, 3)
+    _run(scheduler, scheduler.schedule())  # both prompts computed, one token sampled each
+    (c,) = _add(scheduler, 20)
+    batch = scheduler.schedule()
+    assert _plan(batch) == [(a, 1), (b, 1), (c, 8)]
+    assert [batch.samples(i) for i in range(3)] == [True, True, False]
+
+
+def test_a_long_prompt_is_prefilled_in_chunks():
+    scheduler = _scheduler(max_num_batched_tokens=4)
+    (seq,) = _add(scheduler, 10)
+    chunks = []
+    for _ in range(3):
+        batch = scheduler.schedule()
+        chunks.append((batch.num_new_tokens, batch.samples(0)))
+        _run(scheduler, batch)
+    assert chunks == [([4], False), ([4], False), ([2], True)]
+    assert seq.num_computed_tokens == 10 and seq.num_generated_tokens == 1
+    assert scheduler.schedule().num_new_tokens == [1]  # then it decodes
+
+
+def test_max_num_seqs_caps_the_running_set():
+    scheduler = _scheduler(max_num_seqs=2)
+    a, b, c = _add(scheduler, 2, 2, 2)
+    batch = scheduler.schedule()
+    assert batch.seqs == [a, b]
+    assert c.status is SequenceStatus.WAITING
+    _run(scheduler, batch)
+    assert scheduler.schedule().seqs == [a, b]
+    scheduler.finish(a, "stop")
+    assert scheduler.schedule().seqs == [b, c]
+
+
+def test_the_newest_running_sequence_is_preempted_and_waits_in_front():
+    scheduler = _scheduler(num_blocks=7)  # 6 usable blocks of 2 tokens
+    a, b, c = _add(scheduler, 4, 4, 4)
+    batch = scheduler.schedule()
+    assert batch.seqs == [a, b, c]
+    assert scheduler.kv_manager.pool.num_free_blocks == 0
+    _run(scheduler, batch)  # each now holds 5 tokens: its next step needs a third block
+    (d,) = _add(scheduler, 2)
+
+    batch = scheduler.schedule()
+    assert _plan(batch) == [(a, 1), (b, 1)]
+    assert scheduler.num_preemptions == 1
+    assert scheduler.running == [a, b]
+    assert list(scheduler.waiting) == [c, d]
+    assert c.status is SequenceStatus.WAITING
+    assert c.num_computed_tokens == 0 and c.block_table == []
+    assert c.token_ids[-1] == SAMPLED_TOKEN  # keeps its tokens: it recomputes them all when readmitted
+
+
+def test_a_sequence_that_can_never_fit_is_an_error():
+    scheduler = _scheduler(num_blocks=4)  # 3 usable blocks: 6 tokens
+    _add(scheduler, 10)
+    with pytest.raises(RuntimeError, match="cannot hold one sequence of 10 tokens"):
+        scheduler.schedule()
+
+
+def test_later_samples_wait_for_the_first_and_take_its_cached_prompt():
+    scheduler = _scheduler(max_num_batched_tokens=4, prefix_caching=True)
+    first = _seq(7)
+    second = _seq(7, parent=first)
+    scheduler.add(first)
+    scheduler.add(second)
+    batch = scheduler.schedule()
+    assert batch.seqs == [first]  # second waits: the shared prompt blocks are not computed yet
+    _run(scheduler, batch)
+    batch = scheduler.schedule()
+    assert _plan(batch) == [(first, 3)]
+    _run(scheduler, batch)
+    batch = scheduler.schedule()
+    assert _plan(batch) == [(first, 1), (second, 1)]  # 6 of its 7 prompt tokens came from the cache
+    assert second.block_table[:3] == first.block_table[:3]
