@@ -153,9 +153,9 @@ def micro_benchmarks(engine: LLMEngine, repeats: int = 20) -> list[tuple[str, fl
 
 def int8_micro_benchmarks(engine: LLMEngine, row_counts: list[int], repeats: int = 5) -> list[tuple[int, float, float]]:
     """(rows, float32 ms, int8 kernel ms) for all linear layers of one step of the engine's model."""
-    from engine.ops.int8_linear import Int8Linear, int8_kernel, int8_linear_kernel
+    from engine.ops.int8_linear import Int8Linear, available, int8_linear_native
 
-    if int8_kernel() is None:
+    if not available():
         return []
     linears = [m for m in engine.runner.model.modules() if isinstance(m, torch.nn.Linear)]
     if not linears:  # the engine itself runs int8: time its layers' float copies
@@ -173,7 +173,7 @@ def int8_micro_benchmarks(engine: LLMEngine, row_counts: list[int], repeats: int
         inputs = {q.in_features: torch.randn(rows, q.in_features) for q in quantized}
         float_ms = timed(lambda x=inputs: [torch.nn.functional.linear(x[w.shape[1]], w, b) for w, b in floats])
         int8_ms = timed(
-            lambda x=inputs: [int8_linear_kernel(x[q.in_features], q.quantized, q.scale, q.bias) for q in quantized]
+            lambda x=inputs: [int8_linear_native(x[q.in_features], q.quantized, q.scale, q.bias) for q in quantized]
         )
         results.append((rows, float_ms, int8_ms))
     return results

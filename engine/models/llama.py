@@ -4,6 +4,12 @@ RoPE (with transformers' scaling types), RMSNorm, SwiGLU, grouped- and
 multi-query attention, optional q/k/v(/o) biases (Qwen2, attention_bias), tied
 or untied embeddings. Sliding windows are expressed in the attention metadata,
 not here. All activations are flat: [T, ...] for the T new tokens of a step.
+
+Plain torch modules. RMSNorm and paged attention call the op functions of
+engine/ops, which run a native kernel on float32 CPU tensors where it loads.
+The runner may run decode-only steps of int8 models through
+engine/ops/llama_decode.py instead, which reads these modules' weights; this
+forward is its reference.
 """
 
 from __future__ import annotations
@@ -14,7 +20,6 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.models.common import RotaryEmbedding, apply_rotary, assign, take
-from engine.ops.llama_decode import FusedLlamaDecode
 from engine.ops.rms_norm import rms_norm
 from engine.runner.attention import AttentionMetadata, paged_attention, write_kv
 
@@ -89,14 +94,6 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(config.hidden_size, eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary: RotaryEmbedding | None = None
-        self.fused_decode: FusedLlamaDecode | None = None
-
-    def enable_fused_decode(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
-        """Run decode-only steps through one native call (int8 float32 CPU models); True if enabled."""
-        layers = list(self.layers)
-        if FusedLlamaDecode.supported(layers, kv_caches):
-            self.fused_decode = FusedLlamaDecode(layers, kv_caches, layers[0].input_norm.eps)
-        return self.fused_decode is not None
 
     def forward(
         self,
@@ -104,19 +101,12 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
-        allow_fused: bool = True,
     ) -> torch.Tensor:
-        """input_ids, positions: [T] -> final hidden states [T, hidden].
-
-        allow_fused=False forces the torch layers (the reference for the fused decode path).
-        """
+        """input_ids, positions: [T] -> final hidden states [T, hidden]."""
         hidden = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
-        if meta.is_decode_only and allow_fused and self.fused_decode is not None:
-            hidden = self.fused_decode(hidden, cos, sin, meta)
-        else:
-            for layer, kv_cache in zip(self.layers, kv_caches):
-                hidden = layer(hidden, cos, sin, kv_cache, meta)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            hidden = layer(hidden, cos, sin, kv_cache, meta)
         return self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,9 @@
-"""Decode attention over the paged cache: the native kernel (decode_attention.c).
+"""Decode attention over the paged cache: one query per sequence, in torch and in decode_attention.c.
 
-engine/runner/attention.py calls it for decode-only steps on float32 CPU tensors; its
-torch path is the reference, and tests/unit/test_paged_attention.py holds them equal.
+engine/runner/attention.py routes decode-only steps here. The native kernel
+reads the cache in place (float32 CPU tensors); the torch path gathers whole
+blocks and runs SDPA. tests/unit/test_paged_attention.py holds both equal to
+the dense reference.
 """
 
 from __future__ import annotations
@@ -10,24 +12,35 @@ import ctypes
 import functools
 
 import torch
+import torch.nn.functional as F
 
-from engine.ops.loader import load_function
+from engine.ops.loader import I64, PTR, bind
 
 
 @functools.cache
-def decode_attention_kernel():
-    """The ctypes function kv_decode_attention, or None when the torch path must run."""
-    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-    argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
-    return load_function("decode_attention", "kv_decode_attention", argtypes, ctypes.c_int)
+def _kernel():
+    """kv_decode_attention(...) -> status, or None when the library cannot be used."""
+    argtypes = [PTR, PTR, PTR, PTR, PTR, PTR, I64, I64, I64, I64, I64, I64, ctypes.c_float, ctypes.c_int]
+    return bind("decode_attention", "kv_decode_attention", argtypes, ctypes.c_int)
 
 
-def can_run(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
-    on_cpu_float32 = query.device.type == "cpu" and query.dtype == key_cache.dtype == torch.float32
-    return on_cpu_float32 and decode_attention_kernel() is not None
+def available() -> bool:
+    """Whether decode_attention_native can run on this machine."""
+    return _kernel() is not None
 
 
-def decode_attention(
+def gather_blocks(cache: torch.Tensor, key_blocks: torch.Tensor) -> torch.Tensor:
+    """cache [num_blocks, block_size, H_kv, D], key_blocks int64 [B, N] -> [B, H_kv, N * block_size, D].
+
+    Whole blocks are gathered as 2-D rows, the fastest gather on CPU.
+    """
+    num_seqs, num_blocks = key_blocks.shape
+    _, block_size, num_kv_heads, head_dim = cache.shape
+    rows = cache.view(cache.shape[0], -1).index_select(0, key_blocks.reshape(-1))
+    return rows.view(num_seqs, num_blocks * block_size, num_kv_heads, head_dim).transpose(1, 2)
+
+
+def decode_attention_torch(
     query: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
@@ -35,17 +48,37 @@ def decode_attention(
     visible: torch.Tensor | None,
     scale: float,
 ) -> torch.Tensor:
-    """query [B, H_q, D] (one token per sequence) -> [B, H_q, D].
+    """query [B, H_q, D] (one token per sequence) -> [B, H_q, D], in torch ops (any device and dtype).
 
     key_blocks: int64 [B, N]; visible: bool [B, N * block_size] or None (all visible).
     """
+    out = F.scaled_dot_product_attention(
+        query.unsqueeze(2),  # [B, H_q, 1, D]
+        gather_blocks(key_cache, key_blocks),
+        gather_blocks(value_cache, key_blocks),
+        attn_mask=visible[:, None, None, :] if visible is not None else None,
+        scale=scale,
+        enable_gqa=query.shape[1] != key_cache.shape[2],
+    )
+    return out.squeeze(2)
+
+
+def decode_attention_native(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    key_blocks: torch.Tensor,
+    visible: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:
+    """decode_attention_torch for float32 CPU tensors through the native kernel."""
     num_seqs, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     query = query.contiguous()
     key_blocks = key_blocks.contiguous()
     mask = visible.contiguous().view(torch.uint8) if visible is not None else None
     out = torch.empty_like(query)
-    status = decode_attention_kernel()(
+    status = _kernel()(
         query.data_ptr(),
         key_cache.data_ptr(),
         value_cache.data_ptr(),
@@ -64,3 +97,18 @@ def decode_attention(
     if status != 0:
         raise MemoryError("the decode attention kernel could not allocate its score buffer")
     return out
+
+
+def decode_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    key_blocks: torch.Tensor,
+    visible: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:
+    """The native kernel for float32 CPU tensors where it loads, torch otherwise."""
+    on_cpu_float32 = query.device.type == "cpu" and query.dtype == key_cache.dtype == torch.float32
+    if on_cpu_float32 and available():
+        return decode_attention_native(query, key_cache, value_cache, key_blocks, visible, scale)
+    return decode_attention_torch(query, key_cache, value_cache, key_blocks, visible, scale)

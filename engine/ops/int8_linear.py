@@ -3,14 +3,14 @@
 Each nn.Linear's weight [N, K] is rounded to int8 with one symmetric float32
 scale per output channel (w ~= q * scale[n], q in -127..127); activations stay
 float32. Decode-sized products (M <= MAX_KERNEL_ROWS) run in the AVX2 kernel
-`engine/ops/int8_gemm.c`, which reads a quarter of float32's weight bytes.
-Larger ones (prefill) are compute-bound and run in float32 BLAS on the same
-numbers (`int8_linear_blas`: the activation rows rounded to the kernel's int16
-grid, times the dequantized int8 weight), so a row gets the same result, to
-float32 rounding, whichever path its batch took: sampling stays
-batch-invariant. The price is memory: float32 + int8 weights.
+`engine/ops/int8_gemm.c` (`int8_linear_native`), which reads a quarter of
+float32's weight bytes. Larger ones (prefill) are compute-bound and run in
+float32 BLAS on the same numbers (`int8_linear_torch`: the activation rows
+rounded to the kernel's int16 grid, times the dequantized int8 weight), so a
+row gets the same result, to float32 rounding, whichever path its batch took:
+sampling stays batch-invariant. The price is memory: float32 + int8 weights.
 `int8_linear_reference` is the plain definition both are tested against; the
-BLAS path also runs when the kernel cannot be built.
+torch path also runs when the kernel cannot be built.
 
 Accuracy (README, tests/unit/test_quantization.py): weight rounding is at most
 scale/2 per weight; the kernel also rounds each activation row to int16 with
@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import EngineConfig
-from engine.ops.loader import load_function
+from engine.ops.loader import I64, PTR, bind
 
 # Up to this many rows the kernel beats float32 BLAS (it reads 4x fewer weight
 # bytes); above it the product is compute-bound and BLAS wins. Measured by the
@@ -57,6 +57,24 @@ def int8_linear_reference(
     return F.linear(x, dequantize_int8(quantized, scale).to(x.dtype), None if bias is None else bias.to(x.dtype))
 
 
+@functools.cache
+def _kernel():
+    """kv_int8_gemm(x, rows, inner, quantized, scale, bias, out, out_features, threads) -> status, or None."""
+    argtypes = [PTR, I64, I64, PTR, PTR, PTR, PTR, I64, ctypes.c_int]
+    return bind("int8_gemm", "kv_int8_gemm", argtypes, ctypes.c_int)
+
+
+@functools.cache
+def _round_rows_kernel():
+    """kv_round_rows_int16(x, out, rows, cols, threads), or None when the library cannot be used."""
+    return bind("int8_gemm", "kv_round_rows_int16", [PTR, PTR, I64, I64, ctypes.c_int], None)
+
+
+def available() -> bool:
+    """Whether int8_linear_native can run on this machine."""
+    return _kernel() is not None
+
+
 def round_rows_int16(x: torch.Tensor) -> torch.Tensor:
     """x [M, K] float32 -> each row rounded to the kernel's int16 grid (q * scale, scale = max|row| / 32767)."""
     rounder = _round_rows_kernel()
@@ -70,38 +88,20 @@ def round_rows_int16(x: torch.Tensor) -> torch.Tensor:
     return torch.round(x * (1.0 / scale)).clamp_(-32767, 32767) * scale
 
 
-def int8_linear_blas(x: torch.Tensor, dequantized: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def int8_linear_torch(x: torch.Tensor, dequantized: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """The kernel's numbers in float32 BLAS: x [M, K] rounded like the kernel, dequantized weight [N, K]."""
     return F.linear(round_rows_int16(x), dequantized, bias)
 
 
-@functools.cache
-def _round_rows_kernel():
-    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-    return load_function("int8_gemm", "kv_round_rows_int16", [ptr, ptr, i64, i64, ctypes.c_int], None)
-
-
-@functools.cache
-def int8_kernel():
-    """The ctypes function kv_int8_gemm, or None (logged once) when the BLAS path must run."""
-    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-    return load_function(
-        "int8_gemm", "kv_int8_gemm", [ptr, i64, i64, ptr, ptr, ptr, ptr, i64, ctypes.c_int], ctypes.c_int
-    )
-
-
-def int8_linear_kernel(
+def int8_linear_native(
     x: torch.Tensor, quantized: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
     """x [M, K] float32 on CPU -> [M, N] through the native kernel."""
-    kernel = int8_kernel()
-    if kernel is None:
-        raise RuntimeError("the int8 kernel is not available on this machine")
     x = x.contiguous()
     rows, inner = x.shape
     out_features = quantized.shape[0]
     out = torch.empty(rows, out_features, dtype=torch.float32)
-    status = kernel(
+    status = _kernel()(
         x.data_ptr(),
         rows,
         inner,
@@ -140,10 +140,10 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         leading = x.shape[:-1]
         flat = x.reshape(-1, self.in_features)
-        if flat.shape[0] <= MAX_KERNEL_ROWS and int8_kernel() is not None:
-            out = int8_linear_kernel(flat.float(), self.quantized, self.scale, self.bias)
+        if flat.shape[0] <= MAX_KERNEL_ROWS and available():
+            out = int8_linear_native(flat.float(), self.quantized, self.scale, self.bias)
         else:
-            out = int8_linear_blas(flat.float(), self.dequantized, self.bias)
+            out = int8_linear_torch(flat.float(), self.dequantized, self.bias)
         return out.view(*leading, self.out_features)
 
     def extra_repr(self) -> str:

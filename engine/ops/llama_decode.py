@@ -1,7 +1,8 @@
 """One native call for every layer of a LLaMA-family decode step (llama_decode.c).
 
-Used by LlamaForCausalLM for decode-only steps when the model runs int8 linear
-layers in float32 on CPU; LlamaLayer.forward (torch) is the reference, and
+The model runner uses FusedLlamaDecode for decode-only steps when it chose the
+fused path at start-up (int8 linear layers, float32, CPU). Its torch reference
+is the model itself (LlamaForCausalLM.forward), and
 tests/engine/test_fused_decode.py holds the two equal.
 """
 
@@ -9,59 +10,86 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.ops.int8_linear import Int8Linear
-from engine.ops.loader import load_function
+from engine.ops.loader import I64, PTR, bind, unavailable_reason
 from engine.runner.attention import AttentionMetadata
 
-_ptr, _i64 = ctypes.c_void_p, ctypes.c_int64
+if TYPE_CHECKING:
+    from engine.models.llama import LlamaForCausalLM
 
 
 class _Int8Weight(ctypes.Structure):
-    _fields_ = [("weight", _ptr), ("scale", _ptr), ("bias", _ptr), ("out_features", _i64)]
+    _fields_ = [("weight", PTR), ("scale", PTR), ("bias", PTR), ("out_features", I64)]
 
 
 class _LlamaLayer(ctypes.Structure):
     _fields_ = [
-        ("input_norm", _ptr),
-        ("post_attention_norm", _ptr),
+        ("input_norm", PTR),
+        ("post_attention_norm", PTR),
         ("qkv", _Int8Weight),
         ("o", _Int8Weight),
         ("gate_up", _Int8Weight),
         ("down", _Int8Weight),
-        ("key_cache", _ptr),
-        ("value_cache", _ptr),
+        ("key_cache", PTR),
+        ("value_cache", PTR),
     ]
 
 
 class _DecodeStep(ctypes.Structure):
     _fields_ = [
-        ("num_seqs", _i64),
-        ("hidden_size", _i64),
-        ("intermediate_size", _i64),
-        ("num_heads", _i64),
-        ("num_kv_heads", _i64),
-        ("head_dim", _i64),
-        ("block_size", _i64),
-        ("num_blocks_per_seq", _i64),
+        ("num_seqs", I64),
+        ("hidden_size", I64),
+        ("intermediate_size", I64),
+        ("num_heads", I64),
+        ("num_kv_heads", I64),
+        ("head_dim", I64),
+        ("block_size", I64),
+        ("num_blocks_per_seq", I64),
         ("eps", ctypes.c_float),
         ("scale", ctypes.c_float),
-        ("cos", _ptr),
-        ("sin", _ptr),
-        ("slot_mapping", _ptr),
-        ("blocks", _ptr),
-        ("mask", _ptr),
+        ("cos", PTR),
+        ("sin", PTR),
+        ("slot_mapping", PTR),
+        ("blocks", PTR),
+        ("mask", PTR),
         ("num_threads", ctypes.c_int),
     ]
 
 
 @functools.cache
-def llama_decode_kernel():
-    """The ctypes function kv_llama_decode_layers, or None when the torch layers must run."""
-    argtypes = [ctypes.POINTER(_LlamaLayer), _i64, ctypes.POINTER(_DecodeStep), _ptr]
-    return load_function("llama_decode", "kv_llama_decode_layers", argtypes, ctypes.c_int)
+def _kernel():
+    """kv_llama_decode_layers(layers, num_layers, step, hidden) -> status, or None when it cannot be used."""
+    argtypes = [ctypes.POINTER(_LlamaLayer), I64, ctypes.POINTER(_DecodeStep), PTR]
+    return bind("llama_decode", "kv_llama_decode_layers", argtypes, ctypes.c_int)
+
+
+def available() -> bool:
+    """Whether FusedLlamaDecode can run on this machine (for a model it supports)."""
+    return _kernel() is not None
+
+
+def unsupported_reason(model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> str | None:
+    """Why FusedLlamaDecode cannot run this model over these caches, or None when it can."""
+    layers = list(model.layers)
+    if not layers:
+        return "the model has no layers"
+    projections = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+    if not all(isinstance(getattr(layer, name), Int8Linear) for layer in layers for name in projections):
+        return "its linear layers are not int8 (the fused kernel reads int8 weights)"
+    cache = kv_caches[0][0]
+    if cache.dtype != torch.float32 or cache.device.type != "cpu" or not cache.is_contiguous():
+        return f"the KV cache is {cache.dtype} on {cache.device.type} (the kernel needs contiguous float32 on CPU)"
+    norms = [norm.weight for layer in layers for norm in (layer.input_norm, layer.post_attention_norm)]
+    if any(weight.dtype != torch.float32 for weight in [*norms, model.norm.weight]):
+        return "its RMSNorm weights are not float32"
+    reason = unavailable_reason("llama_decode")
+    if reason is not None:
+        return f"the fused decode kernel is unavailable: {reason}"
+    return None
 
 
 def _weight(linear: Int8Linear) -> _Int8Weight:
@@ -70,12 +98,18 @@ def _weight(linear: Int8Linear) -> _Int8Weight:
 
 
 class FusedLlamaDecode:
-    """Pointers to every layer's weights and KV cache, gathered once; call it once per decode step."""
+    """A decode-only step of a LLaMA-family model with every layer in one native call.
 
-    def __init__(self, layers, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], eps: float) -> None:
+    Pointers to every layer's weights and KV cache are gathered once; call it like
+    the model's forward, once per decode-only step. Only for models where
+    `unsupported_reason` is None.
+    """
+
+    def __init__(self, model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        layers = list(model.layers)
         first = layers[0]
         self.intermediate, self.num_heads, self.num_kv_heads = first.intermediate, first.num_heads, first.num_kv_heads
-        self.head_dim, self.scale, self.eps = first.head_dim, first.scale, eps
+        self.head_dim, self.scale, self.eps = first.head_dim, first.scale, first.input_norm.eps
         self.layers = (_LlamaLayer * len(layers))(
             *[
                 _LlamaLayer(
@@ -92,23 +126,14 @@ class FusedLlamaDecode:
             ]
         )
         self.block_size = kv_caches[0][0].shape[1]
-        # The tensors behind the pointers above must outlive this object.
-        self._keep_alive = (layers, kv_caches)
+        # The model and caches own the tensors behind the pointers above; they must outlive this object.
+        self.model = model
+        self._kv_caches = kv_caches
 
-    @staticmethod
-    def supported(layers, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
-        projections = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-        int8 = all(isinstance(getattr(layer, name), Int8Linear) for layer in layers for name in projections)
-        cache = kv_caches[0][0]
-        float32_cpu = cache.dtype == torch.float32 and cache.device.type == "cpu" and cache.is_contiguous()
-        norms = all(layer.input_norm.weight.dtype == torch.float32 for layer in layers)
-        return bool(layers) and int8 and float32_cpu and norms and llama_decode_kernel() is not None
-
-    def __call__(
-        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        """hidden [B, H] after the embedding -> [B, H] after the last layer (before the final norm)."""
-        hidden = hidden.clone(memory_format=torch.contiguous_format)  # updated in place by the kernel
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions: [B] (one new token per sequence) -> final hidden states [B, hidden]."""
+        hidden = self.model.embed_tokens(input_ids).contiguous()  # a fresh tensor: the kernel updates it in place
+        cos, sin = self.model.rotary.cos_sin(positions, hidden.dtype)
         num_seqs, hidden_size = hidden.shape
         cos = cos.reshape(num_seqs, self.head_dim).contiguous()
         sin = sin.reshape(num_seqs, self.head_dim).contiguous()
@@ -133,7 +158,7 @@ class FusedLlamaDecode:
             mask.data_ptr() if mask is not None else None,
             torch.get_num_threads(),
         )
-        status = llama_decode_kernel()(self.layers, len(self.layers), ctypes.byref(step), hidden.data_ptr())
+        status = _kernel()(self.layers, len(self.layers), ctypes.byref(step), hidden.data_ptr())
         if status != 0:
             raise MemoryError("the fused decode kernel could not allocate its scratch buffers")
-        return hidden
+        return self.model.norm(hidden)

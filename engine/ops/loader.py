@@ -1,5 +1,10 @@
 """Build a kernel's C source into a shared library once, cache it, load it with ctypes.
 
+Every op module in engine/ops binds its C functions the same way (`bind`) and
+offers the same surface: the torch path, the native path, and `available()`.
+`KVSERVE_NATIVE_KERNELS=0` (read when a library is first loaded) turns every
+native kernel off.
+
 Why ctypes and not a torch C++ extension: the kernels are plain C over raw
 pointers, so they compile in about a second with only gcc (no torch headers,
 no ninja), and a fresh machine or container needs nothing beyond a compiler.
@@ -17,6 +22,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +35,9 @@ logger = logging.getLogger(__name__)
 SOURCE_DIR = Path(__file__).parent
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 DISABLE_ENV = "KVSERVE_NATIVE_KERNELS"
+# The C types of the kernels' arguments: raw pointers to tensor data, and int64 sizes.
+PTR = ctypes.c_void_p
+I64 = ctypes.c_int64
 
 
 class KernelUnavailable(RuntimeError):
@@ -70,25 +79,43 @@ def _build(source: Path, target: Path) -> None:
 
 
 @functools.cache
-def load_library(name: str) -> ctypes.CDLL | None:
-    """The compiled `engine/ops/<name>.c`, or None (logged once) when it cannot be used."""
+def _load(name: str) -> ctypes.CDLL | KernelUnavailable:
+    """The compiled `engine/ops/<name>.c`, or why it cannot be used (logged once per library)."""
     try:
         _check_machine()
         target = library_path(name)
         if not target.exists():  # a cached build needs no compiler (e.g. a slim runtime image)
             _build(SOURCE_DIR / f"{name}.c", target)
         return ctypes.CDLL(str(target))
-    except (KernelUnavailable, OSError) as error:
-        logger.warning("native kernel %s unavailable, using the torch reference: %s", name, error)
-        return None
+    except KernelUnavailable as error:
+        problem = error
+    except OSError as error:
+        problem = KernelUnavailable(str(error))
+    logger.warning("native kernel %s unavailable, using the torch reference: %s", name, problem)
+    return problem
 
 
-def load_function(name: str, symbol: str, argtypes: list, restype: Any):
-    """`symbol` from the compiled `engine/ops/<name>.c` with its ctypes signature, or None."""
-    library = load_library(name)
-    if library is None:
+def load_library(name: str) -> ctypes.CDLL | None:
+    """The compiled `engine/ops/<name>.c`, built on first use, or None when it cannot be used."""
+    loaded = _load(name)
+    return loaded if isinstance(loaded, ctypes.CDLL) else None
+
+
+def unavailable_reason(name: str) -> str | None:
+    """Why `engine/ops/<name>.c` cannot be used on this machine, or None when it loads."""
+    loaded = _load(name)
+    return str(loaded) if isinstance(loaded, KernelUnavailable) else None
+
+
+def bind(library: str, symbol: str, argtypes: list[Any], restype: Any) -> Callable[..., Any] | None:
+    """`symbol` of the compiled `engine/ops/<library>.c` with its C signature, or None when it cannot be used.
+
+    Every op module binds its kernels through this, once, in a `functools.cache`d `_kernel()`.
+    """
+    loaded = load_library(library)
+    if loaded is None:
         return None
-    function = getattr(library, symbol)
+    function = getattr(loaded, symbol)
     function.argtypes = argtypes
     function.restype = restype
     return function

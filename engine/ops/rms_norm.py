@@ -1,6 +1,6 @@
-"""RMSNorm: the native kernel (rms_norm.c) for float32 CPU tensors, torch.rms_norm otherwise.
+"""RMSNorm: torch.rms_norm (the reference) and the native kernel rms_norm.c for float32 CPU tensors.
 
-torch.rms_norm is the reference; tests/unit/test_rms_norm_kernel.py holds the two equal.
+tests/unit/test_rms_norm_kernel.py holds the two equal.
 """
 
 from __future__ import annotations
@@ -10,24 +10,40 @@ import functools
 
 import torch
 
-from engine.ops.loader import load_function
+from engine.ops.loader import I64, PTR, bind
 
 
 @functools.cache
-def rms_norm_kernel():
-    """The ctypes function kv_rms_norm, or None when torch.rms_norm must run."""
-    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-    return load_function("rms_norm", "kv_rms_norm", [ptr, ptr, ptr, i64, i64, ctypes.c_float], None)
+def _kernel():
+    """kv_rms_norm(x, weight, out, rows, dim, eps), or None when the library cannot be used."""
+    return bind("rms_norm", "kv_rms_norm", [PTR, PTR, PTR, I64, I64, ctypes.c_float], None)
+
+
+def available() -> bool:
+    """Whether rms_norm_native can run on this machine."""
+    return _kernel() is not None
+
+
+def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., D] -> normalised over D and scaled by weight [D].
+
+    One fused op on GPUs; it accumulates in float32 whatever the activations' dtype.
+    """
+    return torch.rms_norm(x, weight.shape, weight, eps)
+
+
+def rms_norm_native(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """rms_norm_torch for float32 CPU x and weight, through the native kernel."""
+    x, weight = x.contiguous(), weight.contiguous()
+    out = torch.empty_like(x)
+    dim = x.shape[-1]
+    _kernel()(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // dim, dim, eps)
+    return out
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [..., D] -> normalised over D and scaled by weight [D]."""
-    kernel = rms_norm_kernel() if x.dtype == torch.float32 and x.device.type == "cpu" else None
-    if kernel is None or weight.dtype != torch.float32:
-        # One fused op on GPUs; it accumulates in float32 whatever the activations' dtype.
-        return torch.rms_norm(x, weight.shape, weight, eps)
-    x = x.contiguous()
-    out = torch.empty_like(x)
-    dim = x.shape[-1]
-    kernel(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // dim, dim, eps)
-    return out
+    """The native kernel for float32 CPU tensors where it loads, torch otherwise."""
+    on_cpu_float32 = x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32
+    if on_cpu_float32 and available():
+        return rms_norm_native(x, weight, eps)
+    return rms_norm_torch(x, weight, eps)

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import cdiv
-from engine.ops import decode_attention as native_decode
+from engine.ops.decode_attention import decode_attention, gather_blocks
 
 
 @dataclass
@@ -166,13 +166,13 @@ def paged_attention(
 ) -> torch.Tensor:
     """Attention of T flat queries [T, H_q, D] over the paged cache -> [T, H_q, D].
 
-    The new tokens' K/V must already be written (write_kv). Decode-only steps on
-    float32 CPU tensors run the native kernel (engine/ops/decode_attention.c),
-    which reads the cache in place; everything else runs `paged_attention_torch`.
+    The new tokens' K/V must already be written (write_kv). Decode-only steps run
+    engine/ops/decode_attention.py (its native kernel on float32 CPU tensors);
+    every other step runs `paged_attention_torch`.
     """
-    if meta.is_decode_only and native_decode.can_run(query, key_cache):
+    if meta.is_decode_only:
         visible = meta.attn_mask[:, 0] if meta.attn_mask is not None else None
-        return native_decode.decode_attention(query, key_cache, value_cache, meta.key_blocks, visible, scale)
+        return decode_attention(query, key_cache, value_cache, meta.key_blocks, visible, scale)
     return paged_attention_torch(query, key_cache, value_cache, meta, scale)
 
 
@@ -183,24 +183,13 @@ def paged_attention_torch(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """paged_attention in torch ops only, so the same code runs on CPU and CUDA."""
+    """paged_attention for any step in torch ops only, so the same code runs on CPU and CUDA."""
     num_tokens, num_heads, head_dim = query.shape
-    num_kv_heads = key_cache.shape[2]
-    num_seqs, num_blocks = meta.key_blocks.shape
-    num_keys = num_blocks * key_cache.shape[1]
-    # Whole blocks, gathered as 2-D rows (the fastest gather on CPU): [B * N, block_size * H_kv * D]
-    # -> [B, K, H_kv, D] -> [B, H_kv, K, D]
-    flat_blocks = meta.key_blocks.view(-1)
-    keys = key_cache.view(key_cache.shape[0], -1).index_select(0, flat_blocks)
-    values = value_cache.view(value_cache.shape[0], -1).index_select(0, flat_blocks)
-    keys = keys.view(num_seqs, num_keys, num_kv_heads, head_dim).transpose(1, 2)
-    values = values.view(num_seqs, num_keys, num_kv_heads, head_dim).transpose(1, 2)
-    if meta.is_decode_only:
-        padded_query = query.view(num_seqs, 1, num_heads, head_dim)
-    else:
-        # One scratch row at index T receives the padding queries.
-        scratch = torch.cat([query, query.new_zeros(1, num_heads, head_dim)])
-        padded_query = scratch[meta.query_index]  # [B, Q, H_q, D]
+    keys = gather_blocks(key_cache, meta.key_blocks)  # [B, H_kv, K, D]
+    values = gather_blocks(value_cache, meta.key_blocks)
+    # One scratch row at index T receives the padding queries.
+    scratch = torch.cat([query, query.new_zeros(1, num_heads, head_dim)])
+    padded_query = scratch[meta.query_index]  # [B, Q, H_q, D]
     out = F.scaled_dot_product_attention(
         padded_query.transpose(1, 2),
         keys,
@@ -208,10 +197,8 @@ def paged_attention_torch(
         attn_mask=meta.attn_mask.unsqueeze(1) if meta.attn_mask is not None else None,
         is_causal=meta.is_causal,
         scale=scale,
-        enable_gqa=num_heads != num_kv_heads,
+        enable_gqa=num_heads != key_cache.shape[2],
     ).transpose(1, 2)  # [B, Q, H_q, D]
-    if meta.is_decode_only:
-        return out.reshape(num_tokens, num_heads, head_dim)
     flat = out.new_empty(num_tokens + 1, num_heads, head_dim)
     flat[meta.query_index.reshape(-1)] = out.reshape(-1, num_heads, head_dim)
     return flat[:num_tokens]

@@ -17,7 +17,9 @@ from engine.core.scheduler import ScheduledBatch
 from engine.models.gpt2 import GPT2LMHeadModel
 from engine.models.llama import LlamaForCausalLM
 from engine.ops.int8_linear import quantize_linears
+from engine.ops.llama_decode import FusedLlamaDecode
 from engine.runner.attention import AttentionMetadata, build_attention_metadata
+from engine.runner.decode_path import DecodePath, choose_decode_path
 
 logger = logging.getLogger(__name__)
 
@@ -66,9 +68,11 @@ class ModelRunner:
             )
             for _ in range(model_config.num_layers)
         ]
-        enable_fused = getattr(self.model, "enable_fused_decode", None)
-        if enable_fused is not None and enable_fused(self.kv_caches):
-            logger.info("decode steps run all layers in one native call (engine/ops/llama_decode.c)")
+        # The one place that decides which code runs decode-only steps (see forward).
+        self.decode_plan = choose_decode_path(self.model, self.kv_caches)
+        logger.info("%s", self.decode_plan.describe())
+        is_fused = self.decode_plan.path is DecodePath.FUSED_NATIVE
+        self.fused_decode = FusedLlamaDecode(self.model, self.kv_caches) if is_fused else None
 
     def build_inputs(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Flat input ids [T], positions [T] and the attention metadata for one step."""
@@ -86,11 +90,17 @@ class ModelRunner:
         dev = self.device
         return torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev), meta
 
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Final hidden states [T, hidden]; decode-only steps on the fused path run every layer in one native call."""
+        if meta.is_decode_only and self.decode_plan.path is DecodePath.FUSED_NATIVE:
+            return self.fused_decode(input_ids, positions, meta)
+        return self.model(input_ids, positions, self.kv_caches, meta)
+
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, all_positions: bool = False) -> torch.Tensor:
         """float32 logits: one row per sequence that samples this step (or one per token if all_positions)."""
         input_ids, positions, meta = self.build_inputs(batch)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        hidden = self.forward(input_ids, positions, meta)
         if not all_positions:
             ends = np.cumsum(batch.num_new_tokens) - 1
             rows = [int(ends[i]) for i in range(len(batch.seqs)) if batch.samples(i)]

@@ -7,6 +7,7 @@ import pytest
 from engine.config import EngineConfig
 from engine.core.llm_engine import LLMEngine
 from engine.params import SamplingParams
+from engine.runner.decode_path import DecodePath, DecodePlan
 from tests.support.native_kernels import needs_kernels
 
 pytestmark = needs_kernels
@@ -38,21 +39,22 @@ def _decode_metadata(engine: LLMEngine, prompts: list[list[int]]):
 def test_fused_step_equals_torch_layers(tiny_model_dirs, arch):
     # mistral: window 16 is shorter than the longer prompts (a masked step); qwen2: q/k/v biases.
     engine = _engine(tiny_model_dirs[arch])
-    model = engine.runner.model
-    assert model.fused_decode is not None
+    runner = engine.runner
+    assert runner.decode_plan.path is DecodePath.FUSED_NATIVE
     input_ids, positions, meta = _decode_metadata(engine, _prompts(engine, 5))
     assert meta.is_decode_only
     if arch == "mistral":
         assert meta.attn_mask is not None
-    fused = model(input_ids, positions, engine.runner.kv_caches, meta)
-    reference = model(input_ids, positions, engine.runner.kv_caches, meta, allow_fused=False)
+    fused = runner.forward(input_ids, positions, meta)
+    reference = runner.model(input_ids, positions, runner.kv_caches, meta)  # the torch layers
     assert (fused - reference).abs().max() <= 1e-5 * reference.abs().max()
 
 
 def test_fused_generation_matches_torch_generation(tiny_model_dirs):
     fused_engine = _engine(tiny_model_dirs["llama"])
     torch_engine = _engine(tiny_model_dirs["llama"])
-    torch_engine.runner.model.fused_decode = None
+    # The same int8 engine, its runner told to decode through the torch layers.
+    torch_engine.runner.decode_plan = DecodePlan(DecodePath.TORCH_LAYERS, "the reference", ())
     prompts = _prompts(fused_engine, 6)
     params = [
         SamplingParams(temperature=0.8, seed=i, max_tokens=20, ignore_eos=True, logprobs=2) for i in range(len(prompts))
@@ -67,4 +69,4 @@ def test_fused_generation_matches_torch_generation(tiny_model_dirs):
 
 def test_float32_models_keep_the_torch_layers(tiny_model_dirs):
     engine = LLMEngine.from_config(EngineConfig(model=tiny_model_dirs["llama"]))
-    assert engine.runner.model.fused_decode is None
+    assert engine.runner.decode_plan.path is DecodePath.TORCH_LAYERS

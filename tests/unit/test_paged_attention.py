@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from engine.ops.decode_attention import decode_attention_kernel
+from engine.ops.decode_attention import available, decode_attention_native, decode_attention_torch
 from engine.runner.attention import (
     build_attention_metadata,
     dense_reference_attention,
@@ -22,7 +22,7 @@ from tests.support.native_kernels import KERNELS_EXPECTED
 @pytest.mark.parametrize("trial", range(4))
 @pytest.mark.parametrize("decode_only", [False, True], ids=["mixed", "decode"])
 def test_paged_attention_matches_dense(window, sinks, trial, decode_only):
-    """Mixed steps run the torch path; decode-only float32 CPU steps run the native kernel too."""
+    """Mixed steps run the torch path; decode-only steps run engine/ops/decode_attention (native and torch)."""
     rng = random.Random(trial * 100 + (window or 0) + sinks)
     torch.manual_seed(trial)
     block_size = rng.choice([2, 4, 8])
@@ -65,6 +65,11 @@ def test_paged_attention_matches_dense(window, sinks, trial, decode_only):
         assert meta.is_decode_only
         torch_path = paged_attention_torch(queries, key_cache, value_cache, meta, scale)
         torch.testing.assert_close(out, torch_path, atol=1e-5, rtol=1e-5)
+        visible = meta.attn_mask[:, 0] if meta.attn_mask is not None else None
+        decode_args = (queries, key_cache, value_cache, meta.key_blocks, visible, scale)
+        torch.testing.assert_close(decode_attention_torch(*decode_args), torch_path, atol=1e-5, rtol=1e-5)
+        if available():
+            torch.testing.assert_close(decode_attention_native(*decode_args), torch_path, atol=1e-5, rtol=1e-5)
 
     offset = 0
     for keys, values, start, count in zip(full_keys, full_values, starts, counts):
@@ -92,7 +97,7 @@ def test_window_mask_semantics():
 
 
 def test_decode_kernel_builds_where_it_should():
-    assert (decode_attention_kernel() is not None) == KERNELS_EXPECTED
+    assert available() == KERNELS_EXPECTED
 
 
 @pytest.mark.parametrize("window", [None, 64, 5], ids=["no window", "window past the prompts", "window inside"])

@@ -13,11 +13,11 @@ from engine.core.llm_engine import LLMEngine
 from engine.ops.int8_linear import (
     MAX_KERNEL_ROWS,
     Int8Linear,
+    available,
     dequantize_int8,
-    int8_kernel,
-    int8_linear_blas,
-    int8_linear_kernel,
+    int8_linear_native,
     int8_linear_reference,
+    int8_linear_torch,
     quantize_int8,
     quantize_linears,
     resolve_quantization,
@@ -42,7 +42,7 @@ def test_quantize_rounds_each_channel_to_its_scale():
 
 def test_kernel_builds_where_it_should():
     # A machine with gcc and AVX2 (CI, this project's laptops) must not silently fall back.
-    assert (int8_kernel() is not None) == KERNELS_EXPECTED
+    assert available() == KERNELS_EXPECTED
 
 
 @needs_kernels
@@ -56,7 +56,7 @@ def test_kernel_matches_reference(rows, out_features, in_features, with_bias):
     linear = nn.Linear(in_features, out_features, bias=with_bias)
     layer = Int8Linear(linear)
     x = torch.randn(rows, in_features) * 3
-    got = int8_linear_kernel(x, layer.quantized, layer.scale, layer.bias)
+    got = int8_linear_native(x, layer.quantized, layer.scale, layer.bias)
     expected = _reference64(x, layer.quantized, layer.scale, layer.bias)
     # The kernel rounds each activation row to int16: relative error ~1e-5 of the row's products.
     assert (got.double() - expected).abs().max() <= 1e-4 * expected.abs().max()
@@ -68,9 +68,9 @@ def test_kernel_rows_do_not_depend_on_each_other():
     layer = Int8Linear(nn.Linear(300, 45))
     x = torch.randn(11, 300)
     x[3] *= 1000  # a row with a far larger scale must not change its neighbours
-    together = int8_linear_kernel(x, layer.quantized, layer.scale, layer.bias)
+    together = int8_linear_native(x, layer.quantized, layer.scale, layer.bias)
     for i in range(11):
-        alone = int8_linear_kernel(x[i : i + 1], layer.quantized, layer.scale, layer.bias)
+        alone = int8_linear_native(x[i : i + 1], layer.quantized, layer.scale, layer.bias)
         assert torch.equal(together[i], alone[0])
 
 
@@ -82,7 +82,7 @@ def test_kernel_long_rows_do_not_overflow_int32(rows):
     quantized = torch.full((5, in_features), 127, dtype=torch.int8)
     scale = torch.ones(5)
     x = torch.ones(rows, in_features)
-    got = int8_linear_kernel(x, quantized, scale, None)
+    got = int8_linear_native(x, quantized, scale, None)
     assert torch.allclose(got, torch.full((rows, 5), 127.0 * in_features), rtol=1e-6)
 
 
@@ -99,11 +99,11 @@ def test_small_and_large_batches_compute_the_same_model():
     assert (large.double() - expected).abs().max() <= 1e-4 * expected.abs().max()
 
 
-def test_blas_path_matches_reference_without_the_kernel():
+def test_torch_path_matches_reference_without_the_kernel():
     torch.manual_seed(3)
     layer = Int8Linear(nn.Linear(50, 20))
     x = torch.randn(7, 50)
-    got = int8_linear_blas(x, layer.dequantized, layer.bias)
+    got = int8_linear_torch(x, layer.dequantized, layer.bias)
     expected = _reference64(x, layer.quantized, layer.scale, layer.bias)
     assert (got.double() - expected).abs().max() <= 1e-4 * expected.abs().max()
 

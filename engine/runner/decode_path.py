@@ -1,0 +1,62 @@
+"""Which code runs a model's decode-only steps, chosen once when the runner starts.
+
+FUSED_NATIVE: every layer of the step in one native call (engine/ops/llama_decode.py),
+for LLaMA-family models with int8 linear layers in float32 on CPU where the kernel loads.
+TORCH_LAYERS: the model's own torch layers. Prefill and mixed steps always run those;
+on float32 CPU tensors they call the native per-op kernels (RMSNorm, decode attention,
+int8 products) where they load, and torch ops otherwise.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from engine.models.llama import LlamaForCausalLM, RMSNorm
+from engine.ops import decode_attention, int8_linear, llama_decode, rms_norm
+
+
+class DecodePath(enum.Enum):
+    FUSED_NATIVE = "fused native decode"
+    TORCH_LAYERS = "torch layers"
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """The runner's decode path, why it was chosen, and the per-op kernels its torch layers call."""
+
+    path: DecodePath
+    reason: str
+    native_ops: tuple[str, ...]  # empty when the torch layers run torch ops only
+
+    def describe(self) -> str:
+        ops = "native " + ", ".join(self.native_ops) if self.native_ops else "torch ops only"
+        return f"decode path: {self.path.value} ({self.reason}); the torch layers use {ops}"
+
+
+def native_ops(model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[str, ...]:
+    """The engine/ops kernels that `model`'s torch layers call natively: float32 CPU tensors only."""
+    cache = kv_caches[0][0]
+    if cache.device.type != "cpu" or cache.dtype != torch.float32:
+        return ()
+    modules = list(model.modules())
+    used = {
+        "rms_norm": rms_norm.available() and any(isinstance(m, RMSNorm) for m in modules),
+        "decode_attention": decode_attention.available(),
+        "int8_linear": int8_linear.available() and any(isinstance(m, int8_linear.Int8Linear) for m in modules),
+    }
+    return tuple(name for name, is_used in used.items() if is_used)
+
+
+def choose_decode_path(model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> DecodePlan:
+    """The fused path where `model` and its caches allow it and the kernel loads, else the torch layers."""
+    ops = native_ops(model, kv_caches)
+    if not isinstance(model, LlamaForCausalLM):
+        return DecodePlan(DecodePath.TORCH_LAYERS, f"{type(model).__name__} has no fused decode kernel", ops)
+    reason = llama_decode.unsupported_reason(model, kv_caches)
+    if reason is not None:
+        return DecodePlan(DecodePath.TORCH_LAYERS, reason, ops)
+    return DecodePlan(DecodePath.FUSED_NATIVE, "an int8 float32 LLaMA-family model on CPU", ops)
