@@ -17,6 +17,7 @@ import math
 import os
 import random
 import statistics
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -25,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+from clients.sse import aiter_sse_data
 
 logger = logging.getLogger(__name__)
 
@@ -348,12 +351,7 @@ async def stream_one(client: httpx.AsyncClient, body: dict[str, Any], t0: float)
             if resp.status_code != 200:
                 text = (await resp.aread()).decode(errors="replace")
                 raise RuntimeError(f"HTTP {resp.status_code}: {text[:200]}")
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[len("data:") :].strip()
-                if data == "[DONE]":
-                    break
+            async for data in aiter_sse_data(resp.aiter_lines()):
                 now = time.perf_counter() - t0
                 chunk = json.loads(data)
                 if "error" in chunk:
@@ -636,8 +634,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+    logging.basicConfig(
+        level=os.environ.get("KVSERVE_LOG_LEVEL", "info").upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
     parser = argparse.ArgumentParser(prog="kvserve bench", description=__doc__)
     add_arguments(parser)
     return run(parser.parse_args(argv))

@@ -1,9 +1,10 @@
 """`make bench`: kvserve, llama.cpp's llama-server and transformers on the same GGUF, same workloads, one run.
 
 Each server is started as a subprocess on this machine, driven by `clients.bench`, and stopped before the
-next one starts (they never compete for the CPU). The transformers baseline runs in-process, one request at
-a time. The machine's physical limits for the model come first. Results: a side-by-side Markdown table with
-ratios on stdout and in bench-results/ (JSON + Markdown + server logs).
+next one starts (they never compete for the CPU). The transformers baseline (`engine.bench.hf_baseline`) and
+the machine's physical limits for the model (`engine.bench.machine_limits`, reported first) run as
+subprocesses too, their results read back as JSON. Results: a side-by-side Markdown table with ratios on
+stdout and in bench-results/ (JSON + Markdown + server logs).
 
 Usage: python -m clients.bench_suite [--only kvserve,llamacpp,transformers,limits] [--quick] [--workloads a,b,c]
 """
@@ -29,7 +30,18 @@ from typing import Any
 
 import httpx
 
-from clients.bench import BenchResult, Workload, format_value, markdown_table, run_benchmark
+from clients.bench import (
+    BenchResult,
+    MemorySampler,
+    RequestRecord,
+    Workload,
+    build_requests,
+    draw_lengths,
+    format_value,
+    markdown_table,
+    run_benchmark,
+    summarize,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +62,7 @@ class SuiteWorkload:
 
 
 def suite_workloads(quick: bool) -> list[SuiteWorkload]:
-    """The issue's workloads: one stream, 32 streams (same lengths), and TTFT of a 512-token prompt."""
+    """One stream, 32 streams (same lengths), and TTFT of a 512-token prompt."""
     return [
         SuiteWorkload(
             "a",
@@ -95,6 +107,7 @@ def suite_workloads(quick: bool) -> list[SuiteWorkload]:
 
 
 def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -198,8 +211,7 @@ def bench_server(
     label: str, cmd: list[str], port: int, model: str, workloads: list[SuiteWorkload], out_dir: Path, progress: bool
 ) -> list[BenchResult]:
     results = []
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    with server_process(cmd, port, out_dir / "logs" / f"{label}.log", env=env) as proc:
+    with server_process(cmd, port, out_dir / "logs" / f"{label}.log", env=_python_env()) as proc:
         for sw in workloads:
             logger.info("%s: workload %s (%s)", label, sw.key, sw.workload.name)
             result = asyncio.run(
@@ -219,16 +231,92 @@ def bench_server(
     return results
 
 
-def bench_transformers(gguf: Path, model: str, workloads: list[SuiteWorkload], progress: bool) -> list[BenchResult]:
-    from clients.hf_baseline import run_hf_baseline
+def _python_env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
 
+
+def run_json_program(module: str, args: Sequence[str], *, sample_memory: bool = False) -> tuple[Any, float | None]:
+    """Run `python -m module ARGS` (its log and progress go to this terminal) and parse its stdout as JSON.
+
+    Returns the parsed output and, with `sample_memory`, the peak RSS in MiB of the program's process tree.
+    """
+    cmd = [sys.executable, "-m", module, *args]
+    logger.info("running: %s", " ".join(cmd))
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, cwd=ROOT, env=_python_env())
+    with MemorySampler(proc.pid if sample_memory else None) as sampler:
+        stdout, _ = proc.communicate()
+    if proc.returncode != 0:
+        raise RuntimeError(f"{module} exited with code {proc.returncode}")
+    try:
+        return json.loads(stdout), sampler.peak_rss_mib
+    except ValueError as exc:
+        raise RuntimeError(f"{module} printed no JSON: {stdout[-500:]!r}") from exc
+
+
+def resolve_gguf(model: str) -> Path:
+    """The model's GGUF file, as the engine's model cache resolves it."""
+    cmd = [sys.executable, "-m", "engine.bench.gguf_file", model]
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, cwd=ROOT, env=_python_env(), check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"cannot find the GGUF of {model} (exit code {proc.returncode})")
+    return Path(proc.stdout.strip())
+
+
+def baseline_requests(workload: Workload) -> list[dict[str, Any]]:
+    """The workload's seeded prompts for the transformers baseline, which cuts each to its token count.
+
+    Without a tokenizer here each prompt is its target length in words; a word is at least one token.
+    """
+    specs = build_requests(workload, None)
+    return [
+        {"prompt": spec.prompt, "prompt_tokens": prompt_len, "max_tokens": spec.max_tokens}
+        for spec, (prompt_len, _) in zip(specs, draw_lengths(workload))
+    ]
+
+
+def baseline_result(run: dict[str, Any], workload: Workload, model: str, peak_memory_mib: float | None) -> BenchResult:
+    """A BenchResult from `engine.bench.hf_baseline --json` output."""
+    records = [
+        RequestRecord(
+            start=r["start"],
+            end=r["end"],
+            chunk_times=list(r["token_times"]),
+            output_tokens=r["output_tokens"],
+            prompt_tokens=r["prompt_tokens"],
+            ok=True,
+        )
+        for r in run["requests"]
+    ]
+    result = summarize(
+        records,
+        run["duration_s"],
+        server="transformers",
+        model=model,
+        workload=workload,
+        peak_memory_mib=peak_memory_mib,
+        peak_memory_hwm_mib=run.get("peak_rss_mib"),
+    )
+    result.extra["note"] = "sequential, float32, in one process with the model; memory includes the model load"
+    result.extra["torch_threads"] = run["torch_threads"]
+    return result
+
+
+def bench_transformers(
+    gguf: Path, model: str, workloads: list[SuiteWorkload], out_dir: Path, progress: bool
+) -> list[BenchResult]:
     results = []
     for sw in workloads:
         if sw.hf_requests == 0:
             continue
         wl = replace(sw.workload, num_requests=sw.hf_requests, concurrency=1)
         logger.info("transformers: workload %s (%s), %d requests", sw.key, wl.name, wl.num_requests)
-        result = run_hf_baseline(gguf, wl, model_name=model, progress=progress)
+        requests_path = out_dir / f"transformers-requests-{sw.key}.json"
+        requests_path.write_text(json.dumps(baseline_requests(wl), indent=2) + "\n")
+        args = ["--gguf", str(gguf), "--requests", str(requests_path), "--warmup", str(wl.warmup_requests), "--json"]
+        if not progress:
+            args.append("--no-progress")
+        run, peak_mib = run_json_program("engine.bench.hf_baseline", args, sample_memory=True)
+        result = baseline_result(run, wl, model, peak_mib)
         result.extra["workload_key"] = sw.key
         results.append(result)
         print(markdown_table([result]), flush=True)
@@ -327,9 +415,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out_dir: Path = args.out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
 
-    from clients.machine_limits import default_gguf_path, measure
-
-    gguf = args.gguf or default_gguf_path(args.model)
+    gguf = args.gguf or resolve_gguf(args.model)
     report: dict[str, Any] = {
         "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "model": args.model,
@@ -342,10 +428,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if "limits" in args.only:
         logger.info("measuring machine limits")
-        limits = measure(gguf)
-        report["machine_limits"] = limits
-        limits_md = limits["markdown"]
-        print(limits_md, flush=True)
+        try:
+            limits, _ = run_json_program("engine.bench.machine_limits", ["--gguf", str(gguf), "--json"])
+        except RuntimeError as exc:
+            logger.error("machine limits failed: %s", exc)
+            report["skipped"]["limits"] = str(exc)
+        else:
+            report["machine_limits"] = limits
+            limits_md = limits["markdown"]
+            print(limits_md, flush=True)
 
     if "kvserve" in args.only:
         port = free_port()
@@ -372,7 +463,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 report["skipped"]["llamacpp"] = str(exc)[:2000]
 
     if "transformers" in args.only:
-        results += bench_transformers(gguf, args.model, workloads, progress)
+        try:
+            results += bench_transformers(gguf, args.model, workloads, out_dir, progress)
+        except RuntimeError as exc:
+            logger.error("transformers run failed: %s", exc)
+            report["skipped"]["transformers"] = str(exc)
 
     table = comparison_table(results, workloads)
     markdown = "\n".join(

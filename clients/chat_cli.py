@@ -9,8 +9,10 @@ Works with piped stdin, e.g. `printf 'Hi\\n/exit\\n' | kvserve chat`.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
+from collections.abc import Sequence
 from typing import TextIO
 
 from clients.client import Client, KVServeAPIError, KVServeConnectionError, Message
@@ -31,7 +33,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=512, help="reply length limit in tokens")
     parser.add_argument("--temperature", type=float, default=None, help="sampling temperature (server default)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for a reply")
-    parser.set_defaults(func=run)
 
 
 class ChatSession:
@@ -108,3 +109,21 @@ def run(args: argparse.Namespace, stdin: TextIO | None = None, stdout: TextIO | 
                 print(f"error: {exc}", file=sys.stderr)
                 return 1
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    # A person reads this at a terminal: no INFO chatter (one httpx line per request) unless asked for.
+    logging.basicConfig(
+        level=os.environ.get("KVSERVE_LOG_LEVEL", "warning").upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    parser = argparse.ArgumentParser(
+        prog="kvserve chat", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -18,13 +18,11 @@ When `model` is not given, the first served model of the right task is used.
 from __future__ import annotations
 
 import asyncio
-import email.utils
 import json
 import logging
 import os
-import random
 import time
-from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -33,10 +31,12 @@ if TYPE_CHECKING:
 
 import httpx
 
+from clients.retry import RETRYABLE_ERRORS, RetryPolicy
+from clients.sse import aiter_sse_data, iter_sse_data
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
-RETRY_STATUS_CODES = frozenset({429, 503})
 
 Message = dict[str, Any]
 
@@ -141,22 +141,6 @@ class ModelInfo:
 # --------------------------------------------------------------------------- pure helpers
 
 
-def parse_retry_after(value: str | None) -> float | None:
-    """Seconds to wait from a Retry-After header (delta-seconds or an HTTP date); None if absent/invalid."""
-    if not value:
-        return None
-    value = value.strip()
-    try:
-        return max(0.0, float(value))
-    except ValueError:
-        pass
-    try:
-        when = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError):
-        return None
-    return max(0.0, when.timestamp() - time.time())
-
-
 def error_from_response(response: httpx.Response) -> KVServeAPIError:
     """Build the exception from an error response: OpenAI's shape, FastAPI's `detail`, or plain text."""
     message, type_, param, code = response.reason_phrase or "error", None, None, None
@@ -177,62 +161,6 @@ def error_from_response(response: httpx.Response) -> KVServeAPIError:
     return KVServeAPIError(
         response.status_code, message, type_, param, None if code is None else str(code), dict(response.headers)
     )
-
-
-class SSEDecoder:
-    """Incremental server-sent-events parser: feed lines, get each event's `data` when the event ends."""
-
-    def __init__(self) -> None:
-        self._data: list[str] = []
-
-    def feed(self, line: str) -> str | None:
-        if line == "":
-            return self.flush()
-        if line.startswith(":"):
-            return None  # SSE comment (keep-alive)
-        name, _, value = line.partition(":")
-        if name == "data":
-            self._data.append(value.removeprefix(" "))
-        return None
-
-    def flush(self) -> str | None:
-        if not self._data:
-            return None
-        payload = "\n".join(self._data)
-        self._data = []
-        return payload
-
-
-def _is_done(payload: str) -> bool:
-    return payload.strip() == "[DONE]"
-
-
-def iter_sse_data(lines: Iterable[str]) -> Iterator[str]:
-    """The `data` payload of each server-sent event, up to (not including) `[DONE]`."""
-    decoder = SSEDecoder()
-    for line in lines:
-        payload = decoder.feed(line)
-        if payload is not None:
-            if _is_done(payload):
-                return
-            yield payload
-    payload = decoder.flush()
-    if payload is not None and not _is_done(payload):
-        yield payload
-
-
-async def _aiter_sse_data(lines: AsyncIterator[str]) -> AsyncIterator[str]:
-    """Async twin of `iter_sse_data`."""
-    decoder = SSEDecoder()
-    async for line in lines:
-        payload = decoder.feed(line)
-        if payload is not None:
-            if _is_done(payload):
-                return
-            yield payload
-    payload = decoder.flush()
-    if payload is not None and not _is_done(payload):
-        yield payload
 
 
 def _drop_none(payload: dict) -> dict:
@@ -357,25 +285,21 @@ class _StreamBase:
 
 
 class _ClientBase:
+    _http: httpx.Client | httpx.AsyncClient  # set by the sync or async subclass
+
     def __init__(
         self,
         base_url: str | None,
         api_key: str | None,
         timeout: float,
-        max_retries: int,
-        backoff_base: float,
-        backoff_max: float,
-        max_retry_wait: float,
+        retry: RetryPolicy,
         model: str | None,
         embedding_model: str | None,
     ) -> None:
         self.base_url = (base_url or os.environ.get("KVSERVE_BASE_URL") or DEFAULT_BASE_URL).rstrip("/")
         self.api_key = api_key if api_key is not None else os.environ.get("KVSERVE_API_KEY")
         self.timeout = httpx.Timeout(timeout, connect=min(timeout, 10.0))
-        self.max_retries = max_retries
-        self.backoff_base = backoff_base
-        self.backoff_max = backoff_max
-        self.max_retry_wait = max_retry_wait
+        self.retry = retry
         self.model = model
         self.embedding_model = embedding_model
 
@@ -385,20 +309,24 @@ class _ClientBase:
             headers["Authorization"] = f"Bearer {self.api_key}"
         return headers
 
-    def _retry_delay(self, attempt: int, response: httpx.Response | None) -> float:
-        """Seconds before retry number `attempt + 1`: Retry-After when the server gave one, else
-        exponential backoff with a little jitter so many clients do not retry in lockstep."""
-        if response is not None:
-            retry_after = parse_retry_after(response.headers.get("retry-after"))
-            if retry_after is not None:
-                return min(retry_after, self.max_retry_wait)
-        delay = min(self.backoff_max, self.backoff_base * (2**attempt))
-        return delay * (1.0 + 0.1 * random.random())
+    def _request(self, method: str, path: str, payload: Any) -> httpx.Request:
+        return self._http.build_request(method, path, json=payload, headers=self._headers())
 
-    def _should_retry(self, attempt: int, response: httpx.Response | None) -> bool:
-        if attempt >= self.max_retries:
-            return False
-        return response is None or response.status_code in RETRY_STATUS_CODES
+    def _retry_delay_or_raise(
+        self, attempt: int, method: str, path: str, response: httpx.Response | None, error: Exception | None
+    ) -> float:
+        """Seconds to wait before try `attempt + 1` of a failed request; raises the failure when it is final.
+
+        `response` is the error answer (its body read), or None when `error` kept the request from the server.
+        """
+        delay = self.retry.delay(attempt, response)
+        if delay is None:
+            if response is None:
+                raise KVServeConnectionError(f"cannot reach {self.base_url}: {error}") from error
+            raise error_from_response(response)
+        if response is not None:
+            logger.info("%s %s: %d, retrying in %.2fs", method, path, response.status_code, delay)
+        return delay
 
     @staticmethod
     def _completion_payload(model: str, prompt: Any, stream: bool, params: dict) -> dict:
@@ -485,7 +413,12 @@ class Client(_ClientBase):
         transport: httpx.BaseTransport | None = None,
     ) -> None:
         super().__init__(
-            base_url, api_key, timeout, max_retries, backoff_base, backoff_max, max_retry_wait, model, embedding_model
+            base_url,
+            api_key,
+            timeout,
+            RetryPolicy(max_retries, backoff_base, backoff_max, max_retry_wait),
+            model,
+            embedding_model,
         )
         self._http = httpx.Client(base_url=self.base_url, timeout=self.timeout, transport=transport)
 
@@ -502,25 +435,17 @@ class Client(_ClientBase):
         """One request with retries; returns a successful response (open, when `stream`)."""
         attempt = 0
         while True:
-            response: httpx.Response | None = None
+            response, error = None, None
             try:
-                request = self._http.build_request(method, path, json=json, headers=self._headers())
-                response = self._http.send(request, stream=stream)
-            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-                if not self._should_retry(attempt, None):
-                    raise KVServeConnectionError(f"cannot reach {self.base_url}: {exc}") from exc
-            if response is not None and response.status_code < 400:
-                return response
-            if response is not None and not self._should_retry(attempt, response):
-                if stream:
-                    response.read()
-                    response.close()
-                raise error_from_response(response)
-            delay = self._retry_delay(attempt, response)
+                response = self._http.send(self._request(method, path, json), stream=stream)
+            except RETRYABLE_ERRORS as exc:
+                error = exc
             if response is not None:
-                logger.info("%s %s: %d, retrying in %.2fs", method, path, response.status_code, delay)
+                if response.status_code < 400:
+                    return response
+                response.read()  # the error message is in the body, not yet read when streaming
                 response.close()
-            time.sleep(delay)
+            time.sleep(self._retry_delay_or_raise(attempt, method, path, response, error))
             attempt += 1
 
     def _json(self, method: str, path: str, payload: Any = None) -> Any:
@@ -612,7 +537,7 @@ class AsyncTextStream(_StreamBase):
         self._started = True
         self._response = await self._client._send("POST", self._path, json=self._payload, stream=True)
         try:
-            async for payload in _aiter_sse_data(self._response.aiter_lines()):
+            async for payload in aiter_sse_data(self._response.aiter_lines()):
                 delta = self._state.feed(payload)
                 if delta:
                     yield delta
@@ -649,7 +574,12 @@ class AsyncClient(_ClientBase):
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         super().__init__(
-            base_url, api_key, timeout, max_retries, backoff_base, backoff_max, max_retry_wait, model, embedding_model
+            base_url,
+            api_key,
+            timeout,
+            RetryPolicy(max_retries, backoff_base, backoff_max, max_retry_wait),
+            model,
+            embedding_model,
         )
         self._http = httpx.AsyncClient(base_url=self.base_url, timeout=self.timeout, transport=transport)
 
@@ -663,27 +593,20 @@ class AsyncClient(_ClientBase):
         await self.aclose()
 
     async def _send(self, method: str, path: str, *, json: Any = None, stream: bool = False) -> httpx.Response:
+        """`Client._send` over the async transport."""
         attempt = 0
         while True:
-            response: httpx.Response | None = None
+            response, error = None, None
             try:
-                request = self._http.build_request(method, path, json=json, headers=self._headers())
-                response = await self._http.send(request, stream=stream)
-            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-                if not self._should_retry(attempt, None):
-                    raise KVServeConnectionError(f"cannot reach {self.base_url}: {exc}") from exc
-            if response is not None and response.status_code < 400:
-                return response
-            if response is not None and not self._should_retry(attempt, response):
-                if stream:
-                    await response.aread()
-                    await response.aclose()
-                raise error_from_response(response)
-            delay = self._retry_delay(attempt, response)
+                response = await self._http.send(self._request(method, path, json), stream=stream)
+            except RETRYABLE_ERRORS as exc:
+                error = exc
             if response is not None:
-                logger.info("%s %s: %d, retrying in %.2fs", method, path, response.status_code, delay)
+                if response.status_code < 400:
+                    return response
+                await response.aread()
                 await response.aclose()
-            await asyncio.sleep(delay)
+            await asyncio.sleep(self._retry_delay_or_raise(attempt, method, path, response, error))
             attempt += 1
 
     async def _json(self, method: str, path: str, payload: Any = None) -> Any:

