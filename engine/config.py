@@ -1,6 +1,7 @@
-"""Frozen configuration, validated once (DESIGN.md principle 4).
+"""Frozen configuration, each validated once in its own __post_init__.
 
-`EngineConfig` is what a user sets (CLI flags map onto it one to one).
+`EngineConfig` and `EmbedderConfig` are what a user sets for the generation and the
+embedding model (server/cli.py builds them from `kvserve serve` flags).
 `ModelConfig` is what the model's own files say, resolved at load time.
 """
 
@@ -17,6 +18,16 @@ SUPPORTED_DTYPES = tuple(TORCH_DTYPES)
 # engine/ops/int8_linear.py). auto: int8 for a GGUF file on CPU in float32 (its
 # weights are stored quantized already), none otherwise.
 QUANTIZATION_MODES = ("none", "int8", "auto")
+# How an embedding model turns per-token hidden states into one vector (engine/embedder.py `pool`).
+POOLING_MODES = ("mean", "cls", "last")
+
+
+def check_dtype(dtype: str, device: str) -> None:
+    """The dtype rules every model follows: a known dtype, and float16 only on CUDA."""
+    if dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {dtype!r}")
+    if dtype == "float16" and not device.startswith("cuda"):
+        raise ValueError("dtype float16 is only supported on CUDA; use float32 or bfloat16 on CPU")
 
 
 def cdiv(numerator: int, denominator: int) -> int:
@@ -52,14 +63,13 @@ class EngineConfig:
     quantization: str = "none"
 
     def __post_init__(self) -> None:
-        if self.dtype not in SUPPORTED_DTYPES:
-            raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
+        if not self.model:
+            raise ValueError("model must be set")
+        check_dtype(self.dtype, self.device)
         if self.quantization not in QUANTIZATION_MODES:
             raise ValueError(f"quantization must be one of {QUANTIZATION_MODES}, got {self.quantization!r}")
         if self.quantization == "int8" and (self.device != "cpu" or self.dtype != "float32"):
             raise ValueError("quantization int8 runs on CPU with dtype float32; use bfloat16 on GPUs")
-        if self.dtype == "float16" and not self.device.startswith("cuda"):
-            raise ValueError("dtype float16 is only supported on CUDA; use float32 or bfloat16 on CPU")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.max_num_seqs < 1:
@@ -74,6 +84,39 @@ class EngineConfig:
             raise ValueError(f"num_blocks must be at least 2, got {self.num_blocks}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+
+
+@dataclass(frozen=True)
+class EmbedderConfig:
+    """Everything needed to build an Embedder (engine/embedder.py).
+
+    model: alias (engine.hub.models_hub), or a local Hugging Face directory.
+    max_batch_tokens: token budget of one encoder forward (real tokens; batches are packed, no padding).
+    pooling: one of POOLING_MODES; None = from the model's sentence-transformers files (mean when
+        there are none).
+    normalize: default for requests that do not say; None = from the model's files (a Normalize
+        module in modules.json), True when the model has no sentence-transformers files.
+    max_model_len: None = the position table's limit; a smaller value lowers it.
+    """
+
+    model: str
+    dtype: str = "float32"
+    device: str = "cpu"
+    max_batch_tokens: int = 8192
+    pooling: str | None = None
+    normalize: bool | None = None
+    max_model_len: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ValueError("model must be set")
+        check_dtype(self.dtype, self.device)
+        if self.max_batch_tokens < 1:
+            raise ValueError(f"max_batch_tokens must be positive, got {self.max_batch_tokens}")
+        if self.pooling is not None and self.pooling not in POOLING_MODES:
+            raise ValueError(f"pooling must be one of {POOLING_MODES}, got {self.pooling!r}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
 
 
 @dataclass(frozen=True)

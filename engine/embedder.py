@@ -4,8 +4,8 @@
 batches concurrent requests on top of its two halves (`tokenize` and `forward_pooled`).
 
 Which limit applies: an input may be as long as the model's position table
-(`max_position_embeddings`, minus RoBERTa's offset; 512 tokens for all-MiniLM-L6-v2), the limit
-the issue asks for. sentence-transformers silently truncates at `max_seq_length` from
+(`max_position_embeddings`, minus RoBERTa's offset; 512 tokens for all-MiniLM-L6-v2).
+sentence-transformers silently truncates at `max_seq_length` from
 `sentence_bert_config.json` (256 for all-MiniLM-L6-v2); kvserve does not cut silently: it embeds
 the whole input up to the position limit and refuses longer ones with a 400 unless the request
 asks to truncate. So vectors equal sentence-transformers' for inputs within its own limit.
@@ -27,14 +27,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from engine.config import TORCH_DTYPES
+from engine.config import TORCH_DTYPES, EmbedderConfig
 from engine.errors import InvalidRequestError, ModelLoadError
 from engine.hub.models_hub import resolve_or_download
 from engine.models.bert import BertModel, EncoderBatch, load_bert
 
 logger = logging.getLogger(__name__)
 
-POOLING_MODES = ("mean", "cls", "last")
 TRUNCATION_DIRECTIONS = ("right", "left")
 # sentence-transformers module types kvserve reproduces; any other module (Dense, ...) would change the vectors.
 _ST_MODULES = ("Transformer", "Pooling", "Normalize")
@@ -49,39 +48,6 @@ _ST_POOLING_FLAGS = {
 }
 
 EmbedInputs = Sequence[str] | Sequence[Sequence[int]]
-
-
-@dataclass(frozen=True)
-class EmbedderConfig:
-    """What a user sets for the embedding model.
-
-    model: alias (engine.hub.models_hub), or a local Hugging Face directory.
-    max_batch_tokens: token budget of one encoder forward (real tokens; batches are packed, no padding).
-    pooling: None = from the model's sentence-transformers files (mean when there are none).
-    normalize: default for requests that do not say; None = from the model's files (a Normalize
-        module in modules.json), True when the model has no sentence-transformers files.
-    max_model_len: None = the position table's limit; a smaller value lowers it.
-    """
-
-    model: str
-    dtype: str = "float32"
-    device: str = "cpu"
-    max_batch_tokens: int = 8192
-    pooling: str | None = None
-    normalize: bool | None = None
-    max_model_len: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.dtype not in TORCH_DTYPES:
-            raise ValueError(f"dtype must be one of {tuple(TORCH_DTYPES)}, got {self.dtype!r}")
-        if self.dtype == "float16" and not self.device.startswith("cuda"):
-            raise ValueError("dtype float16 is only supported on CUDA; use float32 or bfloat16 on CPU")
-        if self.max_batch_tokens < 1:
-            raise ValueError(f"max_batch_tokens must be positive, got {self.max_batch_tokens}")
-        if self.pooling is not None and self.pooling not in POOLING_MODES:
-            raise ValueError(f"pooling must be one of {POOLING_MODES}, got {self.pooling!r}")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.config import EngineConfig
+from engine.config import EmbedderConfig, EngineConfig
 from engine.errors import (
     EngineDeadError,
     EngineStepError,
@@ -40,7 +40,7 @@ from server.routes import native, openai
 logger = logging.getLogger(__name__)
 
 EngineFactory = Callable[[EngineConfig], Any]
-EmbedderFactory = Callable[[ServerConfig], Any]
+EmbedderFactory = Callable[[EmbedderConfig], Any]
 
 
 def _default_engine_factory(engine_config: EngineConfig) -> Any:
@@ -49,17 +49,9 @@ def _default_engine_factory(engine_config: EngineConfig) -> Any:
     return LLMEngine.from_config(engine_config)
 
 
-def _default_embedder_factory(config: ServerConfig) -> Any:
-    from engine.embedder import EmbedderConfig
+def _default_embedder_factory(embedder_config: EmbedderConfig) -> Any:
     from engine.serving.async_embedder import AsyncEmbedder
 
-    embedder_config = EmbedderConfig(
-        model=config.embedding_model,
-        dtype=config.dtype,
-        device=config.device,
-        max_batch_tokens=config.embedding_max_batch_tokens,
-        pooling=config.pooling,
-    )
     return AsyncEmbedder.from_config(embedder_config)
 
 
@@ -67,11 +59,11 @@ def create_app(
     config: ServerConfig,
     *,
     engine_factory: EngineFactory | None = None,
-    embedder_factory: Callable[[ServerConfig], Any] | None = None,
+    embedder_factory: EmbedderFactory | None = None,
     on_fatal: Callable[[BaseException], None] | None = None,
 ) -> FastAPI:
     """engine_factory(EngineConfig) -> LLMEngine (default: LLMEngine.from_config) and
-    embedder_factory(ServerConfig) -> AsyncEmbedder (default: AsyncEmbedder.from_config) run on the
+    embedder_factory(EmbedderConfig) -> AsyncEmbedder (default: AsyncEmbedder.from_config) run on the
     server's one torch thread (engine/serving/torch_thread.py), off the event loop so /health answers meanwhile.
     on_fatal(exc) is called when a model fails to load (the CLI stops the server with it).
     """
@@ -133,23 +125,23 @@ def create_app(
 async def _load_models(
     app: FastAPI,
     engine_factory: EngineFactory,
-    embedder_factory: Callable[[ServerConfig], Any],
+    embedder_factory: EmbedderFactory,
     on_fatal: Callable[[BaseException], None] | None,
     torch_thread: Executor,
 ) -> None:
     config: ServerConfig = app.state.config
     loop = asyncio.get_running_loop()
     try:
-        logger.info("loading generation model %s", config.model)
-        llm_engine = await loop.run_in_executor(torch_thread, engine_factory, config.to_engine_config())
+        logger.info("loading generation model %s", config.engine.model)
+        llm_engine = await loop.run_in_executor(torch_thread, engine_factory, config.engine)
         engine = AsyncEngine(
             llm_engine, max_queued_requests=config.max_queued_requests, request_timeout=config.request_timeout
         )
         await engine.start(torch_thread)
         app.state.engine = engine
-        if config.embedding_model:
-            logger.info("loading embedding model %s", config.embedding_model)
-            embedder = await loop.run_in_executor(torch_thread, embedder_factory, config)
+        if config.embedder is not None:
+            logger.info("loading embedding model %s", config.embedder.model)
+            embedder = await loop.run_in_executor(torch_thread, embedder_factory, config.embedder)
             await embedder.start(torch_thread)
             app.state.embedder = embedder
         app.state.is_ready = True

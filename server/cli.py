@@ -14,10 +14,10 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from server.config import LOG_LEVELS, POOLING_CHOICES, ServerConfig, parse_bytes
+from engine.config import POOLING_MODES, SUPPORTED_DTYPES, EmbedderConfig, EngineConfig
+from server.config import LOG_LEVELS, ServerConfig, default_embedder_config, default_engine_config, parse_bytes
 
 ENV_PREFIX = "KVSERVE_"
-_DEFAULTS = ServerConfig.__dataclass_fields__
 
 
 def _optional(kind: Callable[[str], Any]) -> Callable[[str], Any]:
@@ -46,40 +46,135 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
-# (field, parser of the text form, help). Every ServerConfig field is a flag.
-_FLAGS: list[tuple[str, Callable[[str], Any], str]] = [
-    ("model", str, "generation model: a default-model name, a local HF directory or .gguf file, or a Hub id"),
-    ("embedding_model", _optional(str), "embedding model (same forms as --model); 'none' serves no embeddings"),
-    ("served_model_name", _optional(str), "the name clients use for the generation model (default: --model)"),
-    ("host", str, "address to listen on"),
-    ("port", int, "TCP port to listen on"),
-    ("dtype", str, "weights and activations dtype: float32, bfloat16 or float16 (CUDA only)"),
-    (
+@dataclasses.dataclass(frozen=True)
+class Flag:
+    """One `kvserve serve` flag: `--<name>` and KVSERVE_<NAME>.
+
+    targets: where its value goes, as (config, field) pairs; config is "server" (ServerConfig),
+    "engine" (EngineConfig) or "embedder" (EmbedderConfig). Its default is the first target's.
+    """
+
+    name: str
+    targets: tuple[tuple[str, str], ...]
+    kind: Callable[[str], Any]
+    help: str
+
+
+def _flag(name: str, target: str, kind: Callable[[str], Any], help_text: str) -> Flag:
+    """target: "server", "engine", "embedder" or "engine+embedder"; the field is `name` unless the target says
+    "config.field"."""
+    targets = []
+    for part in target.split("+"):
+        config_name, _, field_name = part.partition(".")
+        targets.append((config_name, field_name or name))
+    return Flag(name, tuple(targets), kind, help_text)
+
+
+FLAGS: tuple[Flag, ...] = (
+    _flag(
+        "model",
+        "engine",
+        str,
+        "generation model: a default-model name, a local HF directory or .gguf file, or a Hub id",
+    ),
+    _flag(
+        "embedding_model",
+        "embedder.model",
+        _optional(str),
+        "embedding model (same forms as --model); 'none' serves no embeddings",
+    ),
+    _flag(
+        "served_model_name",
+        "server",
+        _optional(str),
+        "the name clients use for the generation model (default: --model)",
+    ),
+    _flag("host", "server", str, "address to listen on"),
+    _flag("port", "server", int, "TCP port to listen on"),
+    _flag(
+        "dtype",
+        "engine+embedder",
+        str,
+        f"weights and activations dtype of both models: {', '.join(SUPPORTED_DTYPES)} (float16: CUDA only)",
+    ),
+    _flag(
         "quantization",
+        "engine",
         str,
         "none, int8 (weight-only int8 linear layers, CPU float32) or auto (int8 for a .gguf on CPU, else none)",
     ),
-    ("device", str, "torch device: cpu, cuda, cuda:1, ..."),
-    ("max_model_len", _optional(int), "longest prompt plus output, in tokens (default: the model's context)"),
-    ("kv_cache_memory", _size, "memory for the paged KV cache: bytes or with a unit (512MiB, 2GB)"),
-    ("block_size", int, "tokens per KV-cache block (a power of two)"),
-    ("max_num_seqs", int, "most sequences in one running batch"),
-    ("max_num_batched_tokens", int, "token budget of one engine step (chunked prefill above it)"),
-    ("sliding_window", _optional(int), "force a sliding attention window of this many tokens on any model"),
-    ("num_sink_tokens", int, "with a sliding window: the first N tokens stay visible forever"),
-    ("enable_prefix_caching", _bool, "reuse KV blocks of shared prompt prefixes (true/false)"),
-    ("max_queued_requests", int, "most requests waiting to run; past it requests get 429 with Retry-After"),
-    ("api_key", _optional(str), "require 'Authorization: Bearer KEY' on every route but /health and /metrics"),
-    ("allowed_origins", str, "comma-separated CORS origins ('*' for any; empty: CORS off)"),
-    ("request_timeout", _optional(float), "seconds a generation request may run before it is aborted (none: no limit)"),
-    ("max_request_bytes", _size, "largest request body accepted (413 above it): bytes or with a unit"),
-    ("shutdown_timeout", float, "on SIGTERM, seconds running requests get to finish"),
-    ("max_client_batch_size", int, "most prompts in one /v1/completions request"),
-    ("embedding_max_batch_tokens", int, "token budget of one embedding forward pass"),
-    ("pooling", _optional(str), f"embedding pooling, one of {', '.join(POOLING_CHOICES)} (default: the model's own)"),
-    ("log_level", str, f"logging level: {', '.join(LOG_LEVELS)}"),
-    ("num_threads", _optional(int), "torch CPU threads (default: torch's choice)"),
-]
+    _flag("device", "engine+embedder", str, "torch device of both models: cpu, cuda, cuda:1, ..."),
+    _flag(
+        "max_model_len",
+        "engine",
+        _optional(int),
+        "longest prompt plus output, in tokens (default: the model's context)",
+    ),
+    _flag(
+        "kv_cache_memory",
+        "engine.kv_cache_memory_bytes",
+        _size,
+        "memory for the paged KV cache: bytes or with a unit (512MiB, 2GB)",
+    ),
+    _flag("block_size", "engine", int, "tokens per KV-cache block (a power of two)"),
+    _flag("max_num_seqs", "engine", int, "most sequences in one running batch"),
+    _flag("max_num_batched_tokens", "engine", int, "token budget of one engine step (chunked prefill above it)"),
+    _flag(
+        "sliding_window",
+        "engine",
+        _optional(int),
+        "force a sliding attention window of this many tokens on any model",
+    ),
+    _flag("num_sink_tokens", "engine", int, "with a sliding window: the first N tokens stay visible forever"),
+    _flag("enable_prefix_caching", "engine", _bool, "reuse KV blocks of shared prompt prefixes (true/false)"),
+    _flag(
+        "max_queued_requests",
+        "server",
+        int,
+        "most requests waiting to run; past it requests get 429 with Retry-After",
+    ),
+    _flag(
+        "api_key",
+        "server",
+        _optional(str),
+        "require 'Authorization: Bearer KEY' on every route but /health and /metrics",
+    ),
+    _flag("allowed_origins", "server", str, "comma-separated CORS origins ('*' for any; empty: CORS off)"),
+    _flag(
+        "request_timeout",
+        "server",
+        _optional(float),
+        "seconds a generation request may run before it is aborted (none: no limit)",
+    ),
+    _flag(
+        "max_request_bytes",
+        "server",
+        _size,
+        "largest request body accepted (413 above it): bytes or with a unit",
+    ),
+    _flag("shutdown_timeout", "server", float, "on SIGTERM, seconds running requests get to finish"),
+    _flag("max_client_batch_size", "server", int, "most prompts in one /v1/completions request"),
+    _flag(
+        "embedding_max_batch_tokens",
+        "embedder.max_batch_tokens",
+        int,
+        "token budget of one embedding forward pass",
+    ),
+    _flag(
+        "pooling",
+        "embedder",
+        _optional(str),
+        f"embedding pooling, one of {', '.join(POOLING_MODES)} (default: the model's own)",
+    ),
+    _flag("log_level", "server", str, f"logging level: {', '.join(LOG_LEVELS)}"),
+    _flag("num_threads", "engine", _optional(int), "torch CPU threads (default: torch's choice)"),
+)
+
+
+def _defaults() -> dict[str, Any]:
+    """flag name -> the default `kvserve serve` uses when neither the flag nor its variable is set."""
+    configs = {"server": ServerConfig(), "engine": default_engine_config(), "embedder": default_embedder_config()}
+    return {flag.name: getattr(configs[flag.targets[0][0]], flag.targets[0][1]) for flag in FLAGS}
 
 
 def env_name(field_name: str) -> str:
@@ -94,30 +189,40 @@ def _default_text(value: Any) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add every serve flag; a flag's default comes from KVSERVE_<NAME> when that is set."""
-    assert {f for f, _, _ in _FLAGS} == set(_DEFAULTS), "every ServerConfig field needs a flag"
     group = parser.add_argument_group("serve options (each also read from the environment variable shown)")
-    for field_name, kind, help_text in _FLAGS:
-        default = _DEFAULTS[field_name].default
-        env = env_name(field_name)
+    defaults = _defaults()
+    for flag in FLAGS:
+        default = defaults[flag.name]
+        env = env_name(flag.name)
         if env in os.environ:
             try:
-                default = kind(os.environ[env])
+                default = flag.kind(os.environ[env])
             except (ValueError, argparse.ArgumentTypeError) as exc:
                 parser.error(f"{env}={os.environ[env]!r}: {exc}")
-        flag = "--" + field_name.replace("_", "-")
         group.add_argument(
-            flag,
-            dest=field_name,
-            type=kind,
+            "--" + flag.name.replace("_", "-"),
+            dest=flag.name,
+            type=flag.kind,
             default=default,
-            metavar="{true,false}" if kind is _bool else field_name.upper(),
-            help=f"{help_text} [env {env}; default {_default_text(_DEFAULTS[field_name].default)}]",
+            metavar="{true,false}" if flag.kind is _bool else flag.name.upper(),
+            help=f"{flag.help} [env {env}; default {_default_text(defaults[flag.name])}]",
         )
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
-    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServerConfig) if hasattr(args, f.name)}
-    return ServerConfig(**values)
+    """The nested ServerConfig from parsed flags (a flag `args` lacks takes its default); an empty
+    --embedding-model serves no embeddings.
+
+    Raises ValueError (from the configs' own checks) on a value or combination that cannot work.
+    """
+    defaults = _defaults()
+    values: dict[str, dict[str, Any]] = {"server": {}, "engine": {}, "embedder": {}}
+    for flag in FLAGS:
+        for config_name, field_name in flag.targets:
+            values[config_name][field_name] = getattr(args, flag.name, defaults[flag.name])
+    engine = EngineConfig(**values["engine"])
+    embedder = EmbedderConfig(**values["embedder"]) if values["embedder"]["model"] else None
+    return ServerConfig(engine=engine, embedder=embedder, **values["server"])
 
 
 def _setup_logging(level: str) -> None:

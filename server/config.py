@@ -1,7 +1,8 @@
-"""ServerConfig: every `kvserve serve` flag, frozen and validated once.
+"""ServerConfig: what `kvserve serve` runs, frozen and validated once.
 
-`to_engine_config()` maps the generation flags onto `engine.config.EngineConfig`;
-the server keeps the rest (network, auth, limits) for itself.
+It holds the generation model's `EngineConfig` and the embedding model's `EmbedderConfig`
+(engine/config.py validates those) plus the server's own settings (network, auth, limits).
+server/cli.py builds all three from the flags.
 """
 
 from __future__ import annotations
@@ -9,12 +10,20 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from engine.config import EngineConfig
+from engine.config import EmbedderConfig, EngineConfig
+from engine.hub.models_hub import DEFAULT_EMBEDDING_MODEL, DEFAULT_GENERATION_MODEL
 
-DEFAULT_MODEL = "smollm2-135m-instruct"
-DEFAULT_EMBEDDING_MODEL = "all-minilm-l6-v2"
-POOLING_CHOICES = ("mean", "cls", "last")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+def default_engine_config() -> EngineConfig:
+    """The generation model `kvserve serve` runs when told nothing: the default model, quantization auto."""
+    return EngineConfig(model=DEFAULT_GENERATION_MODEL, quantization="auto")
+
+
+def default_embedder_config() -> EmbedderConfig:
+    return EmbedderConfig(model=DEFAULT_EMBEDDING_MODEL)
+
 
 _BYTE_UNITS = {
     "": 1,
@@ -55,29 +64,20 @@ def parse_bytes(value: str | int) -> int:
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """Everything `kvserve serve` can be told. Field names are the flag names (dashes -> underscores).
+    """Everything `kvserve serve` can be told.
 
-    embedding_model=None (or "") serves no embedding model. served_model_name defaults to `model`.
+    engine: the generation model and its engine settings.
+    embedder: the embedding model; None serves no embeddings.
+    served_model_name: the name clients use for the generation model (None: `engine.model`).
     request_timeout: seconds a generation request may live (None: no limit).
     max_client_batch_size: most prompts in one /v1/completions request.
     """
 
-    model: str = DEFAULT_MODEL
-    embedding_model: str | None = DEFAULT_EMBEDDING_MODEL
+    engine: EngineConfig = field(default_factory=default_engine_config)
+    embedder: EmbedderConfig | None = field(default_factory=default_embedder_config)
     served_model_name: str | None = None
     host: str = "127.0.0.1"
     port: int = 8000
-    dtype: str = "float32"
-    quantization: str = "auto"
-    device: str = "cpu"
-    max_model_len: int | None = None
-    kv_cache_memory: int = 512 * 1024**2
-    block_size: int = 16
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    sliding_window: int | None = None
-    num_sink_tokens: int = 0
-    enable_prefix_caching: bool = True
     max_queued_requests: int = 256
     api_key: str | None = None
     allowed_origins: tuple[str, ...] = ()
@@ -85,29 +85,23 @@ class ServerConfig:
     max_request_bytes: int = 2 * 1024**2
     shutdown_timeout: float = 30.0
     max_client_batch_size: int = 64
-    embedding_max_batch_tokens: int = 8192
-    pooling: str | None = None
     log_level: str = "info"
-    num_threads: int | None = field(default=None)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "kv_cache_memory", parse_bytes(self.kv_cache_memory))
         object.__setattr__(self, "max_request_bytes", parse_bytes(self.max_request_bytes))
         if isinstance(self.allowed_origins, str):
             origins = tuple(o.strip() for o in self.allowed_origins.split(",") if o.strip())
             object.__setattr__(self, "allowed_origins", origins)
         else:
             object.__setattr__(self, "allowed_origins", tuple(self.allowed_origins))
-        if not self.embedding_model:
-            object.__setattr__(self, "embedding_model", None)
+        if not self.served_model_name:
+            object.__setattr__(self, "served_model_name", None)
         if not self.api_key:
             object.__setattr__(self, "api_key", None)
         if self.request_timeout is not None and self.request_timeout <= 0:
             object.__setattr__(self, "request_timeout", None)
         object.__setattr__(self, "log_level", self.log_level.lower())
 
-        if not self.model:
-            raise ValueError("model must be set")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.max_queued_requests < 1:
@@ -118,33 +112,10 @@ class ServerConfig:
             raise ValueError(f"shutdown_timeout must be non-negative, got {self.shutdown_timeout}")
         if self.max_client_batch_size < 1:
             raise ValueError(f"max_client_batch_size must be positive, got {self.max_client_batch_size}")
-        if self.embedding_max_batch_tokens < 1:
-            raise ValueError(f"embedding_max_batch_tokens must be positive, got {self.embedding_max_batch_tokens}")
-        if self.pooling is not None and self.pooling not in POOLING_CHOICES:
-            raise ValueError(f"pooling must be one of {POOLING_CHOICES}, got {self.pooling!r}")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
-        # Fail at start-up, not at model load, on engine flags that cannot work.
-        self.to_engine_config()
 
     @property
     def model_name(self) -> str:
         """The name clients use for the generation model."""
-        return self.served_model_name or self.model
-
-    def to_engine_config(self) -> EngineConfig:
-        return EngineConfig(
-            model=self.model,
-            dtype=self.dtype,
-            quantization=self.quantization,
-            device=self.device,
-            max_model_len=self.max_model_len,
-            block_size=self.block_size,
-            kv_cache_memory_bytes=self.kv_cache_memory,
-            max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            sliding_window=self.sliding_window,
-            num_sink_tokens=self.num_sink_tokens,
-            enable_prefix_caching=self.enable_prefix_caching,
-            num_threads=self.num_threads,
-        )
+        return self.served_model_name or self.engine.model

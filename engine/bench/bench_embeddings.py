@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from engine.hub.models_hub import DEFAULT_EMBEDDING_MODEL
 from engine.serving.torch_thread import single_torch_thread
 
 _WORD_TEXT = (
@@ -111,7 +112,7 @@ async def _http_single_requests(url: str, sentences: list[str], concurrency: int
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="all-minilm-l6-v2", help="alias or local HF directory")
+    parser.add_argument("--model", default=DEFAULT_EMBEDDING_MODEL, help="alias or local HF directory")
     parser.add_argument("--num-sentences", type=int, default=1000)
     parser.add_argument("--concurrency", type=int, default=32, help="requests in flight for the single-input runs")
     parser.add_argument("--batch-size", type=int, default=32, help="sentence-transformers encode batch size")
@@ -128,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from sentence_transformers import SentenceTransformer
 
-    from engine.embedder import Embedder, EmbedderConfig
+    from engine.config import EmbedderConfig
+    from engine.embedder import Embedder
     from engine.hub.models_hub import resolve_model
     from engine.serving.async_embedder import AsyncEmbedder
 

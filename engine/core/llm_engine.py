@@ -76,6 +76,12 @@ class LLMEngine:
         self.sliding_window = config.sliding_window or model_config.sliding_window
         self.num_sink_tokens = config.num_sink_tokens if self.sliding_window is not None else 0
         self.max_model_len = self._derive_max_model_len()
+        # The one bound on token ids a request may carry (prompt ids, logit_bias keys; the server checks
+        # against it too): the model's embedding table size. An id at or past it would index past the
+        # table, so the tokenizer's length is the wrong bound where the tokenizer has more entries
+        # (added tokens the checkpoint lacks). Where the table is padded past the tokenizer, the ids in
+        # between are ones the model itself can emit, so the detokenizer already handles them.
+        self.vocab_size = model_config.vocab_size
 
         per_block = kv_bytes_per_block(model_config, config.block_size, TORCH_DTYPES[config.dtype])
         blocks_per_seq = self._max_blocks_per_seq()
@@ -149,7 +155,7 @@ class LLMEngine:
             ids = self.tokenizer.encode(prompt)
         else:
             ids = list(prompt)
-            vocab = self.model_config.vocab_size
+            vocab = self.vocab_size
             bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
             if bad:
                 raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}", "prompt")

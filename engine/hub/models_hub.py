@@ -71,6 +71,7 @@ class ModelSpec:
         return f"{self.package}=={self.version}"
 
 
+# The default models, named here only: `kvserve serve` loads them when it is given no model.
 DEFAULT_GENERATION_MODEL = "smollm2-135m-instruct"
 DEFAULT_EMBEDDING_MODEL = "all-minilm-l6-v2"
 

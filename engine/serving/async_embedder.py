@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.embedder import Embedder, EmbedderConfig, EmbedInputs, EmbedResult, finalize
+from engine.config import EmbedderConfig
+from engine.embedder import Embedder, EmbedInputs, EmbedResult, finalize
 from engine.serving.torch_thread import single_torch_thread
 
 logger = logging.getLogger(__name__)

@@ -191,6 +191,11 @@ class AsyncEngine:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
+    @property
+    def vocab_size(self) -> int:
+        """Token ids a request may carry are in [0, vocab_size) (see LLMEngine.vocab_size)."""
+        return self.engine.vocab_size
+
     # ---- life cycle ----
     async def start(self, executor: Executor | None = None) -> None:
         """Start the step loop. Steps run on `executor`, which must have exactly one thread.

@@ -81,7 +81,7 @@ def _embedder_for(request: Request, model: str | None) -> Any:
     state = request.app.state
     embedder = getattr(state, "embedder", None)
     if embedder is None:
-        if getattr(state.config, "embedding_model", None):
+        if state.config.embedder is not None:
             raise APIError(503, "the embedding model is not loaded yet", type="service_unavailable")
         raise APIError(
             404,

@@ -53,5 +53,5 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
     engine = generation_engine(request, body.model)
-    check_token_ids(body.tokens, engine.tokenizer.vocab_size, "tokens")
+    check_token_ids(body.tokens, engine.vocab_size, "tokens")
     return DetokenizeResponse(prompt=engine.tokenizer.decode(body.tokens, skip_special_tokens=False))

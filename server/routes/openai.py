@@ -60,7 +60,7 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 def embedding_model_names(request: Request) -> set[str]:
     config = request.app.state.config
     embedder = getattr(request.app.state, "embedder", None)
-    names = {getattr(config, "embedding_model", None)}
+    names = {config.embedder.model if config.embedder is not None else None}
     if embedder is not None:
         names.add(embedder.model_name)
     return {n for n in names if n}
@@ -69,7 +69,7 @@ def embedding_model_names(request: Request) -> set[str]:
 def generation_model_names(request: Request) -> set[str]:
     config = request.app.state.config
     engine = getattr(request.app.state, "engine", None)
-    names = {config.model_name, config.model}
+    names = {config.model_name, config.engine.model}
     if engine is not None:
         names.add(engine.model_name)
     return {n for n in names if n}
@@ -387,14 +387,17 @@ async def list_models(request: Request) -> ModelList:
     if state.engine is not None:
         cards.append(
             ModelCard(
-                id=config.model_name, root=config.model, max_model_len=state.engine.max_model_len, task="generate"
+                id=config.model_name,
+                root=config.engine.model,
+                max_model_len=state.engine.max_model_len,
+                task="generate",
             )
         )
     if state.embedder is not None:
         cards.append(
             ModelCard(
                 id=state.embedder.model_name,
-                root=config.embedding_model or state.embedder.model_name,
+                root=config.embedder.model if config.embedder is not None else state.embedder.model_name,
                 max_model_len=state.embedder.max_model_len,
                 task="embed",
             )
@@ -405,8 +408,10 @@ async def list_models(request: Request) -> ModelList:
 # ---- /v1/completions ----
 
 
-def _completion_prompts(body: CompletionRequest, tokenizer, request: Request) -> list[tuple[str | None, list[int]]]:
-    """(text or None, token ids) for each prompt."""
+def _completion_prompts(
+    body: CompletionRequest, tokenizer, vocab_size: int, request: Request
+) -> list[tuple[str | None, list[int]]]:
+    """(text or None, token ids) for each prompt; token-id prompts must lie in [0, vocab_size)."""
     prompt = body.prompt
     if isinstance(prompt, str):
         raw: list = [prompt]
@@ -423,7 +428,7 @@ def _completion_prompts(body: CompletionRequest, tokenizer, request: Request) ->
             ids = tokenizer.encode(item, add_special_tokens=body.add_special_tokens)
             prompts.append((item, ids))
         else:
-            check_token_ids(item, tokenizer.vocab_size, "prompt")
+            check_token_ids(item, vocab_size, "prompt")
             prompts.append((None, list(item)))
         if not prompts[-1][1]:
             raise InvalidRequestError("prompt: must contain at least one token", "prompt")
@@ -437,8 +442,8 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     if body.echo and body.logprobs is not None:
         raise APIError(400, "echo with logprobs is not supported (no prompt logprobs)", param="echo")
     tokenizer = engine.tokenizer
-    prompts = _completion_prompts(body, tokenizer, request)
-    params = _sampling_params(body, body.max_tokens, body.logprobs, tokenizer.vocab_size)
+    prompts = _completion_prompts(body, tokenizer, engine.vocab_size, request)
+    params = _sampling_params(body, body.max_tokens, body.logprobs, engine.vocab_size)
     request_id = _request_id(request, "cmpl")
     model_name = request.app.state.config.model_name
     timer = request.app.state.metrics.start_request()
@@ -644,7 +649,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     prompt_ids = chat_prompt_ids(tokenizer, body.messages, body.add_generation_prompt)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     num_top = body.top_logprobs or 0
-    params = _sampling_params(body, max_tokens, num_top if body.logprobs else None, tokenizer.vocab_size)
+    params = _sampling_params(body, max_tokens, num_top if body.logprobs else None, engine.vocab_size)
     request_id = _request_id(request, "chatcmpl")
     model_name = request.app.state.config.model_name
     timer = request.app.state.metrics.start_request()

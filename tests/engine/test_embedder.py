@@ -10,11 +10,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.embedder import Embedder, EmbedderConfig, split_by_token_budget
+from engine.config import EmbedderConfig
+from engine.embedder import Embedder, split_by_token_budget
 from engine.errors import InvalidRequestError
+from engine.hub.models_hub import DEFAULT_EMBEDDING_MODEL
 from engine.serving.async_embedder import AsyncEmbedder
 
-MODEL_NAME = "all-minilm-l6-v2"
+MODEL_NAME = DEFAULT_EMBEDDING_MODEL
 
 # Varied on purpose: ASCII, accents, CJK, emoji, one word, punctuation, digits, whitespace, long.
 SENTENCES = [

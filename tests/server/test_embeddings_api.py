@@ -22,14 +22,16 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from engine.config import EmbedderConfig, EngineConfig
 from engine.errors import InvalidRequestError
+from engine.hub.models_hub import DEFAULT_GENERATION_MODEL
 from engine.serving.async_embedder import AsyncEmbedder
 from server.config import ServerConfig
 from server.errors import APIError
 from server.routes import embeddings as embedding_routes
 from tests.engine.test_embedder import MODEL_NAME, SENTENCES, embedder, minilm_dir, st_model, st_vectors  # noqa: F401
 
-GENERATION_MODEL = "smollm2-135m-instruct"
+GENERATION_MODEL = DEFAULT_GENERATION_MODEL
 MAX_CLIENT_BATCH_SIZE = 40
 
 
@@ -52,7 +54,9 @@ def _make_app(async_embedder: AsyncEmbedder) -> FastAPI:
 
     app = FastAPI(lifespan=lifespan)
     app.state.config = ServerConfig(
-        model=GENERATION_MODEL, embedding_model=MODEL_NAME, max_client_batch_size=MAX_CLIENT_BATCH_SIZE
+        engine=EngineConfig(model=GENERATION_MODEL),
+        embedder=EmbedderConfig(model=MODEL_NAME),
+        max_client_batch_size=MAX_CLIENT_BATCH_SIZE,
     )
     app.state.embedder = async_embedder
     app.state.engine = types.SimpleNamespace(model_name=GENERATION_MODEL)

@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from server.app import create_app
 from tests.support.server_harness import ServerThread, make_server_config, parse_sse
-from tests.support.tiny_models import make_tiny_llama
+from tests.support.tiny_models import make_tiny_llama, tokenizer_vocab_size
 
 MODEL = "tiny-llama"
 PROMPTS = ["Hello world", "The quick brown fox", "A paged KV cache", "Continuous batching lets"]
@@ -238,6 +238,44 @@ def test_models_tokenize_detokenize(server, client):
     assert back.json() == {"prompt": PROMPTS[0]}
 
 
+def test_token_ids_are_bounded_by_the_models_embedding_table(tmp_path):
+    """A checkpoint whose embedding table (400 rows) is padded past its tokenizer (384 entries), as many
+    real checkpoints are: the routes and the engine both accept ids in [384, 400) and refuse 400."""
+    from engine.config import EngineConfig
+    from engine.core.llm_engine import LLMEngine
+    from engine.errors import InvalidRequestError
+    from engine.params import SamplingParams
+
+    padded = make_tiny_llama(tmp_path / "padded", vocab_size=400)
+    assert tokenizer_vocab_size() == 384
+    with ServerThread(create_app(make_server_config(padded))) as srv:
+        assert srv.app.state.engine.vocab_size == 400
+        base = {"model": MODEL, "max_tokens": 2, "temperature": 0.0}
+        accepted = [
+            ("/v1/completions", {**base, "prompt": [5, 390, 6]}),
+            ("/v1/completions", {**base, "prompt": "Hello", "logit_bias": {"399": 1.0}}),
+            ("/detokenize", {"model": MODEL, "tokens": [5, 390]}),
+        ]
+        for path, body in accepted:
+            response = httpx.post(f"{srv.base_url}{path}", json=body, timeout=30)
+            assert response.status_code == 200, (path, body, response.text)
+        refused = [
+            ("/v1/completions", {**base, "prompt": [5, 400, 6]}, "prompt"),
+            ("/v1/completions", {**base, "prompt": "Hello", "logit_bias": {"400": 1.0}}, "logit_bias"),
+            ("/detokenize", {"model": MODEL, "tokens": [5, 400]}, "tokens"),
+        ]
+        for path, body, param in refused:
+            response = httpx.post(f"{srv.base_url}{path}", json=body, timeout=30)
+            assert response.status_code == 400, (path, body, response.text)
+            error = response.json()["error"]
+            assert error["param"] == param and "[0, 400)" in error["message"], error
+    engine = LLMEngine.from_config(EngineConfig(model=str(padded), max_model_len=64))
+    assert engine.vocab_size == 400
+    engine.add_request([5, 390, 6], SamplingParams(max_tokens=1))
+    with pytest.raises(InvalidRequestError, match=r"\[0, 400\)"):
+        engine.add_request([5, 400, 6], SamplingParams(max_tokens=1))
+
+
 def test_request_id_is_echoed_or_made(server):
     echoed = httpx.get(f"{server.base_url}/v1/models", headers={"X-Request-Id": "abc-123"})
     assert echoed.headers["x-request-id"] == "abc-123"
@@ -315,9 +353,16 @@ def test_smollm2_chat_with_its_own_template():
 
     if not models_hub.is_cached("smollm2-135m-instruct"):
         pytest.skip("smollm2-135m-instruct is not in the local cache (kvserve pull smollm2-135m-instruct)")
-    from server.config import ServerConfig
+    from engine.config import EngineConfig
+    from server.config import ServerConfig, parse_bytes
 
-    config = ServerConfig(embedding_model=None, max_model_len=512, kv_cache_memory="32MiB", log_level="warning")
+    engine = EngineConfig(
+        model=models_hub.DEFAULT_GENERATION_MODEL,
+        quantization="auto",
+        max_model_len=512,
+        kv_cache_memory_bytes=parse_bytes("32MiB"),
+    )
+    config = ServerConfig(engine=engine, embedder=None, log_level="warning")
     srv = ServerThread(create_app(config))
     try:
         srv.start(timeout=300)  # ~15 s alone; slower on a busy machine

@@ -509,17 +509,83 @@ def test_full_queue_answers_429_with_retry_after(guarded):
 # ---- the command line ----
 
 
+# Every `kvserve serve` flag; each keeps its name (and KVSERVE_<NAME>) whichever config it feeds.
+SERVE_FLAGS = (
+    "model",
+    "embedding_model",
+    "served_model_name",
+    "host",
+    "port",
+    "dtype",
+    "quantization",
+    "device",
+    "max_model_len",
+    "kv_cache_memory",
+    "block_size",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "sliding_window",
+    "num_sink_tokens",
+    "enable_prefix_caching",
+    "max_queued_requests",
+    "api_key",
+    "allowed_origins",
+    "request_timeout",
+    "max_request_bytes",
+    "shutdown_timeout",
+    "max_client_batch_size",
+    "embedding_max_batch_tokens",
+    "pooling",
+    "log_level",
+    "num_threads",
+)
+
+
 def test_help_documents_every_flag_and_its_env_var(capsys):
     from server import cli
-    from server.config import ServerConfig
 
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["--help"])
     assert exit_info.value.code == 0
     text = capsys.readouterr().out
-    for name in ServerConfig.__dataclass_fields__:
+    assert sorted(flag.name for flag in cli.FLAGS) == sorted(SERVE_FLAGS)
+    for name in SERVE_FLAGS:
         assert "--" + name.replace("_", "-") in text, name
         assert "KVSERVE_" + name.upper() in text, name
+
+
+def test_every_flag_feeds_a_real_config_field_and_every_server_setting_has_a_flag():
+    import dataclasses
+
+    from engine.config import EmbedderConfig, EngineConfig
+    from server import cli
+    from server.config import ServerConfig
+
+    classes = {"server": ServerConfig, "engine": EngineConfig, "embedder": EmbedderConfig}
+    targets = {(config, field) for flag in cli.FLAGS for config, field in flag.targets}
+    for config, field in targets:
+        assert field in {f.name for f in dataclasses.fields(classes[config])}, (config, field)
+    own_fields = {f.name for f in dataclasses.fields(ServerConfig)} - {"engine", "embedder"}
+    assert own_fields == {field for config, field in targets if config == "server"}
+
+
+def test_flags_build_the_nested_configs(monkeypatch):
+    import argparse
+
+    from server import cli
+
+    monkeypatch.setenv("KVSERVE_POOLING", "cls")
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    args = ["--dtype", "bfloat16", "--embedding-max-batch-tokens", "300", "--quantization", "none", "--block-size", "8"]
+    config = cli.config_from_args(parser.parse_args(args))
+    assert (config.engine.dtype, config.embedder.dtype) == ("bfloat16", "bfloat16")  # one flag, both models
+    assert (config.engine.quantization, config.engine.block_size) == ("none", 8)
+    assert (config.embedder.max_batch_tokens, config.embedder.pooling) == (300, "cls")
+    with pytest.raises(ValueError, match="float16 is only supported on CUDA"):
+        cli.config_from_args(parser.parse_args(["--dtype", "float16"]))
+    with pytest.raises(ValueError, match="pooling must be one of"):
+        cli.config_from_args(parser.parse_args(["--pooling", "max"]))
 
 
 def test_env_vars_set_defaults_and_flags_win(monkeypatch):
@@ -533,11 +599,12 @@ def test_env_vars_set_defaults_and_flags_win(monkeypatch):
     parser = argparse.ArgumentParser()
     cli.add_arguments(parser)
     config = cli.config_from_args(parser.parse_args(["--max-num-seqs", "5", "--embedding-model", "none"]))
-    assert config.max_num_seqs == 5 and config.kv_cache_memory == 2 * 10**9 and config.api_key == "from-env"
-    assert config.embedding_model is None and config.model == "smollm2-135m-instruct"
-    assert config.to_engine_config().kv_cache_memory_bytes == 2 * 10**9
+    assert config.engine.max_num_seqs == 5 and config.engine.kv_cache_memory_bytes == 2 * 10**9
+    assert config.api_key == "from-env"
+    assert config.embedder is None and config.engine.model == "smollm2-135m-instruct"
     defaults = cli.config_from_args(argparse.ArgumentParser().parse_args([]))  # no flags at all
-    assert defaults.model == "smollm2-135m-instruct" and defaults.embedding_model == "all-minilm-l6-v2"
+    assert defaults.engine.model == "smollm2-135m-instruct" and defaults.embedder.model == "all-minilm-l6-v2"
+    assert defaults.engine.quantization == "auto"
     assert (defaults.host, defaults.port) == ("127.0.0.1", 8000)
 
 

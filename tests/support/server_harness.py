@@ -142,18 +142,25 @@ def parse_sse(body: str) -> list[dict | str]:
     return payloads
 
 
-def make_server_config(model_dir, **overrides):
-    """A ServerConfig for a tiny test model: no embeddings, small limits."""
+def make_server_config(model_dir, *, embedding_model=None, **overrides):
+    """A ServerConfig for a tiny test model: small limits, no embeddings unless `embedding_model` names one.
+
+    overrides: EngineConfig fields (max_num_seqs=1) go to the generation engine, the rest to ServerConfig.
+    """
+    import dataclasses
+
+    from engine.config import EmbedderConfig, EngineConfig
     from server.config import ServerConfig
 
-    values = {
+    engine_fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    engine_values = {
         "model": str(model_dir),
-        "embedding_model": None,
-        "served_model_name": "tiny-llama",
         "max_model_len": 256,
-        "kv_cache_memory": 16 << 20,
+        "kv_cache_memory_bytes": 16 << 20,
         "max_num_seqs": 16,
-        "log_level": "warning",
     }
-    values.update(overrides)
-    return ServerConfig(**values)
+    engine_values.update({k: v for k, v in overrides.items() if k in engine_fields})
+    server_values = {"served_model_name": "tiny-llama", "log_level": "warning"}
+    server_values.update({k: v for k, v in overrides.items() if k not in engine_fields})
+    embedder = EmbedderConfig(model=embedding_model) if embedding_model else None
+    return ServerConfig(engine=EngineConfig(**engine_values), embedder=embedder, **server_values)
