@@ -23,7 +23,6 @@ class Tokenizer:
             eos_ids.add(hf_tokenizer.eos_token_id)
         self.eos_token_ids: tuple[int, ...] = tuple(sorted(eos_ids))
         self.bos_token_id: int | None = hf_tokenizer.bos_token_id
-        self.vocab_size: int = len(hf_tokenizer)
         self.all_special_ids: frozenset[int] = frozenset(hf_tokenizer.all_special_ids)
         # A tokenizer.json may switch padding/truncation on; transformers would then switch it off on
         # the first encode, mutating the Rust tokenizer while another thread decodes ("Already borrowed").
