@@ -1,10 +1,30 @@
-"""The one error shape every failure is answered with (OpenAI's).
+"""The one error shape every failure is answered with (OpenAI's), and the one mapping to it.
 
-Routes raise `APIError`; app.py installs the handler that renders it as
-`{"error": {"message", "type", "param", "code"}}` with the given status.
+Routes raise `APIError`; the engine raises its own errors (engine/errors.py). `api_error_for`
+maps any exception to an `APIError`, and `install_error_handlers` makes the app answer each
+with `{"error": {"message", "type", "param", "code"}}` and its status (and headers, e.g.
+Retry-After on 429). Streamed answers send the same body as an SSE error event.
 """
 
 from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from engine.errors import (
+    EngineDeadError,
+    EngineStepError,
+    InvalidRequestError,
+    KVServeError,
+    QueueFullError,
+    RequestTimeoutError,
+)
+
+logger = logging.getLogger(__name__)
 
 
 class APIError(Exception):
@@ -27,3 +47,79 @@ class APIError(Exception):
 
     def to_body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def api_error_for(exc: BaseException) -> APIError:
+    """The one mapping from exceptions to the OpenAI error shape."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, InvalidRequestError):
+        return APIError(400, exc.message, param=exc.param, code=type(exc).__name__)
+    if isinstance(exc, QueueFullError):
+        return APIError(
+            429,
+            str(exc),
+            type="rate_limit_error",
+            code="queue_full",
+            headers={"Retry-After": str(max(1, round(exc.retry_after)))},
+        )
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, str(exc), type="service_unavailable", code="engine_dead")
+    if isinstance(exc, RequestTimeoutError):
+        return APIError(504, str(exc), type="timeout_error", code="request_timeout")
+    if isinstance(exc, EngineStepError):
+        return APIError(500, str(exc), type="internal_error", code="engine_step_failed")
+    return APIError(500, "internal server error", type="internal_error")
+
+
+def _validation_message(errors: list[dict]) -> tuple[str, str | None]:
+    parts = []
+    first_param = None
+    for error in errors:
+        loc = [str(p) for p in error.get("loc", ()) if p != "body"]
+        param = ".".join(loc) or None
+        first_param = first_param or param
+        if error.get("type") == "json_invalid":
+            return f"request body is not valid JSON: {error.get('ctx', {}).get('error', error.get('msg'))}", None
+        if error.get("type") == "extra_forbidden":
+            parts.append(f"unsupported field '{param}'")
+        elif error.get("type") == "missing":
+            parts.append(f"missing required field '{param}'")
+        else:
+            parts.append(f"{param}: {error.get('msg')}" if param else str(error.get("msg")))
+    return "; ".join(parts) or "invalid request", first_param
+
+
+def _render(error: APIError) -> JSONResponse:
+    return JSONResponse(error.to_body(), status_code=error.status_code, headers=error.headers)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Answer validation errors, HTTP errors, APIError and every engine error in the one shape."""
+
+    @app.exception_handler(RequestValidationError)
+    async def _on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(list(exc.errors()))
+        return _render(APIError(400, message, param=param, code="invalid_request"))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kinds = {401: "authentication_error", 404: "not_found_error", 413: "invalid_request_error"}
+        error = APIError(
+            exc.status_code,
+            str(exc.detail),
+            type=kinds.get(exc.status_code, "invalid_request_error"),
+            headers=dict(exc.headers or {}),
+        )
+        return _render(error)
+
+    @app.exception_handler(APIError)
+    async def _on_api_error(request: Request, exc: APIError) -> JSONResponse:
+        return _render(exc)
+
+    @app.exception_handler(KVServeError)
+    async def _on_engine_error(request: Request, exc: KVServeError) -> JSONResponse:
+        error = api_error_for(exc)
+        if error.status_code >= 500:
+            logger.error("request %s failed: %s", getattr(request.state, "request_id", "-"), exc)
+        return _render(error)

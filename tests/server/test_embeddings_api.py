@@ -1,12 +1,15 @@
 """POST /v1/embeddings (through the openai SDK) and POST /embed (httpx) over real HTTP.
 
-The embedding router is mounted on a small FastAPI app with the app.state the server
-gives it (config, embedder, engine, metrics) and served by uvicorn on a free port.
+The embedding router is mounted on a small FastAPI app with the ServerState and error
+handlers the server gives it, and served by uvicorn on a free port. A client that leaves
+is checked on the ASGI app directly, with an embedder that never answers.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import json
 import socket
 import threading
 import time
@@ -19,16 +22,15 @@ import openai
 import pytest
 import torch
 import uvicorn
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi import FastAPI
 
 from engine.config import EmbedderConfig, EngineConfig
-from engine.errors import InvalidRequestError
 from engine.hub.models_hub import DEFAULT_GENERATION_MODEL
 from engine.serving.async_embedder import AsyncEmbedder
 from server.config import ServerConfig
-from server.errors import APIError
+from server.errors import install_error_handlers
 from server.routes import embeddings as embedding_routes
+from server.state import ServerState, attach_state, state_of
 from tests.engine.test_embedder import MODEL_NAME, SENTENCES, embedder, minilm_dir, st_model, st_vectors  # noqa: F401
 
 GENERATION_MODEL = DEFAULT_GENERATION_MODEL
@@ -45,7 +47,7 @@ class _RecordingMetrics:
         self.observed.append(fields)
 
 
-def _make_app(async_embedder: AsyncEmbedder) -> FastAPI:
+def _make_app(async_embedder) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await async_embedder.start()
@@ -53,24 +55,17 @@ def _make_app(async_embedder: AsyncEmbedder) -> FastAPI:
         await async_embedder.stop()
 
     app = FastAPI(lifespan=lifespan)
-    app.state.config = ServerConfig(
+    config = ServerConfig(
         engine=EngineConfig(model=GENERATION_MODEL),
         embedder=EmbedderConfig(model=MODEL_NAME),
         max_client_batch_size=MAX_CLIENT_BATCH_SIZE,
     )
-    app.state.embedder = async_embedder
-    app.state.engine = types.SimpleNamespace(model_name=GENERATION_MODEL)
-    app.state.metrics = _RecordingMetrics()
+    engine = types.SimpleNamespace(model_name=GENERATION_MODEL)
+    state = ServerState(config=config, engine=engine, embedder=async_embedder, is_ready=True)
+    state.metrics = _RecordingMetrics()
+    attach_state(app, state)
     app.include_router(embedding_routes.router)
-
-    @app.exception_handler(APIError)
-    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.to_body(), status_code=exc.status_code)
-
-    @app.exception_handler(InvalidRequestError)
-    async def _invalid(request: Request, exc: InvalidRequestError) -> JSONResponse:
-        return JSONResponse(APIError(400, exc.message, param=exc.param).to_body(), status_code=400)
-
+    install_error_handlers(app)
     return app
 
 
@@ -111,7 +106,7 @@ def test_openai_sdk_float_matches_sentence_transformers(client, st_vectors, serv
     _assert_exact(torch.tensor([d.embedding for d in response.data]), st_vectors)
     assert response.model == MODEL_NAME
     assert response.usage.prompt_tokens == response.usage.total_tokens > len(SENTENCES) * 3
-    observed = server.app.state.metrics.observed[-1]
+    observed = state_of(server.app).metrics.observed[-1]
     assert observed["endpoint"] == "/v1/embeddings" and observed["num_inputs"] == len(SENTENCES)
     assert observed["num_prompt_tokens"] == response.usage.prompt_tokens and observed["latency_seconds"] > 0
 
@@ -205,3 +200,76 @@ def test_malformed_requests(server):
         assert 400 <= response.status_code < 500, body
     response = httpx.post(f"{server.url}/v1/embeddings", json={"model": MODEL_NAME, "input": "x", "bogus": 1})
     assert response.status_code in (400, 422)
+
+
+class _SilentEmbedder:
+    """An embedder whose vectors never come: embed() waits until it is cancelled, and records that."""
+
+    model_name = MODEL_NAME
+    max_model_len = 512
+    is_healthy = True
+
+    def __init__(self) -> None:
+        self.is_embedding = asyncio.Event()
+        self.num_cancelled = 0
+
+    async def start(self) -> None:
+        pass
+
+    async def stop(self) -> None:
+        pass
+
+    async def embed(self, inputs, **options):
+        self.is_embedding.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            self.num_cancelled += 1
+            raise
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [("/v1/embeddings", {"model": MODEL_NAME, "input": ["a", "b"]}), ("/embed", {"inputs": "a"})],
+)
+def test_client_leaving_cancels_the_embedding_with_a_499(path, body):
+    silent = _SilentEmbedder()
+    app = _make_app(silent)
+    payload = json.dumps(body).encode()
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "root_path": "",
+        "query_string": b"",
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 80),
+        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())],
+    }
+
+    async def main() -> list[dict]:
+        is_body_read = False
+
+        async def receive() -> dict:
+            nonlocal is_body_read
+            if not is_body_read:
+                is_body_read = True
+                return {"type": "http.request", "body": payload, "more_body": False}
+            await silent.is_embedding.wait()  # the client leaves while its inputs are being embedded
+            return {"type": "http.disconnect"}
+
+        sent: list[dict] = []
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+
+        await asyncio.wait_for(app(scope, receive, send), timeout=10)
+        return sent
+
+    sent = asyncio.run(main())
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 499
+    assert silent.num_cancelled == 1

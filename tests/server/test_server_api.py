@@ -11,6 +11,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from server.app import create_app
+from server.state import state_of
 from tests.support.server_harness import ServerThread, make_server_config, parse_sse
 from tests.support.tiny_models import make_tiny_llama, tokenizer_vocab_size
 
@@ -249,7 +250,7 @@ def test_token_ids_are_bounded_by_the_models_embedding_table(tmp_path):
     padded = make_tiny_llama(tmp_path / "padded", vocab_size=400)
     assert tokenizer_vocab_size() == 384
     with ServerThread(create_app(make_server_config(padded))) as srv:
-        assert srv.app.state.engine.vocab_size == 400
+        assert state_of(srv.app).engine.vocab_size == 400
         base = {"model": MODEL, "max_tokens": 2, "temperature": 0.0}
         accepted = [
             ("/v1/completions", {**base, "prompt": [5, 390, 6]}),
@@ -285,7 +286,7 @@ def test_request_id_is_echoed_or_made(server):
 
 
 def test_too_many_prompts_is_a_413_naming_the_limit(server):
-    limit = server.app.state.config.max_client_batch_size
+    limit = state_of(server.app).config.max_client_batch_size
     response = httpx.post(
         f"{server.base_url}/v1/completions", json={"model": MODEL, "prompt": ["Hi"] * (limit + 1), "max_tokens": 1}
     )
@@ -323,11 +324,11 @@ def test_metrics_parse_and_move(server, client):
 
 
 def test_health_goes_from_503_to_200_during_start_up(model_dir):
-    from engine.core.llm_engine import LLMEngine
+    from engine.llm import LLM
 
     def slow_factory(engine_config):
         time.sleep(1.0)
-        return LLMEngine.from_config(engine_config)
+        return LLM.from_config(engine_config)
 
     srv = ServerThread(create_app(make_server_config(model_dir), engine_factory=slow_factory))
     srv.start(wait_ready=False)

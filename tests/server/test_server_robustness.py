@@ -1,7 +1,7 @@
 """No request, however bad or however abandoned, hurts the others: a real server under abuse.
 
-The engine is wrapped in `FlakyEngine`, which the tests steer (slow steps, failing steps,
-a failing add) to reproduce slow generation and internal errors on demand.
+The engine is wrapped in `FlakyEngine` (tests/server/flaky_engine.py), which the tests steer
+(slow steps, failing steps, a failing add) to reproduce slow generation and internal errors on demand.
 """
 
 from __future__ import annotations
@@ -19,44 +19,14 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from server.app import create_app
+from server.state import state_of
+from tests.server.flaky_engine import flaky_factory
 from tests.support.server_harness import ServerProcess, ServerThread, make_server_config, parse_sse
 from tests.support.tiny_models import make_tiny_llama
 
 MODEL = "tiny-llama"
 API_KEY = "sekret-key"
 ORIGIN = "http://example.com"
-
-
-class FlakyEngine:
-    """An LLMEngine with knobs: step_delay (seconds per step), fail_steps (next N steps raise), fail_adds."""
-
-    def __init__(self, inner) -> None:
-        self._inner = inner
-        self.step_delay = 0.0
-        self.fail_steps = 0
-        self.fail_adds = False
-
-    def __getattr__(self, name):
-        return getattr(self._inner, name)
-
-    def add_request(self, prompt, params, request_id=None):
-        if self.fail_adds:
-            raise RuntimeError("injected bug in add_request")
-        return self._inner.add_request(prompt, params, request_id)
-
-    def step(self):
-        if self.step_delay:
-            time.sleep(self.step_delay)
-        if self.fail_steps > 0:
-            self.fail_steps -= 1
-            raise RuntimeError("injected step failure")
-        return self._inner.step()
-
-
-def flaky_factory(engine_config):
-    from engine.core.llm_engine import LLMEngine
-
-    return FlakyEngine(LLMEngine.from_config(engine_config))
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +53,7 @@ def guarded(model_dir):
 
 @pytest.fixture
 def knobs(server):
-    engine = server.app.state.engine.engine
+    engine = state_of(server.app).engine.engine
     yield engine
     engine.step_delay, engine.fail_steps, engine.fail_adds = 0.0, 0, False
 
@@ -347,7 +317,7 @@ def test_stream_dropped_before_its_first_chunk_is_aborted(server, knobs):
         lambda: (
             (g := gauges(server.base_url))["kvserve:num_requests_running"] == 0
             and g["kvserve:kv_cache_usage_perc"] == 0
-            and server.app.state.engine.num_active_requests == 0
+            and state_of(server.app).engine.num_active_requests == 0
         ),
         timeout=2.0,
     )
@@ -374,9 +344,9 @@ def test_stream_whose_first_send_fails_aborts_its_request(model_dir, path):
 
     async def main():
         async with app.router.lifespan_context(app):
-            while not app.state.is_ready:
+            while not state_of(app).is_ready:
                 await asyncio.sleep(0.01)
-            engine = app.state.engine
+            engine = state_of(app).engine
             engine.engine.step_delay = 0.02  # 200 tokens take 4 s
             scope = {
                 "type": "http",
@@ -431,9 +401,9 @@ def test_internal_errors_fail_only_their_request(server, knobs):
 
 def test_dead_engine_loop_turns_health_503(model_dir):
     def always_failing(engine_config):
-        engine = flaky_factory(engine_config)
-        engine.fail_steps = 10**9
-        return engine
+        llm = flaky_factory(engine_config)
+        llm.engine.fail_steps = 10**9
+        return llm
 
     with ServerThread(create_app(make_server_config(model_dir), engine_factory=always_failing)) as srv:
         url = f"{srv.base_url}/v1/completions"
@@ -481,7 +451,7 @@ def test_cors_preflight_and_headers(guarded):
 
 def test_full_queue_answers_429_with_retry_after(guarded):
     headers = {"Authorization": f"Bearer {API_KEY}"}
-    engine = guarded.app.state.engine.engine
+    engine = state_of(guarded.app).engine.engine
     engine.step_delay = 0.01
     body = {"model": MODEL, "prompt": "Hello", "max_tokens": 200, "ignore_eos": True, "stream": True}
     http = httpx.Client(base_url=guarded.base_url, headers=headers, timeout=30)

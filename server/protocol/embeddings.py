@@ -1,6 +1,6 @@
 """HTTP shapes of the embedding endpoints: OpenAI's /v1/embeddings and TEI's /embed.
 
-Requests forbid unknown fields (a 400 naming the field), like the generation schemas.
+Requests forbid unknown fields (a 400 naming the field), like every request here.
 Responses are documented here; the routes build the same shapes as plain dicts, since
 validating thousands of floats per vector through pydantic would cost more than the forward.
 """
@@ -9,18 +9,15 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, Field, field_validator
 
-TokenId = Annotated[int, Field(ge=0)]
+from server.protocol.common import StrictRequest, TokenId
+
 # OpenAI: a string, a list of strings, one token-id list, or a list of token-id lists.
 EmbeddingInput = str | list[str] | list[TokenId] | list[list[TokenId]]
 
 
-class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class EmbeddingRequest(_Request):
+class EmbeddingRequest(StrictRequest):
     """POST /v1/embeddings. `model` may be omitted (the served embedding model); `user` is accepted and ignored."""
 
     input: EmbeddingInput
@@ -56,7 +53,7 @@ class EmbeddingResponse(BaseModel):
     usage: EmbeddingUsage
 
 
-class EmbedRequest(_Request):
+class EmbedRequest(StrictRequest):
     """POST /embed (text-embeddings-inference). TEI spells directions "Right"/"Left"; either case is accepted."""
 
     inputs: str | list[str] | list[TokenId] | list[list[TokenId]]

@@ -1,0 +1,84 @@
+"""Request fields -> engine parameters, and the checks every route applies to them.
+
+Bad values raise InvalidRequestError (400, naming the field) or APIError (413 for a batch
+over --max-client-batch-size, 400 for a field kvserve does not implement).
+"""
+
+from __future__ import annotations
+
+import re
+
+from engine.errors import InvalidRequestError
+from engine.params import SamplingParams
+from server.config import ServerConfig
+from server.errors import APIError
+from server.protocol.common import SamplingFields
+
+_TOKEN_ID_KEY = re.compile(r"-?[0-9]{1,10}", re.ASCII)
+
+
+def check_batch_size(config: ServerConfig, num_items: int, param: str) -> None:
+    """413 naming --max-client-batch-size when a request carries more items than it allows."""
+    limit = config.max_client_batch_size
+    if num_items > limit:
+        raise APIError(
+            413,
+            f"{param} has {num_items} items, more than this server's limit of {limit} "
+            f"(--max-client-batch-size); split it into several requests",
+            param=param,
+            code="batch_too_large",
+        )
+
+
+def check_token_ids(token_ids: list[int], vocab_size: int, param: str) -> None:
+    for token_id in token_ids:
+        if not 0 <= token_id < vocab_size:
+            message = f"{param}: token id {token_id} is outside the vocabulary [0, {vocab_size})"
+            raise InvalidRequestError(message, param)
+
+
+def reject_unsupported(fields: list[str]) -> None:
+    """400 naming the OpenAI fields a request set that kvserve does not implement."""
+    if fields:
+        raise APIError(
+            400,
+            f"unsupported field(s) for this server: {', '.join(fields)}",
+            param=fields[0],
+            code="unsupported_field",
+        )
+
+
+def sampling_params(
+    body: SamplingFields, max_tokens: int | None, logprobs: int | None, vocab_size: int
+) -> SamplingParams:
+    """The engine's SamplingParams for a completion or chat request (SamplingParams checks the ranges)."""
+    logit_bias = None
+    if body.logit_bias:
+        logit_bias = {}
+        for key, bias in body.logit_bias.items():
+            if not _TOKEN_ID_KEY.fullmatch(key):
+                raise InvalidRequestError(f"logit_bias: keys must be token ids, got {key[:32]!r}", "logit_bias")
+            logit_bias[int(key)] = bias
+        check_token_ids(list(logit_bias), vocab_size, "logit_bias")
+    if body.stream_options is not None and not body.stream:
+        raise InvalidRequestError("stream_options: only allowed when stream is true", "stream_options")
+    return SamplingParams(
+        n=body.n,
+        max_tokens=max_tokens,
+        min_tokens=body.min_tokens,
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=body.top_k,
+        min_p=body.min_p,
+        repetition_penalty=body.repetition_penalty,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        logit_bias=logit_bias,
+        seed=body.seed,
+        stop=body.stop or (),
+        stop_token_ids=tuple(body.stop_token_ids or ()),
+        ignore_eos=body.ignore_eos,
+        include_stop_str_in_output=body.include_stop_str_in_output,
+        logprobs=logprobs,
+        skip_special_tokens=body.skip_special_tokens,
+    )

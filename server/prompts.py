@@ -1,0 +1,49 @@
+"""Request prompts -> token ids: completion prompts (text or ids, one or many) and chat messages."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.errors import InvalidRequestError
+from server.config import ServerConfig
+from server.params import check_batch_size, check_token_ids
+from server.protocol.chat import ChatMessage
+from server.protocol.completions import CompletionRequest
+
+
+def completion_prompts(
+    body: CompletionRequest, tokenizer: Any, vocab_size: int, config: ServerConfig
+) -> list[tuple[str | None, list[int]]]:
+    """(text or None, token ids) for each prompt; token-id prompts must lie in [0, vocab_size)."""
+    prompt = body.prompt
+    if isinstance(prompt, str):
+        raw: list = [prompt]
+    elif len(prompt) == 0:
+        raise InvalidRequestError("prompt: must not be empty", "prompt")
+    elif isinstance(prompt[0], int):
+        raw = [prompt]
+    else:
+        raw = list(prompt)
+    check_batch_size(config, len(raw), "prompt")
+    prompts = []
+    for item in raw:
+        if isinstance(item, str):
+            ids = tokenizer.encode(item, add_special_tokens=body.add_special_tokens)
+            prompts.append((item, ids))
+        else:
+            check_token_ids(item, vocab_size, "prompt")
+            prompts.append((None, list(item)))
+        if not prompts[-1][1]:
+            raise InvalidRequestError("prompt: must contain at least one token", "prompt")
+    return prompts
+
+
+def chat_prompt_ids(tokenizer: Any, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+    """The messages through the model's chat template ("developer" is the system role)."""
+    rendered = []
+    for message in messages:
+        item = {"role": "system" if message.role == "developer" else message.role, "content": message.text()}
+        if message.name:
+            item["name"] = message.name
+        rendered.append(item)
+    return tokenizer.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt)

@@ -1,0 +1,52 @@
+"""POST /v1/completions: the request, the JSON answer and the SSE chunks (same shape, no usage)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+from server.protocol.common import SamplingFields, Usage, now
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    add_special_tokens: bool = True
+    # OpenAI fields kvserve does not implement (400 when set).
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def unsupported_fields(self) -> list[str]:
+        bad = []
+        if self.suffix:
+            bad.append("suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            bad.append("best_of")
+        return bad
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None

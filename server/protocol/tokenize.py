@@ -1,0 +1,33 @@
+"""POST /tokenize and POST /detokenize (vLLM's shapes)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel
+
+from server.protocol.chat import ChatMessage
+from server.protocol.common import StrictRequest, TokenId
+
+
+class TokenizeRequest(StrictRequest):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(StrictRequest):
+    model: str | None = None
+    tokens: list[TokenId]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str

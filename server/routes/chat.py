@@ -1,0 +1,104 @@
+"""POST /v1/chat/completions: messages through the chat template, n samples, JSON or SSE."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from engine.errors import InvalidRequestError
+from server import serving
+from server.logprobs import chat_logprobs
+from server.params import reject_unsupported, sampling_params
+from server.prompts import chat_prompt_ids
+from server.protocol.chat import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatResponseMessage,
+)
+from server.served_models import generation_engine
+from server.serving import Generation
+from server.state import SharedState
+
+router = APIRouter()
+
+
+@router.post("/v1/chat/completions")
+async def create_chat_completion(body: ChatCompletionRequest, request: Request, state: SharedState) -> Response:
+    engine = generation_engine(state, body.model)
+    reject_unsupported(body.unsupported_fields())
+    if body.top_logprobs is not None and not body.logprobs:
+        raise InvalidRequestError("top_logprobs: requires logprobs to be true", "top_logprobs")
+    tokenizer = engine.tokenizer
+    prompt_ids = chat_prompt_ids(tokenizer, body.messages, body.add_generation_prompt)
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    num_top = body.top_logprobs or 0
+    params = sampling_params(body, max_tokens, num_top if body.logprobs else None, engine.vocab_size)
+    answer_id = serving.response_id(request, "chatcmpl")
+    model_name = state.config.model_name
+    timer = state.metrics.start_request()
+
+    if body.stream:
+
+        def usage_chunk(usage) -> dict:
+            return ChatCompletionChunk(id=answer_id, model=model_name, choices=[], usage=usage).model_dump()
+
+        def chunks(generation: Generation) -> AsyncIterator[dict]:
+            return _chunks(generation, body, num_top, answer_id, model_name, tokenizer)
+
+        return await serving.generation_stream(
+            engine, [prompt_ids], params, timer, chunks, usage_chunk, body.stream_options
+        )
+
+    async def answer(generation: Generation) -> dict:
+        choices = [
+            ChatChoice(
+                index=index,
+                message=ChatResponseMessage(content=sample.text),
+                logprobs=chat_logprobs(tokenizer, sample.logprobs, num_top) if body.logprobs else None,
+                finish_reason=sample.finish_reason,
+                stop_reason=sample.stop_reason,
+            )
+            for index, sample in enumerate(await generation.samples())
+        ]
+        usage = generation.usage()
+        return ChatCompletionResponse(id=answer_id, model=model_name, choices=choices, usage=usage).model_dump()
+
+    return await serving.generation_json(engine, [prompt_ids], params, timer, answer)
+
+
+async def _chunks(
+    generation: Generation,
+    body: ChatCompletionRequest,
+    num_top: int,
+    answer_id: str,
+    model_name: str,
+    tokenizer: Any,
+) -> AsyncIterator[dict]:
+    def chunk(choices: list[ChatChunkChoice]) -> dict:
+        return ChatCompletionChunk(id=answer_id, model=model_name, choices=choices).model_dump()
+
+    # OpenAI's first chunk of each choice carries the role and an empty content.
+    for index in range(body.n):
+        yield chunk([ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content=""))])
+    async for _, output in generation.outputs():
+        for delta in output.outputs:
+            if not delta.text and delta.finish_reason is None and not (body.logprobs and delta.logprobs):
+                continue
+            logprobs = chat_logprobs(tokenizer, delta.logprobs or [], num_top) if body.logprobs else None
+            yield chunk(
+                [
+                    ChatChunkChoice(
+                        index=delta.index,
+                        delta=ChatDelta(content=delta.text if delta.text else None),
+                        logprobs=logprobs,
+                        finish_reason=delta.finish_reason,
+                    )
+                ]
+            )

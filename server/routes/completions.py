@@ -1,0 +1,113 @@
+"""POST /v1/completions: prompts (text or token ids, one or many) x n samples, JSON or SSE."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from server import serving
+from server.errors import APIError
+from server.logprobs import completion_logprobs
+from server.params import reject_unsupported, sampling_params
+from server.prompts import completion_prompts
+from server.protocol.completions import CompletionChoice, CompletionRequest, CompletionResponse
+from server.served_models import generation_engine
+from server.serving import Generation
+from server.state import SharedState
+
+router = APIRouter()
+
+
+@router.post("/v1/completions")
+async def create_completion(body: CompletionRequest, request: Request, state: SharedState) -> Response:
+    engine = generation_engine(state, body.model)
+    reject_unsupported(body.unsupported_fields())
+    if body.echo and body.logprobs is not None:
+        raise APIError(400, "echo with logprobs is not supported (no prompt logprobs)", param="echo")
+    tokenizer = engine.tokenizer
+    prompts = completion_prompts(body, tokenizer, engine.vocab_size, state.config)
+    params = sampling_params(body, body.max_tokens, body.logprobs, engine.vocab_size)
+    echoes = [
+        (text if text is not None else tokenizer.decode(ids, skip_special_tokens=False)) if body.echo else ""
+        for text, ids in prompts
+    ]
+    answer_id = serving.response_id(request, "cmpl")
+    model_name = state.config.model_name
+    prompt_ids = [ids for _, ids in prompts]
+    timer = state.metrics.start_request()
+
+    if body.stream:
+
+        def usage_chunk(usage) -> dict:
+            return CompletionResponse(id=answer_id, model=model_name, choices=[], usage=usage).model_dump()
+
+        def chunks(generation: Generation) -> AsyncIterator[dict]:
+            return _chunks(generation, body, echoes, answer_id, model_name, tokenizer)
+
+        return await serving.generation_stream(
+            engine, prompt_ids, params, timer, chunks, usage_chunk, body.stream_options
+        )
+
+    async def answer(generation: Generation) -> dict:
+        choices = []
+        for index, sample in enumerate(await generation.samples()):
+            echo = echoes[index // params.n]
+            logprobs = None
+            if params.logprobs is not None:
+                logprobs = completion_logprobs(tokenizer, sample.logprobs, len(echo))
+            choices.append(
+                CompletionChoice(
+                    index=index,
+                    text=echo + sample.text,
+                    logprobs=logprobs,
+                    finish_reason=sample.finish_reason,
+                    stop_reason=sample.stop_reason,
+                )
+            )
+        usage = generation.usage()
+        return CompletionResponse(id=answer_id, model=model_name, choices=choices, usage=usage).model_dump()
+
+    return await serving.generation_json(engine, prompt_ids, params, timer, answer)
+
+
+async def _chunks(
+    generation: Generation,
+    body: CompletionRequest,
+    echoes: list[str],
+    answer_id: str,
+    model_name: str,
+    tokenizer: Any,
+) -> AsyncIterator[dict]:
+    wants_logprobs = body.logprobs is not None
+    offsets: dict[int, int] = {}  # choice index -> where its next token starts in its text
+
+    def chunk(choices: list[CompletionChoice]) -> dict:
+        return CompletionResponse(id=answer_id, model=model_name, choices=choices).model_dump()
+
+    if body.echo:
+        for index in range(generation.num_choices):
+            yield chunk([CompletionChoice(index=index, text=echoes[index // body.n])])
+    async for prompt_index, output in generation.outputs():
+        for delta in output.outputs:
+            if not delta.text and delta.finish_reason is None and not (wants_logprobs and delta.logprobs):
+                continue
+            index = generation.choice_index(prompt_index, delta)
+            logprobs = None
+            if wants_logprobs:
+                offset = offsets.get(index, len(echoes[prompt_index]))
+                logprobs = completion_logprobs(tokenizer, delta.logprobs or [], offset)
+                offsets[index] = offset + sum(len(t) for t in logprobs.tokens)
+            yield chunk(
+                [
+                    CompletionChoice(
+                        index=index,
+                        text=delta.text,
+                        logprobs=logprobs,
+                        finish_reason=delta.finish_reason,
+                        stop_reason=delta.stop_reason,
+                    )
+                ]
+            )

@@ -1,0 +1,30 @@
+"""GET /health (readiness for load balancers) and GET /metrics (Prometheus); both open without an API key."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse, Response
+
+from server.metrics import CONTENT_TYPE
+from server.state import SharedState
+
+router = APIRouter()
+
+
+@router.get("/health")
+async def health(state: SharedState) -> JSONResponse:
+    """503 {"status": "loading"} until the models are loaded, 200 {"status": "ok"} after; 503 if an engine died."""
+    if state.load_error is not None:
+        return JSONResponse({"status": "error", "message": state.load_error}, status_code=503)
+    if not state.is_ready:
+        return JSONResponse({"status": "loading"}, status_code=503)
+    if state.engine is not None and not state.engine.is_healthy:
+        return JSONResponse({"status": "error", "message": "the generation engine is not running"}, status_code=503)
+    if state.embedder is not None and not state.embedder.is_healthy:
+        return JSONResponse({"status": "error", "message": "the embedding engine is not running"}, status_code=503)
+    return JSONResponse({"status": "ok"})
+
+
+@router.get("/metrics")
+async def metrics(state: SharedState) -> Response:
+    return Response(state.metrics.render(), media_type=CONTENT_TYPE)

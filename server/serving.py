@@ -1,0 +1,344 @@
+"""The one owner of a request's life, from the engine submit to the last byte sent.
+
+Routes validate the body and map its fields onto engine parameters; everything that can
+leak lives here. This module alone:
+
+- submits a generation's fan-out (every prompt; its n samples ride in one engine request)
+  and, if one is refused or the submit is cancelled, aborts the others;
+- merges the engine streams into one sequence of (prompt index, output), counting usage
+  and observing latencies on the way;
+- races a JSON answer (generation or embeddings) against the client leaving: the work is
+  cancelled, which aborts its engine requests or drops its queued embedding inputs, and the
+  answer is a bare 499;
+- frames SSE: the chunks, the usage chunk when `stream_options.include_usage` asks, then
+  `[DONE]`; an engine error becomes an error event (the JSON error body) then `[DONE]`;
+- closes every engine stream however the answer ends.
+
+The last is one mechanism. A `Generation` owns the streams of one HTTP request (and the tasks
+merging them); the `_Answer` response that carries it closes it in the `finally` of its
+`__call__`, which Starlette awaits exactly once for every response a route returns. So no
+path depends on a generator's `finally` or the garbage collector: not a task cancelled
+before it ever ran, not a streamed body that Starlette cancelled before it started (the
+client left while the head was sent), not a send that raised.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from engine.errors import KVServeError
+from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from engine.params import SamplingParams
+from engine.serving.async_engine import AsyncEngine, RequestStream
+from server.errors import api_error_for
+from server.metrics import RequestTimer
+from server.protocol.common import StreamOptions, Usage
+
+CLIENT_CLOSED_REQUEST = 499  # nginx's code: the client left before the answer
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+T = TypeVar("T")
+SendAnswer = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+def response_id(request: Request, prefix: str) -> str:
+    """The id of an answer body: "cmpl-<X-Request-Id>" (the middleware made or echoed that id)."""
+    return f"{prefix}-{request.state.request_id}"
+
+
+# ---- what a generation adds up to ----
+
+
+@dataclass
+class Sample:
+    """One choice, whole: its deltas joined."""
+
+    text_parts: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+    def add(self, delta: CompletionOutput) -> None:
+        self.text_parts.append(delta.text)
+        if delta.logprobs:
+            self.logprobs.extend(delta.logprobs)
+        if delta.finish_reason is not None:
+            self.finish_reason = delta.finish_reason
+            self.stop_reason = delta.stop_reason
+
+    @property
+    def text(self) -> str:
+        return "".join(self.text_parts)
+
+
+class _UsageCounter:
+    def __init__(self) -> None:
+        self.prompt_tokens: dict[int, int] = {}
+        self.completion_tokens: dict[tuple[int, int], int] = {}
+
+    def add(self, prompt_index: int, output: RequestOutput) -> None:
+        self.prompt_tokens[prompt_index] = output.num_prompt_tokens
+        for o in output.outputs:
+            key = (prompt_index, o.index)
+            previous = self.completion_tokens.get(key, 0)
+            self.completion_tokens[key] = o.num_generated_tokens or (previous + len(o.token_ids))
+
+    def usage(self) -> Usage:
+        prompt = sum(self.prompt_tokens.values())
+        completion = sum(self.completion_tokens.values())
+        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+class Generation:
+    """The engine requests of one HTTP request (one per prompt), from submit until `close()`.
+
+    Choice i of the answer is sample i % n of prompt i // n. `close()` aborts every request
+    that has not finished and stops the merge; only the `_Answer` carrying it calls it.
+    """
+
+    def __init__(self, streams: list[RequestStream], n: int, timer: RequestTimer) -> None:
+        self._streams = streams
+        self._n = n
+        self._timer = timer
+        self._usage = _UsageCounter()
+        self._finish_reasons: dict[int, str] = {}  # choice index -> why it ended
+        self._pumps: list[asyncio.Task] = []
+
+    @property
+    def num_choices(self) -> int:
+        return len(self._streams) * self._n
+
+    def choice_index(self, prompt_index: int, delta: CompletionOutput) -> int:
+        return prompt_index * self._n + delta.index
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, output delta) from every stream as they arrive; raises an engine error."""
+        async for prompt_index, output in self._merged():
+            self._timer.on_output(output)
+            self._usage.add(prompt_index, output)
+            for delta in output.outputs:
+                if delta.finish_reason is not None:
+                    self._finish_reasons[self.choice_index(prompt_index, delta)] = delta.finish_reason
+            yield prompt_index, output
+
+    async def samples(self) -> list[Sample]:
+        """Every choice, whole, in choice order (reads the streams to their end)."""
+        samples = [Sample() for _ in range(self.num_choices)]
+        async for prompt_index, output in self.outputs():
+            for delta in output.outputs:
+                samples[self.choice_index(prompt_index, delta)].add(delta)
+        return samples
+
+    def usage(self) -> Usage:
+        """Tokens so far: the prompts, and every sample's completion."""
+        return self._usage.usage()
+
+    def record_finish(self) -> None:
+        """Observe the end-to-end latency and the first choice's finish reason ("abort" if none finished)."""
+        reasons = self._finish_reasons
+        self._timer.finish(reasons[min(reasons)] if reasons else "abort")
+
+    def close(self) -> None:
+        for pump in self._pumps:
+            pump.cancel()
+        for stream in self._streams:
+            stream.close()
+
+    async def _merged(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        if len(self._streams) == 1:
+            async for output in self._streams[0]:
+                yield 0, output
+            return
+        queue: asyncio.Queue[tuple[int, RequestOutput | Exception | None]] = asyncio.Queue()
+        self._pumps = [asyncio.create_task(_pump(i, stream, queue)) for i, stream in enumerate(self._streams)]
+        remaining = len(self._streams)
+        while remaining:
+            prompt_index, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield prompt_index, item
+
+
+async def _pump(prompt_index: int, stream: RequestStream, queue: asyncio.Queue) -> None:
+    try:
+        async for output in stream:
+            queue.put_nowait((prompt_index, output))
+        queue.put_nowait((prompt_index, None))
+    except Exception as exc:  # noqa: BLE001 - handed to the consumer, which raises it
+        queue.put_nowait((prompt_index, exc))
+
+
+async def _submit(
+    engine: AsyncEngine, prompts: Sequence[list[int]], params: SamplingParams, timer: RequestTimer
+) -> Generation:
+    """Submit every prompt together; if any is refused, abort the others and raise its error.
+
+    Engine request ids are made here (unique), never taken from the client's X-Request-Id:
+    a retry with the same header must not collide with, or be aborted as, the old request.
+    """
+    submits = [asyncio.ensure_future(engine.submit(ids, params, uuid.uuid4().hex)) for ids in prompts]
+    try:
+        await asyncio.wait(submits)  # each ends on its own: accepted, refused or timed out
+    except BaseException:  # cancelled: the handler is being torn down
+        _withdraw(submits)
+        raise
+    errors = [s.exception() for s in submits if s.exception() is not None]
+    if errors:
+        _withdraw(submits)
+        raise errors[0]
+    return Generation([s.result() for s in submits], params.n, timer)
+
+
+def _withdraw(submits: list[asyncio.Future]) -> None:
+    """Abort every request these submits made or are still making, whenever each one ends."""
+
+    def close_if_accepted(submit: asyncio.Future) -> None:
+        if not submit.cancelled() and submit.exception() is None:
+            submit.result().close()
+
+    for submit in submits:
+        submit.cancel()  # a submit cancelled mid-way withdraws its own request; a done one ignores this
+        submit.add_done_callback(close_if_accepted)
+
+
+# ---- the answers ----
+
+
+class _Answer(Response):
+    """An answer produced while it is sent; it owns `generation` (if any) and closes it however it ends."""
+
+    def __init__(self, send_answer: SendAnswer, generation: Generation | None = None) -> None:
+        super().__init__()
+        self._send_answer = send_answer
+        self._generation = generation
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await self._send_answer(scope, receive, send)
+        finally:
+            if self._generation is not None:
+                self._generation.close()
+
+
+async def generation_json(
+    engine: AsyncEngine,
+    prompts: Sequence[list[int]],
+    params: SamplingParams,
+    timer: RequestTimer,
+    body: Callable[[Generation], Awaitable[Any]],
+) -> Response:
+    """Submit, then answer `await body(generation)` (JSON-able; it reads the outputs) as JSON.
+
+    The client leaving first aborts the requests (499); an engine error raised while reading
+    reaches the app's error handlers (nothing was sent yet).
+    """
+    generation = await _submit(engine, prompts, params, timer)
+    return _Answer(_json_sender(lambda: body(generation), generation), generation)
+
+
+async def generation_stream(
+    engine: AsyncEngine,
+    prompts: Sequence[list[int]],
+    params: SamplingParams,
+    timer: RequestTimer,
+    chunks: Callable[[Generation], AsyncIterator[dict]],
+    usage_chunk: Callable[[Usage], dict],
+    stream_options: StreamOptions | None,
+) -> Response:
+    """Submit, then answer SSE: each of `chunks(generation)` (dicts; their "usage" key is set or
+    dropped here, as `stream_options` asks), the `usage_chunk(usage)` if asked, then `[DONE]`."""
+    generation = await _submit(engine, prompts, params, timer)
+    include_usage = stream_options is not None and stream_options.include_usage
+    continuous_usage = include_usage and stream_options is not None and stream_options.continuous_usage_stats
+
+    async def events(scope: Scope) -> AsyncIterator[str]:
+        try:
+            async for payload in chunks(generation):
+                if include_usage:
+                    payload["usage"] = generation.usage().model_dump() if continuous_usage else None
+                else:
+                    payload.pop("usage", None)
+                yield _sse(payload)
+            generation.record_finish()
+            usage = generation.usage()
+            _record_usage(scope, usage)
+            if include_usage:
+                yield _sse(usage_chunk(usage))
+            yield _sse("[DONE]")
+        except KVServeError as exc:
+            yield _sse(api_error_for(exc).to_body())
+            yield _sse("[DONE]")
+
+    async def send_events(scope: Scope, receive: Receive, send: Send) -> None:
+        response = StreamingResponse(events(scope), media_type="text/event-stream", headers=SSE_HEADERS)
+        await response(scope, receive, send)
+
+    return _Answer(send_events, generation)
+
+
+def raced_json(work: Callable[[], Awaitable[Any]]) -> Response:
+    """Answer `await work()` (JSON-able) as JSON; if the client leaves first, cancel it and answer 499."""
+    return _Answer(_json_sender(work, None))
+
+
+def _json_sender(work: Callable[[], Awaitable[Any]], generation: Generation | None) -> SendAnswer:
+    async def send_json(scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            content = await _unless_client_leaves(work(), receive)
+        except _ClientGone:
+            await Response(status_code=CLIENT_CLOSED_REQUEST)(scope, receive, send)
+            return
+        if generation is not None:
+            generation.record_finish()
+            _record_usage(scope, generation.usage())
+        await JSONResponse(content)(scope, receive, send)
+
+    return send_json
+
+
+class _ClientGone(Exception):
+    pass
+
+
+async def _unless_client_leaves(work: Awaitable[T], receive: Receive) -> T:
+    """`work`'s result; if the client leaves first, cancel it, let it unwind, and raise _ClientGone."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_client_left(receive))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if task.done():
+        return task.result()
+    await asyncio.gather(task, return_exceptions=True)
+    raise _ClientGone()
+
+
+async def _client_left(receive: Receive) -> None:
+    """Returns when the client disconnects (the request body was read already)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+def _sse(payload: dict | str) -> str:
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    return f"data: {data}\n\n"
+
+
+def _record_usage(scope: Scope, usage: Usage) -> None:
+    """For the access-log line the middleware writes when the request ends."""
+    scope.setdefault("state", {})["usage"] = usage.model_dump()

@@ -1,0 +1,52 @@
+"""ServerState: what the routes share, stored once on the app; a route reads it as a `SharedState` parameter.
+
+The lifespan (server/app.py) fills in `engine` and `embedder` once the models are loaded, then
+sets `is_ready`; a failed load sets `load_error` instead. Routes only read it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Annotated
+
+from fastapi import Depends, FastAPI, Request
+
+from server.config import ServerConfig
+from server.metrics import ServerMetrics
+
+if TYPE_CHECKING:
+    from engine.outputs import EngineStats
+    from engine.serving.async_embedder import AsyncEmbedder
+    from engine.serving.async_engine import AsyncEngine
+
+
+@dataclass
+class ServerState:
+    config: ServerConfig
+    engine: AsyncEngine | None = None  # None until loaded
+    embedder: AsyncEmbedder | None = None  # None until loaded, or when no embedding model is served
+    is_ready: bool = False  # every model is loaded: the middleware stops answering 503
+    load_error: str | None = None  # why loading failed; /health reports it
+    metrics: ServerMetrics = field(init=False)  # its engine gauges read `engine` at scrape time
+
+    def __post_init__(self) -> None:
+        self.metrics = ServerMetrics(self.config.model_name, self._engine_stats)
+
+    def _engine_stats(self) -> EngineStats | None:
+        return self.engine.stats() if self.engine is not None else None
+
+
+def attach_state(app: FastAPI, state: ServerState) -> None:
+    app.state.kvserve = state
+
+
+def state_of(app: FastAPI) -> ServerState:
+    return app.state.kvserve
+
+
+def get_state(request: Request) -> ServerState:
+    return state_of(request.app)
+
+
+# What a route declares to receive the state: `state: SharedState`.
+SharedState = Annotated[ServerState, Depends(get_state)]
