@@ -60,8 +60,9 @@ def _make_app(async_embedder) -> FastAPI:
         embedder=EmbedderConfig(model=MODEL_NAME),
         max_client_batch_size=MAX_CLIENT_BATCH_SIZE,
     )
-    engine = types.SimpleNamespace(model_name=GENERATION_MODEL)
-    state = ServerState(config=config, engine=engine, embedder=async_embedder, is_ready=True)
+    state = ServerState(config=config, is_ready=True)
+    state.engine = types.SimpleNamespace(model_name=GENERATION_MODEL)  # only its name is read here
+    state.embedder = async_embedder
     state.metrics = _RecordingMetrics()
     attach_state(app, state)
     app.include_router(embedding_routes.router)
