@@ -1,7 +1,7 @@
 """Prometheus metrics, named after vLLM's with the `kvserve:` prefix.
 
 Each app gets its own CollectorRegistry (tests build several apps in one process).
-Latency histograms are observed by the routes through `RequestTimer`; engine gauges
+Latency histograms are observed through `RequestTimer` (server/serving.py feeds it each output); engine gauges
 and counters are read from the AsyncEngine's stats snapshot at scrape time.
 """
 
