@@ -249,3 +249,8 @@ def test_checker_reads_every_kind_of_import(tmp_path: Path) -> None:
 def test_no_package_imports_across_a_forbidden_layer() -> None:
     bad = forbidden_edges(collect_edges(ROOT))
     assert not bad, "imports that break the layering:\n" + describe(bad, [])
+
+
+def test_no_import_cycles() -> None:
+    cycles = find_cycles(collect_edges(ROOT))
+    assert not cycles, "modules that import each other:\n" + describe([], cycles)
