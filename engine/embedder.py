@@ -1,7 +1,7 @@
-"""Sentence embeddings: tokenize -> length-sorted token-budget batches -> BERT encoder -> pool -> normalise.
+"""Sentence embeddings: tokenize -> packed BERT encoder forward -> pool -> normalise.
 
 `Embedder` is synchronous and owns the model and tokenizer; `engine.serving.async_embedder.AsyncEmbedder`
-batches concurrent requests on top of its two halves (`tokenize` and `forward_pooled`).
+batches concurrent requests on top of its two halves (`tokenize` and `forward_pooled`) in token-budget forwards.
 
 Which limit applies: an input may be as long as the model's position table
 (`max_position_embeddings`, minus RoBERTa's offset; 512 tokens for all-MiniLM-L6-v2).
@@ -169,24 +169,6 @@ def finalize(pooled: torch.Tensor, normalize: bool, dimensions: int | None) -> t
     return pooled.contiguous()
 
 
-def split_by_token_budget(lengths: Sequence[int], max_batch_tokens: int) -> list[list[int]]:
-    """Indices sorted by length, cut into consecutive chunks of at most max_batch_tokens real tokens
-    (a single longer input gets a chunk of its own). Sorting keeps attention padding small."""
-    order = sorted(range(len(lengths)), key=lengths.__getitem__)
-    chunks: list[list[int]] = []
-    current: list[int] = []
-    total = 0
-    for i in order:
-        if current and total + lengths[i] > max_batch_tokens:
-            chunks.append(current)
-            current, total = [], 0
-        current.append(i)
-        total += lengths[i]
-    if current:
-        chunks.append(current)
-    return chunks
-
-
 class Embedder:
     """Synchronous embedding model: owns the encoder and tokenizers. Not thread-safe for concurrent forwards."""
 
@@ -303,15 +285,15 @@ class Embedder:
         truncation_direction: str = "right",
         dimensions: int | None = None,
     ) -> EmbedResult:
-        """Embed a list of texts (or token-id lists) -> vectors in input order."""
+        """Embed a list of texts (or token-id lists) -> vectors in input order, in one forward.
+
+        The plain reference: the server batches concurrent requests with AsyncEmbedder, and the
+        tests hold its vectors equal to these."""
         self.check_dimensions(dimensions)
         token_ids = self.tokenize(inputs, truncate, truncation_direction)
-        lengths = [len(ids) for ids in token_ids]
-        pooled = torch.empty(len(token_ids), self.hidden_size)
-        for chunk in split_by_token_budget(lengths, self.config.max_batch_tokens):
-            pooled[chunk] = self.forward_pooled([token_ids[i] for i in chunk])
+        pooled = self.forward_pooled(token_ids)
         vectors = finalize(pooled, self.normalize if normalize is None else normalize, dimensions)
-        return EmbedResult(vectors=vectors, num_prompt_tokens=sum(lengths))
+        return EmbedResult(vectors=vectors, num_prompt_tokens=sum(len(ids) for ids in token_ids))
 
     def check_dimensions(self, dimensions: int | None) -> None:
         if dimensions is not None and not 1 <= dimensions <= self.hidden_size:

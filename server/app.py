@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import Executor
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -20,8 +19,11 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 from engine.config import EmbedderConfig, EngineConfig
+from engine.embedder import Embedder
+from engine.llm import LLM
+from engine.serving.async_embedder import AsyncEmbedder
 from engine.serving.async_engine import AsyncEngine
-from engine.serving.torch_thread import single_torch_thread
+from engine.serving.torch_worker import RequestLimits, TorchWorker
 from server.config import ServerConfig
 from server.errors import install_error_handlers
 from server.middleware import KVServeMiddleware
@@ -34,16 +36,12 @@ EngineFactory = Callable[[EngineConfig], Any]
 EmbedderFactory = Callable[[EmbedderConfig], Any]
 
 
-def _default_engine_factory(engine_config: EngineConfig) -> Any:
-    from engine.core.llm_engine import LLMEngine
-
-    return LLMEngine.from_config(engine_config)
+def _default_engine_factory(engine_config: EngineConfig) -> LLM:
+    return LLM.from_config(engine_config)
 
 
-def _default_embedder_factory(embedder_config: EmbedderConfig) -> Any:
-    from engine.serving.async_embedder import AsyncEmbedder
-
-    return AsyncEmbedder.from_config(embedder_config)
+def _default_embedder_factory(embedder_config: EmbedderConfig) -> Embedder:
+    return Embedder(embedder_config)
 
 
 def create_app(
@@ -53,9 +51,9 @@ def create_app(
     embedder_factory: EmbedderFactory | None = None,
     on_fatal: Callable[[BaseException], None] | None = None,
 ) -> FastAPI:
-    """engine_factory(EngineConfig) -> LLMEngine (default: LLMEngine.from_config) and
-    embedder_factory(EmbedderConfig) -> AsyncEmbedder (default: AsyncEmbedder.from_config) run on the
-    server's one torch thread (engine/serving/torch_thread.py), off the event loop so /health answers meanwhile.
+    """engine_factory(EngineConfig) -> LLM (default: LLM.from_config) and
+    embedder_factory(EmbedderConfig) -> Embedder (default: Embedder) run on the server's one torch
+    worker (engine/serving/torch_worker.py), off the event loop so /health answers meanwhile.
     on_fatal(exc) is called when a model fails to load (the CLI stops the server with it).
     """
     engine_factory = engine_factory or _default_engine_factory
@@ -63,8 +61,8 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        torch_thread = single_torch_thread()
-        load_task = asyncio.create_task(_load_models(state, engine_factory, embedder_factory, on_fatal, torch_thread))
+        worker = TorchWorker()
+        load_task = asyncio.create_task(_load_models(state, engine_factory, embedder_factory, on_fatal, worker))
         try:
             yield
         finally:
@@ -77,7 +75,7 @@ def create_app(
             if state.embedder is not None:
                 await state.embedder.stop()
             # Waits for a job still running (a model load cancelled above), off the event loop.
-            await asyncio.get_running_loop().run_in_executor(None, torch_thread.shutdown, True)
+            await worker.stop()
             logger.info("kvserve stopped")
 
     app = FastAPI(title="kvserve", summary="OpenAI-compatible LLM inference server", lifespan=lifespan)
@@ -111,22 +109,21 @@ async def _load_models(
     engine_factory: EngineFactory,
     embedder_factory: EmbedderFactory,
     on_fatal: Callable[[BaseException], None] | None,
-    torch_thread: Executor,
+    worker: TorchWorker,
 ) -> None:
     config = state.config
-    loop = asyncio.get_running_loop()
+    # Generation and embeddings are two clients of one worker, with the same limits.
+    limits = RequestLimits(config.max_queued_requests, config.request_timeout)
     try:
         logger.info("loading generation model %s", config.engine.model)
-        llm_engine = await loop.run_in_executor(torch_thread, engine_factory, config.engine)
-        engine = AsyncEngine(
-            llm_engine, max_queued_requests=config.max_queued_requests, request_timeout=config.request_timeout
-        )
-        await engine.start(torch_thread)
+        llm = await worker.run(engine_factory, config.engine)
+        engine = AsyncEngine(llm.engine, llm.tokenizer, limits=limits)
+        await engine.start(worker)
         state.engine = engine
         if config.embedder is not None:
             logger.info("loading embedding model %s", config.embedder.model)
-            embedder = await loop.run_in_executor(torch_thread, embedder_factory, config.embedder)
-            await embedder.start(torch_thread)
+            embedder = AsyncEmbedder(await worker.run(embedder_factory, config.embedder), limits=limits)
+            await embedder.start(worker)
             state.embedder = embedder
         state.is_ready = True
         logger.info("kvserve ready: serving %s", config.model_name)

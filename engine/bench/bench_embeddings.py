@@ -28,7 +28,7 @@ import torch
 from tqdm.auto import tqdm
 
 from engine.hub.models_hub import DEFAULT_EMBEDDING_MODEL
-from engine.serving.torch_thread import single_torch_thread
+from engine.serving.torch_worker import RequestLimits, TorchWorker
 
 _WORD_TEXT = (
     "the of and to in is that for it as was with be by on not he this are or his from at which but have an they "
@@ -137,11 +137,11 @@ def main(argv: list[str] | None = None) -> int:
     sentences = make_sentences(args.num_sentences, args.seed)
     model_dir = str(resolve_model(args.model))
     # All torch work (loading, encoding, kvserve's forwards) on one thread, as in the server:
-    # a second thread doing torch work would slow both down (engine/serving/torch_thread.py).
-    torch_thread = single_torch_thread()
+    # a second thread doing torch work would slow both down (engine/serving/torch_worker.py).
+    worker = TorchWorker()
 
     def on_torch(fn: Callable[[], Any]) -> Any:
-        return torch_thread.submit(fn).result()
+        return worker.run_blocking(fn)
 
     config = EmbedderConfig(model=model_dir, dtype=args.dtype, max_batch_tokens=args.max_batch_tokens)
     embedder = on_torch(lambda: Embedder(config))
@@ -170,13 +170,24 @@ def main(argv: list[str] | None = None) -> int:
 
         return on_torch(encode_each)
 
+    # The server's batcher, as the server runs it: one request of every sentence, or one request each.
+    limits = RequestLimits(max_queued_requests=len(sentences) + 1)
+
     def kv_batch() -> torch.Tensor:
-        return on_torch(lambda: embedder.embed(sentences).vectors)
+        async def run() -> torch.Tensor:
+            async_embedder = AsyncEmbedder(embedder, limits=limits)
+            await async_embedder.start(worker)
+            try:
+                return (await async_embedder.embed(sentences)).vectors
+            finally:
+                await async_embedder.stop()
+
+        return asyncio.run(run())
 
     def kv_async_single() -> torch.Tensor:
         async def run() -> torch.Tensor:
-            async_embedder = AsyncEmbedder(embedder)
-            await async_embedder.start(torch_thread)
+            async_embedder = AsyncEmbedder(embedder, limits=limits)
+            await async_embedder.start(worker)
             try:
                 return await _async_single_requests(async_embedder, sentences, args.concurrency, "kvserve x1")
             finally:

@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 from engine.config import EngineConfig
 from engine.core.llm_engine import LLMEngine
 from engine.hub.models_hub import DEFAULT_GENERATION_MODEL, resolve_model
+from engine.llm import LLM
 from engine.params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -49,7 +50,9 @@ def _prompt(engine: LLMEngine, num_tokens: int, seed: int) -> list[int]:
 
 def kvserve_prefill(engine: LLMEngine, prompt: list[int]) -> float:
     started = time.perf_counter()
-    engine.generate([prompt], SamplingParams(temperature=0, max_tokens=1))
+    engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=1))
+    while engine.has_unfinished_requests():
+        engine.step()
     return len(prompt) / (time.perf_counter() - started)
 
 
@@ -195,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     config = EngineConfig(
         model=args.model, dtype=args.dtype, max_num_batched_tokens=4096, quantization=args.quantization
     )
-    engine = LLMEngine.from_config(config)
+    engine = LLM.from_config(config).engine
     hf_model = None
     if not args.skip_transformers:
         from transformers import AutoModelForCausalLM

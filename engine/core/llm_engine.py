@@ -1,19 +1,18 @@
-"""The synchronous engine: add_request / abort / step (schedule -> execute -> update).
+"""The synchronous engine core: add_request / abort / step. Token ids only, no text.
 
-Single-threaded by design: whoever owns an LLMEngine (engine.serving.async_engine in the
-server) calls it from one thread at a time.
+`step()` is three verbs: the scheduler picks the batch, the runner computes it
+and samples, the scheduler advances the sequences and applies the stop check.
+Single-threaded by design: its one owner (engine.serving.async_engine in the
+server, engine.llm.LLM offline) calls it from one thread at a time.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
-import json
 import logging
 import time
 import uuid
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -23,23 +22,9 @@ from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.scheduler import ScheduledBatch, Scheduler
 from engine.core.sequence import Sequence
 from engine.errors import InvalidRequestError, PromptTooLongError
-from engine.hub.models_hub import resolve_or_download
-from engine.models.weights import load_checkpoint
-from engine.ops.int8_linear import resolve_quantization
-from engine.outputs import (
-    FINISH_ABORT,
-    FINISH_LENGTH,
-    FINISH_STOP,
-    CompletionOutput,
-    EngineStats,
-    GenerationResult,
-    RequestOutput,
-)
+from engine.outputs import FINISH_ABORT, FINISH_STOP, CompletionOutput, EngineStats, RequestOutput
 from engine.params import SamplingParams
 from engine.runner.model_runner import ModelRunner, kv_bytes_per_block
-from engine.runner.sampler import SamplingRow, sample
-from engine.text.detokenizer import append_token_text, find_stop_string, take_new_text
-from engine.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -56,22 +41,13 @@ class _Request:
         return all(s.is_finished for s in self.seqs)
 
 
-def _extra_eos_ids(model_config: ModelConfig, path: Path) -> tuple[int, ...]:
-    ids: list[int] = []
-    for source in (getattr(model_config.hf_config, "eos_token_id", None),):
-        ids.extend(source if isinstance(source, list) else [source] if source is not None else [])
-    gen_config = path / "generation_config.json" if path.is_dir() else None
-    if gen_config is not None and gen_config.is_file():
-        eos = json.loads(gen_config.read_text()).get("eos_token_id")
-        ids.extend(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    return tuple(int(i) for i in ids)
-
-
 class LLMEngine:
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, state_dict: dict, tokenizer: Tokenizer) -> None:
+    def __init__(
+        self, config: EngineConfig, model_config: ModelConfig, state_dict: dict, eos_token_ids: tuple[int, ...]
+    ) -> None:
         self.config = config
         self.model_config = model_config
-        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
         self.model_name = config.model
         self.sliding_window = config.sliding_window or model_config.sliding_window
         self.num_sink_tokens = config.num_sink_tokens if self.sliding_window is not None else 0
@@ -96,35 +72,18 @@ class LLMEngine:
             self.sliding_window,
         )
         self.runner = ModelRunner(
-            model_config, state_dict, config, num_blocks, self.sliding_window, self.num_sink_tokens
+            model_config, state_dict, config, num_blocks, self.sliding_window, self.num_sink_tokens, eos_token_ids
         )
         self.pool = BlockPool(num_blocks, config.enable_prefix_caching)
         self.kv_manager = KVCacheManager(self.pool, config.block_size, self.sliding_window, self.num_sink_tokens)
-        self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(
+            self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens, eos_token_ids, self.max_model_len
+        )
         self._requests: dict[str, _Request] = {}
         self._seq_ids = itertools.count()
         self._pending_outputs: list[RequestOutput] = []
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
-
-    @classmethod
-    def from_config(cls, config: EngineConfig) -> LLMEngine:
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
-        path = resolve_or_download(config.model)
-        config = dataclasses.replace(config, quantization=resolve_quantization(config, path))
-        started = time.monotonic()
-        model_config, state_dict = load_checkpoint(path)
-        tokenizer = Tokenizer.from_path(path, _extra_eos_ids(model_config, path))
-        engine = cls(config, model_config, state_dict, tokenizer)
-        logger.info(
-            "loaded %s (%s, quantization %s) in %.1f s",
-            config.model,
-            model_config.architecture,
-            config.quantization,
-            time.monotonic() - started,
-        )
-        return engine
 
     def _derive_max_model_len(self) -> int:
         model_limit = self.model_config.max_position_embeddings
@@ -150,18 +109,13 @@ class LLMEngine:
 
     # ----------------------------------------------------------------- requests
 
-    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
-        else:
-            ids = list(prompt)
-            vocab = self.vocab_size
-            bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
-            if bad:
-                raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}", "prompt")
-        if not ids:
+    def _check_prompt_ids(self, prompt_token_ids: list[int]) -> None:
+        if not prompt_token_ids:
             raise InvalidRequestError("the prompt is empty", "prompt")
-        return ids
+        vocab = self.vocab_size
+        bad = [t for t in prompt_token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}", "prompt")
 
     def _check_length(self, num_prompt_tokens: int, params: SamplingParams) -> None:
         limit = self.max_model_len
@@ -188,11 +142,12 @@ class LLMEngine:
                 "max_tokens",
             )
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> str:
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
-        prompt_ids = self._prompt_ids(prompt)
+        prompt_ids = list(prompt_token_ids)
+        self._check_prompt_ids(prompt_ids)
         self._check_length(len(prompt_ids), params)
         now = time.monotonic()
         seqs: list[Sequence] = []
@@ -223,7 +178,7 @@ class LLMEngine:
         for seq in request.seqs:
             if not seq.is_finished:
                 self.scheduler.finish(seq, FINISH_ABORT)
-        self._pending_outputs.append(self._request_output(request, request.seqs))
+        self._pending_outputs.append(self._request_output(request, request.seqs, num_new_tokens=0))
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests) or bool(self._pending_outputs)
@@ -234,85 +189,62 @@ class LLMEngine:
 
     # --------------------------------------------------------------------- step
 
+    def stop_sample(self, request_id: str, index: int, stop_reason: str) -> None:
+        """Finish one sample that its text already ended (a stop string); no output is emitted for it."""
+        request = self._requests.get(request_id)
+        if request is None:
+            return
+        self.scheduler.finish(request.seqs[index], FINISH_STOP, stop_reason)
+        if request.is_finished:
+            del self._requests[request_id]
+
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
         # Taken only now: if scheduling raises, abort notices are still delivered by a later step.
         outputs, self._pending_outputs = self._pending_outputs, []
         if batch.is_empty:
             return outputs
-        logits = self.runner.execute(batch)
-        sampling_seqs = [seq for i, seq in enumerate(batch.seqs) if batch.samples(i)]
-        self.scheduler.update_computed(batch)
+        sampled = self.runner.execute(batch)
+        sampled_seqs = self.scheduler.update(batch, sampled.token_ids, sampled.logprobs)
         self.num_prompt_tokens_total += self._count_prompt_tokens(batch)
-        if sampling_seqs:
-            rows = [
-                SamplingRow(s.params, s.token_ids, s.num_prompt_tokens, self.tokenizer.eos_token_ids, s.generator)
-                for s in sampling_seqs
-            ]
-            result = sample(logits, rows)
-            for seq, token_id, logprob in zip(sampling_seqs, result.token_ids, result.logprobs):
-                self._append_token(seq, token_id, logprob)
-            self.num_generation_tokens_total += len(sampling_seqs)
-        outputs.extend(self._collect_outputs(sampling_seqs))
+        self.num_generation_tokens_total += len(sampled_seqs)
+        outputs.extend(self._collect_outputs(sampled_seqs))
         return outputs
 
     def _count_prompt_tokens(self, batch: ScheduledBatch) -> int:
-        """Prompt tokens computed this step (for the prompt_tokens_total counter)."""
+        """Prompt tokens computed this step (for the prompt_tokens_total counter); after update."""
         total = 0
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             start = seq.num_computed_tokens - n
             total += max(0, min(seq.num_computed_tokens, seq.num_prompt_tokens) - start)
         return total
 
-    def _append_token(self, seq: Sequence, token_id: int, logprob) -> None:
-        seq.token_ids.append(token_id)
-        if logprob is not None:
-            seq.logprobs.append(logprob)
-        params = seq.params
-        if token_id in params.stop_token_ids:
-            self.scheduler.finish(seq, FINISH_STOP, token_id)
-            return
-        if token_id in self.tokenizer.eos_token_ids and not params.ignore_eos:
-            self.scheduler.finish(seq, FINISH_STOP)
-            return
-        before = len(seq.output_text)
-        append_token_text(self.tokenizer, seq)
-        if params.stop and seq.num_generated_tokens >= params.min_tokens:
-            stop = find_stop_string(seq, len(seq.output_text) - before)
-            if stop is not None:
-                self.scheduler.finish(seq, FINISH_STOP, stop)
-                return
-        max_tokens = params.max_tokens or self.max_model_len
-        if seq.num_generated_tokens >= max_tokens or len(seq.token_ids) >= self.max_model_len:
-            self.scheduler.finish(seq, FINISH_LENGTH)
-
-    def _collect_outputs(self, sampling_seqs: list[Sequence]) -> list[RequestOutput]:
+    def _collect_outputs(self, sampled_seqs: list[Sequence]) -> list[RequestOutput]:
         by_request: dict[str, list[Sequence]] = {}
-        for seq in sampling_seqs:
+        for seq in sampled_seqs:
             by_request.setdefault(seq.request_id, []).append(seq)
         outputs = []
         for request_id, seqs in by_request.items():
             request = self._requests.get(request_id)
             if request is None:
                 continue
-            outputs.append(self._request_output(request, seqs))
+            outputs.append(self._request_output(request, seqs, num_new_tokens=1))
             if request.is_finished:
                 del self._requests[request_id]
         return outputs
 
-    def _request_output(self, request: _Request, seqs: list[Sequence]) -> RequestOutput:
+    def _request_output(self, request: _Request, seqs: list[Sequence], num_new_tokens: int) -> RequestOutput:
+        """Each sample's newest `num_new_tokens` token ids (text is filled in on the async side)."""
         completions = []
         for seq in seqs:
-            new_ids = seq.generated_token_ids[seq.num_emitted_tokens :]
-            seq.num_emitted_tokens += len(new_ids)
+            new_ids = seq.token_ids[len(seq.token_ids) - num_new_tokens :] if num_new_tokens else []
             new_logprobs = None
             if seq.params.logprobs is not None:
-                new_logprobs = seq.logprobs[seq.num_emitted_logprobs :]
-                seq.num_emitted_logprobs = len(seq.logprobs)
+                new_logprobs = seq.logprobs[len(seq.logprobs) - num_new_tokens :] if num_new_tokens else []
             completions.append(
                 CompletionOutput(
                     index=seq.index,
-                    text=take_new_text(seq),
+                    text="",
                     token_ids=new_ids,
                     logprobs=new_logprobs,
                     finish_reason=seq.finish_reason,
@@ -344,25 +276,3 @@ class LLMEngine:
             num_prompt_tokens=self.num_prompt_tokens_total,
             num_generation_tokens=self.num_generation_tokens_total,
         )
-
-    def generate(
-        self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams]
-    ) -> list[list[GenerationResult]]:
-        """Offline batch generation: every prompt's samples, in input order."""
-        params_list = params if isinstance(params, list) else [params] * len(prompts)
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
-        results: dict[str, dict[int, GenerationResult]] = {rid: {} for rid in ids}
-        while self.has_unfinished_requests():
-            for out in self.step():
-                for completion in out.outputs:
-                    slot = results[out.request_id].setdefault(
-                        completion.index,
-                        GenerationResult(out.request_id, completion.index, out.prompt_token_ids, [], "", ""),
-                    )
-                    slot.token_ids.extend(completion.token_ids)
-                    slot.text += completion.text
-                    if completion.logprobs is not None:
-                        slot.logprobs = (slot.logprobs or []) + completion.logprobs
-                    if completion.finish_reason:
-                        slot.finish_reason = completion.finish_reason
-        return [[results[rid][i] for i in sorted(results[rid])] for rid in ids]

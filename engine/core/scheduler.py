@@ -5,6 +5,11 @@ Every step each scheduled sequence catches `num_computed_tokens` up towards
 therefore chunked over steps, a decode costs one token, and a preempted
 sequence (blocks freed, num_computed_tokens reset) simply recomputes. Running
 sequences go first so decodes are never starved by new prompts.
+
+After the runner has run a batch, `update` is the one place where sequences
+advance: progress, newly full blocks published to the prefix cache, the sampled
+token appended and the one pure stop check (EOS, stop token ids, max_tokens,
+context length) applied. Stop strings are text and are checked on the async side.
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ from dataclasses import dataclass, field
 
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.sequence import Sequence, SequenceStatus
+from engine.outputs import FINISH_LENGTH, FINISH_STOP, TokenLogprob
+from engine.params import SamplingParams
 
 
 @dataclass
@@ -39,17 +46,22 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, kv_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self,
+        kv_manager: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        eos_token_ids: tuple[int, ...],
+        max_model_len: int,
+    ) -> None:
         self.kv_manager = kv_manager
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # oldest first; the newest is preempted first
         self.num_preemptions = 0
-
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -142,8 +154,54 @@ class Scheduler:
         self.waiting.extendleft(reversed(skipped))
         return batch
 
-    def update_computed(self, batch: ScheduledBatch) -> None:
-        """Advance progress after the model ran; publish newly full blocks."""
-        for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
+    def update(
+        self, batch: ScheduledBatch, token_ids: list[int], logprobs: list[TokenLogprob | None]
+    ) -> list[Sequence]:
+        """Advance every sequence of the batch; append one sampled token to each that sampled.
+
+        token_ids / logprobs: one per sampling sequence, in batch order. Returns those sequences.
+        """
+        sampled: list[Sequence] = []
+        for i, (seq, num_new) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            is_sampling = batch.samples(i)
             seq.num_computed_tokens += num_new
             self.kv_manager.register_computed_blocks(seq)
+            if is_sampling:
+                sampled.append(seq)
+        for seq, token_id, logprob in zip(sampled, token_ids, logprobs, strict=True):
+            seq.token_ids.append(token_id)
+            if logprob is not None:
+                seq.logprobs.append(logprob)
+            stop = check_stop(
+                seq.params,
+                token_id,
+                seq.num_generated_tokens,
+                len(seq.token_ids),
+                self.eos_token_ids,
+                self.max_model_len,
+            )
+            if stop is not None:
+                self.finish(seq, *stop)
+        return sampled
+
+
+def check_stop(
+    params: SamplingParams,
+    token_id: int,
+    num_generated_tokens: int,
+    num_tokens: int,
+    eos_token_ids: tuple[int, ...],
+    max_model_len: int,
+) -> tuple[str, int | None] | None:
+    """(finish_reason, stop_reason) if the newest token ends the sequence, else None.
+
+    The sampler bans EOS and stop tokens until min_tokens, so they are not checked against it here.
+    """
+    if token_id in params.stop_token_ids:
+        return FINISH_STOP, token_id
+    if token_id in eos_token_ids and not params.ignore_eos:
+        return FINISH_STOP, None
+    max_tokens = params.max_tokens or max_model_len
+    if num_generated_tokens >= max_tokens or num_tokens >= max_model_len:
+        return FINISH_LENGTH, None
+    return None

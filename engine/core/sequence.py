@@ -1,7 +1,11 @@
-"""One generated sample: its tokens, progress, block table and detokenizer state.
+"""One generated sample: its token ids, progress and block table. No text.
 
-A request with n samples owns n Sequences. Each Sequence is the one owner of
-its token list and block table (the BlockManager edits the table on its behalf).
+A request with n samples owns n Sequences. Each field has one writer:
+- the engine fills the identity fields once (seq_id ... parent);
+- the scheduler writes status, num_computed_tokens, first_scheduled_time, and
+  appends sampled tokens (token_ids, logprobs) and the finish (finish_reason,
+  stop_reason) in `Scheduler.update`;
+- the KV cache manager writes block_table, block_hashes and num_registered_blocks.
 """
 
 from __future__ import annotations
@@ -40,20 +44,11 @@ class Sequence:
     generator: torch.Generator | None = None  # per-request seed: same tokens in any batch
     parent: Sequence | None = None  # sample 0 of the request, for n > 1 prefix sharing
     first_scheduled_time: float | None = None
-    # Detokenizer state (engine.text.detokenizer).
-    output_text: str = ""
-    num_emitted_chars: int = 0
-    prefix_offset: int = 0
-    read_offset: int = 0
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    num_emitted_tokens: int = 0
-    num_emitted_logprobs: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # of generated tokens, when asked
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
-        self.prefix_offset = max(len(self.prompt_token_ids) - 5, 0)
-        self.read_offset = len(self.prompt_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -20,6 +20,7 @@ from engine.ops.int8_linear import quantize_linears
 from engine.ops.llama_decode import FusedLlamaDecode
 from engine.runner.attention import AttentionMetadata, build_attention_metadata
 from engine.runner.decode_path import DecodePath, choose_decode_path
+from engine.runner.sampler import SamplerOutput, SamplingRow, sample
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +46,7 @@ class ModelRunner:
         num_blocks: int,
         sliding_window: int | None,
         num_sink_tokens: int,
+        eos_token_ids: tuple[int, ...],
     ) -> None:
         self.model_config = model_config
         self.device = torch.device(config.device)
@@ -52,6 +54,7 @@ class ModelRunner:
         self.block_size = config.block_size
         self.sliding_window = sliding_window
         self.num_sink_tokens = num_sink_tokens
+        self.eos_token_ids = eos_token_ids  # banned by the sampler until min_tokens
         with torch.device("meta"):
             model = _MODEL_CLASSES[model_config.architecture](model_config)
         model = model.to_empty(device=self.device).to(self.dtype)
@@ -96,8 +99,20 @@ class ModelRunner:
             return self.fused_decode(input_ids, positions, meta)
         return self.model(input_ids, positions, self.kv_caches, meta)
 
+    def execute(self, batch: ScheduledBatch) -> SamplerOutput:
+        """Forward the batch and sample: one token id (and logprobs) per sequence that samples this step."""
+        logits = self.compute_logits(batch)
+        sampling_seqs = [seq for i, seq in enumerate(batch.seqs) if batch.samples(i)]
+        if not sampling_seqs:
+            return SamplerOutput(token_ids=[], logprobs=[])
+        rows = [
+            SamplingRow(s.params, s.token_ids, s.num_prompt_tokens, self.eos_token_ids, s.generator)
+            for s in sampling_seqs
+        ]
+        return sample(logits, rows)
+
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch, all_positions: bool = False) -> torch.Tensor:
+    def compute_logits(self, batch: ScheduledBatch, all_positions: bool = False) -> torch.Tensor:
         """float32 logits: one row per sequence that samples this step (or one per token if all_positions)."""
         input_ids, positions, meta = self.build_inputs(batch)
         hidden = self.forward(input_ids, positions, meta)

@@ -1,19 +1,22 @@
-"""AsyncEmbedder: the dynamic batcher in front of `Embedder`.
+"""AsyncEmbedder: embeddings' client of the torch worker. The one dynamic batcher in front of `Embedder`.
 
-Every request's inputs are tokenized on arrival (errors go back to that request alone), then
-queued one item per input. One batching task takes queued items in arrival order up to the token
-budget (`max_batch_tokens` real tokens; a single longer input goes alone), sorts them by length
-(attention groups neighbours of similar length; the rest of the forward is packed, padding-free)
-and runs one forward in the embedder's own worker thread, so the event loop keeps serving.
-While a forward runs, new requests queue up and ride in the next one: many one-input requests
+Every request's inputs are tokenized on arrival, on the event-loop thread (the
+only thread that uses the embedder's tokenizers; errors go back to that request
+alone), then queued one item per input. One batching task takes queued items in
+arrival order up to the token budget (`max_batch_tokens` real tokens; a single
+longer input goes alone), sorts them by length (attention groups neighbours of
+similar length; the rest of the forward is packed, padding-free) and runs one
+forward on the torch worker. Pooling, Matryoshka truncation and normalisation
+run in that same job, so the event loop never does torch work. While a forward
+runs, new requests queue up and ride in the next one: many one-input requests
 share a forward, and one big request is split across several.
 
-Threads and generation: forwards run on a single-thread executor, one at a time. In the server
-that is the one thread that runs all torch work (engine/serving/torch_thread.py explains why: two
-threads doing torch work halve the speed of both), so an embedding forward and a generation
-step take turns in FIFO order: neither starves. The token budget bounds how long one embedding
-forward holds the thread (~8k MiniLM tokens is well under a second on 2 cores), so generation
-latency degrades gracefully rather than stalling. Standalone, the embedder makes its own thread.
+The contract is generation's (engine/serving/torch_worker.py): more than
+`max_queued_requests` requests waiting -> QueueFullError; a request still
+unanswered at its deadline -> RequestTimeoutError, and its queued inputs are
+dropped; the caller's task cancelled (client gone) -> its queued inputs are
+dropped; a failed forward -> EngineStepError for the requests in that batch
+only; the batching task or the worker dead -> EngineDeadError.
 """
 
 from __future__ import annotations
@@ -21,33 +24,31 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
-from engine.config import EmbedderConfig
 from engine.embedder import Embedder, EmbedInputs, EmbedResult, finalize
-from engine.serving.torch_thread import single_torch_thread
+from engine.errors import EngineDeadError, EngineStepError, RequestTimeoutError
+from engine.serving.torch_worker import RequestLimits, TorchWorker, wait_until
 
 logger = logging.getLogger(__name__)
-
-# Requests with more inputs than this are tokenized in the worker thread so a big request does not
-# hold the event loop; tiny ones are cheaper to tokenize inline than to hop threads.
-_INLINE_TOKENIZE_MAX_INPUTS = 8
 
 
 @dataclass(eq=False)
 class _Request:
-    """One embed() call waiting for its pooled vectors."""
+    """One embed() call waiting for its vectors."""
 
     num_inputs: int
+    normalize: bool
+    dimensions: int | None
     future: asyncio.Future
-    pooled: list[torch.Tensor | None] = field(default_factory=list)
+    rows: list[np.ndarray | None] = field(default_factory=list)  # finished vectors, in input order
     num_pending: int = 0
 
     def __post_init__(self) -> None:
-        self.pooled = [None] * self.num_inputs
+        self.rows = [None] * self.num_inputs
         self.num_pending = self.num_inputs
 
 
@@ -63,19 +64,17 @@ class _Item:
 class AsyncEmbedder:
     """Dynamic batching over an `Embedder`; all public methods run on the event loop."""
 
-    def __init__(self, embedder: Embedder) -> None:
+    def __init__(self, embedder: Embedder, *, limits: RequestLimits | None = None) -> None:
         self.embedder = embedder
+        self.limits = limits or RequestLimits()
         self.max_batch_tokens = embedder.config.max_batch_tokens
         self._queue: collections.deque[_Item] = collections.deque()
+        self._not_started: set[_Request] = set()
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
-        self._executor: Executor | None = None
-        self._owns_executor = False
+        self._worker: TorchWorker | None = None
+        self._owns_worker = False
         self.num_forwards = 0  # forwards run so far (tests and logs read it)
-
-    @classmethod
-    def from_config(cls, config: EmbedderConfig) -> AsyncEmbedder:
-        return cls(Embedder(config))
 
     # ---------------------------------------------------------------- facts
 
@@ -93,38 +92,34 @@ class AsyncEmbedder:
 
     @property
     def is_healthy(self) -> bool:
-        """True while the batching task runs (started and not crashed)."""
-        return self._task is not None and not self._task.done()
+        """True while the batching task runs (started and not crashed) and the worker is alive."""
+        return self._task is not None and not self._task.done() and self._worker is not None and self._worker.is_alive
 
     @property
-    def num_queued_inputs(self) -> int:
-        return len(self._queue)
+    def num_queued_requests(self) -> int:
+        """Requests admitted none of whose inputs has gone into a forward yet."""
+        return len(self._not_started)
 
     # ---------------------------------------------------------------- lifecycle
 
-    async def start(self, executor: Executor | None = None) -> None:
-        """Start batching; forwards run on `executor` (one thread), or on a thread of its own."""
+    async def start(self, worker: TorchWorker | None = None) -> None:
+        """Start batching; forwards run on `worker` (the server's one torch worker), or on one of its own."""
         if self._task is not None:
             return
         self._wakeup = asyncio.Event()
-        self._owns_executor = executor is None
-        self._executor = executor or single_torch_thread("kvserve-embed")
+        self._owns_worker = worker is None
+        self._worker = worker or TorchWorker("kvserve-embed")
         self._task = asyncio.create_task(self._batch_loop(), name="kvserve-embed-batcher")
 
     async def stop(self) -> None:
-        """Stop batching; requests still queued fail with RuntimeError."""
+        """Stop batching; requests still queued fail with EngineDeadError."""
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
-            try:
-                await task
-            except asyncio.CancelledError:
-                pass
-        self._fail_queued(RuntimeError("the embedding model is shutting down"))
-        executor, self._executor = self._executor, None
-        # Waits for a forward still running, without blocking the event loop.
-        if executor is not None and self._owns_executor:
-            await asyncio.get_running_loop().run_in_executor(None, executor.shutdown, True)
+            await asyncio.gather(task, return_exceptions=True)
+        self._fail_queued(EngineDeadError("the embedding model is shutting down"))
+        if self._owns_worker and self._worker is not None:
+            await self._worker.stop()
 
     # ---------------------------------------------------------------- requests
 
@@ -139,26 +134,34 @@ class AsyncEmbedder:
     ) -> EmbedResult:
         """Embed one request's inputs (batched with whatever else is queued) -> vectors in input order.
 
-        Raises InvalidRequestError for bad input (nothing is queued then)."""
+        Raises InvalidRequestError for bad input (nothing is queued then), QueueFullError,
+        RequestTimeoutError, EngineStepError, EngineDeadError.
+        """
         if not self.is_healthy:
-            raise RuntimeError("the embedding model is not running")
+            raise EngineDeadError("the embedding model is not running")
+        deadline = self.limits.admit(self.num_queued_requests, "embedding")
         self.embedder.check_dimensions(dimensions)
-        if len(inputs) > _INLINE_TOKENIZE_MAX_INPUTS:
-            loop = asyncio.get_running_loop()
-            token_ids = await loop.run_in_executor(None, self.embedder.tokenize, inputs, truncate, truncation_direction)
-        else:
-            token_ids = self.embedder.tokenize(inputs, truncate, truncation_direction)
-        request = _Request(num_inputs=len(token_ids), future=asyncio.get_running_loop().create_future())
+        token_ids = self.embedder.tokenize(inputs, truncate, truncation_direction)
+        request = _Request(
+            num_inputs=len(token_ids),
+            normalize=self.embedder.normalize if normalize is None else normalize,
+            dimensions=dimensions,
+            future=asyncio.get_running_loop().create_future(),
+        )
+        self._not_started.add(request)
         self._queue.extend(_Item(request, i, ids) for i, ids in enumerate(token_ids))
         assert self._wakeup is not None
         self._wakeup.set()
         try:
-            await request.future
-        except asyncio.CancelledError:
-            request.future.cancel()  # its queued items are skipped when batches are formed
-            raise
-        pooled = torch.stack(request.pooled)  # type: ignore[arg-type]
-        vectors = finalize(pooled, self.embedder.normalize if normalize is None else normalize, dimensions)
+            await wait_until(asyncio.shield(request.future), deadline)
+        except asyncio.TimeoutError:
+            raise RequestTimeoutError("the embedding request timed out and was dropped") from None
+        finally:
+            # Cancelled (client gone), timed out or failed: its queued items are skipped from now on.
+            if not request.future.done():
+                request.future.cancel()
+            self._not_started.discard(request)
+        vectors = torch.from_numpy(np.stack(request.rows))  # type: ignore[arg-type]
         return EmbedResult(vectors=vectors, num_prompt_tokens=sum(len(ids) for ids in token_ids))
 
     # ---------------------------------------------------------------- batching
@@ -169,19 +172,28 @@ class AsyncEmbedder:
         num_tokens = 0
         while self._queue:
             item = self._queue[0]
-            if item.request.future.done():  # cancelled by its client or failed: drop
+            if item.request.future.done():  # cancelled by its client, timed out or failed: drop
                 self._queue.popleft()
                 continue
             if batch and num_tokens + len(item.token_ids) > self.max_batch_tokens:
                 break
             batch.append(self._queue.popleft())
             num_tokens += len(item.token_ids)
+            self._not_started.discard(item.request)
         batch.sort(key=lambda it: len(it.token_ids))
         return batch
 
+    def _forward(self, batch: list[_Item]) -> list[np.ndarray]:
+        """On the torch worker: one forward, then each row truncated and normalised as its request asks."""
+        pooled = self.embedder.forward_pooled([it.token_ids for it in batch])  # [B, H]
+        rows = []
+        for i, item in enumerate(batch):
+            row = finalize(pooled[i : i + 1], item.request.normalize, item.request.dimensions)
+            rows.append(row[0].numpy())
+        return rows
+
     async def _batch_loop(self) -> None:
-        assert self._wakeup is not None
-        loop = asyncio.get_running_loop()
+        assert self._wakeup is not None and self._worker is not None
         while True:
             await self._wakeup.wait()
             batch = self._take_batch()
@@ -190,26 +202,28 @@ class AsyncEmbedder:
             if not batch:
                 continue
             try:
-                pooled = await loop.run_in_executor(
-                    self._executor, self.embedder.forward_pooled, [it.token_ids for it in batch]
-                )
+                rows = await self._worker.run(self._forward, batch)
             except asyncio.CancelledError:
-                self._fail_items(batch, RuntimeError("the embedding model is shutting down"))
+                self._fail_items(batch, EngineDeadError("the embedding model is shutting down"))
                 raise
-            except Exception as exc:
-                logger.exception("embedding forward over %d inputs failed", len(batch))
+            except EngineDeadError as exc:
                 self._fail_items(batch, exc)
+                self._fail_queued(exc)
+                return
+            except Exception as exc:  # noqa: BLE001 - one failed forward fails its requests, not the server
+                logger.exception("embedding forward over %d inputs failed", len(batch))
+                self._fail_items(batch, EngineStepError(f"internal error while embedding: {exc!r}"))
                 continue
             self.num_forwards += 1
-            for item, vector in zip(batch, pooled, strict=True):
-                self._deliver(item, vector)
+            for item, row in zip(batch, rows, strict=True):
+                self._deliver(item, row)
 
     @staticmethod
-    def _deliver(item: _Item, vector: torch.Tensor) -> None:
+    def _deliver(item: _Item, row: np.ndarray) -> None:
         request = item.request
         if request.future.done():
             return
-        request.pooled[item.index] = vector
+        request.rows[item.index] = row
         request.num_pending -= 1
         if request.num_pending == 0:
             request.future.set_result(None)

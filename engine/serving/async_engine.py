@@ -1,13 +1,16 @@
-"""The one asyncio seam of the engine: a step loop, per-request queues, aborts.
+"""AsyncEngine: generation's client of the torch worker. A step loop, per-request queues, aborts, text.
 
-`LLMEngine` is synchronous and not thread-safe. Its one owner is the loop task
-started by `AsyncEngine.start()`: request handlers never call it. They append
-adds and aborts to pending lists; the loop applies them between steps (on the
-event-loop thread, while no step runs), then runs `LLMEngine.step()` in a worker
-thread so the event loop keeps serving HTTP, then hands each `RequestOutput` to
-its request's asyncio.Queue.
+`LLMEngine` is synchronous, text-free and not thread-safe. Its one owner is the
+loop task started by `AsyncEngine.start()`: request handlers never call it.
+They append adds and aborts to pending lists; the loop applies them between
+steps (on the event-loop thread, while no step runs), runs `LLMEngine.step()`
+on the torch worker so the event loop keeps serving HTTP, turns the step's
+token ids into text with the output processor (on the event-loop thread: the
+tokenizer is only ever used there), then hands each `RequestOutput` to its
+request's asyncio.Queue. A stop string found in the text stops its sample in
+the engine before the next step.
 
-Guarantees:
+Guarantees (the contract shared with the embedder, see engine/serving/torch_worker.py):
 - validation errors from `LLMEngine.add_request` reach the caller of `submit()`
   (the add is applied before `submit()` returns);
 - a consumer that stops (cancelled, closed, timed out) aborts its request, and the
@@ -17,7 +20,8 @@ Guarantees:
 - a request outlives its deadline only until the next loop turn: the loop aborts it
   itself, so a request nobody reads (an abandoned stream) cannot run to max_tokens;
 - aborts are applied before adds, so an abort never hits a newer request;
-- if the loop dies, `is_healthy` turns False and every request gets `EngineDeadError`.
+- a failed step fails the requests in the engine with EngineStepError; too many in a
+  row, or a dead loop, turn `is_healthy` False and every request gets `EngineDeadError`.
 """
 
 from __future__ import annotations
@@ -28,20 +32,20 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from engine.errors import (
     EngineDeadError,
     EngineStepError,
     InvalidRequestError,
-    QueueFullError,
     RequestTimeoutError,
 )
 from engine.outputs import EngineStats, RequestOutput
 from engine.params import SamplingParams
-from engine.serving.torch_thread import single_torch_thread
+from engine.serving.output_processor import OutputProcessor, StoppedSample
+from engine.serving.torch_worker import RequestLimits, TorchWorker, wait_until
+from engine.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -54,7 +58,7 @@ logger = logging.getLogger(__name__)
 @dataclass
 class _PendingAdd:
     request_id: str
-    prompt: str | list[int]
+    prompt_token_ids: list[int]
     params: SamplingParams
     done: asyncio.Future
     queue: asyncio.Queue
@@ -74,23 +78,6 @@ class RequestStream:
         self._deadline = deadline
         self._finished = False
         self._closed = False
-        self._loop = asyncio.get_running_loop()
-
-    def __del__(self) -> None:
-        # Safety net: a stream dropped without close() (e.g. a generator cancelled before it
-        # started) still aborts its request. GC may run on any thread: hop to the loop.
-        if getattr(self, "_closed", True):
-            return
-        self._closed = True
-        abort = not self._finished
-        try:
-            self._loop.call_soon_threadsafe(self._engine._release, self.request_id, abort)
-        except RuntimeError:  # the loop is closed: nothing left to free
-            pass
-
-    @property
-    def is_finished(self) -> bool:
-        return self._finished
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -99,7 +86,7 @@ class RequestStream:
         if self._finished or self._closed:
             raise StopAsyncIteration
         try:
-            item = await _wait_until(self._queue.get(), self._deadline)
+            item = await wait_until(self._queue.get(), self._deadline)
         except asyncio.TimeoutError:  # the builtin TimeoutError from 3.11 on
             self.close()
             raise RequestTimeoutError(f"request {self.request_id} timed out and was aborted") from None
@@ -129,18 +116,10 @@ class RequestStream:
         self.close()
 
 
-async def _wait_until(awaitable: Any, deadline: float | None) -> Any:
-    if deadline is None:
-        return await awaitable
-    return await asyncio.wait_for(awaitable, max(deadline - time.monotonic(), 0.0))
-
-
 class AsyncEngine:
-    """Serve an `LLMEngine` to many concurrent asyncio callers.
+    """Serve an `LLMEngine` (and its tokenizer) to many concurrent asyncio callers.
 
-    max_queued_requests: most requests that may wait (submitted but not yet running);
-        past it `submit()` raises QueueFullError at once.
-    request_timeout: seconds from submit to the last output (None: no limit).
+    limits: the queue bound and request timeout (RequestLimits).
     max_consecutive_step_failures: a failing step aborts the requests in it; this many
         failures in a row mark the engine dead. A success resets the count, and so does
         `failure_reset_idle_s` seconds of idleness (no request in the engine) since the last
@@ -150,21 +129,22 @@ class AsyncEngine:
     def __init__(
         self,
         engine: LLMEngine,
+        tokenizer: Tokenizer,
         *,
-        max_queued_requests: int = 256,
-        request_timeout: float | None = None,
+        limits: RequestLimits | None = None,
         max_consecutive_step_failures: int = 3,
         failure_reset_idle_s: float = 5.0,
     ) -> None:
         self.engine = engine
-        self.max_queued_requests = max_queued_requests
-        self.request_timeout = request_timeout
+        self.limits = limits or RequestLimits()
         self.max_consecutive_step_failures = max_consecutive_step_failures
         self.failure_reset_idle_s = failure_reset_idle_s
         # Touched only on the event-loop thread.
+        self._output_processor = OutputProcessor(tokenizer)
         self._queues: dict[str, asyncio.Queue] = {}
         self._pending_adds: list[_PendingAdd] = []
         self._pending_aborts: set[str] = set()
+        self._pending_stops: list[StoppedSample] = []
         # Requests submitted that have produced no output yet (pending adds included).
         self._not_started: set[str] = set()
         self._deadlines: dict[str, float] = {}
@@ -172,16 +152,18 @@ class AsyncEngine:
         self._stats: EngineStats = engine.stats()
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
+        self._worker: TorchWorker | None = None
+        self._owns_worker = False
         self._dead_error: BaseException | None = None
         self._is_stopping = False
         self._num_step_failures = 0
-        self._owns_executor = False
         self.num_steps = 0
 
-    # ---- facts about the model (read-only, safe from any thread) ----
+    # ---- facts about the model ----
     @property
-    def tokenizer(self) -> Any:
-        return self.engine.tokenizer
+    def tokenizer(self) -> Tokenizer:
+        """For the event-loop thread only (chat templates, /tokenize): the loop detokenizes with it too."""
+        return self._output_processor.tokenizer
 
     @property
     def model_name(self) -> str:
@@ -197,19 +179,13 @@ class AsyncEngine:
         return self.engine.vocab_size
 
     # ---- life cycle ----
-    async def start(self, executor: Executor | None = None) -> None:
-        """Start the step loop. Steps run on `executor`, which must have exactly one thread.
-
-        The server passes the one thread that runs all its torch work (engine/serving/torch_thread.py);
-        without one, the engine gets a thread of its own.
-        """
+    async def start(self, worker: TorchWorker | None = None) -> None:
+        """Start the step loop; steps run on `worker` (the server's one torch worker), or on one of its own."""
         if self._loop_task is not None:
             raise RuntimeError("AsyncEngine already started")
         self._wakeup = asyncio.Event()
-        # Steps always run on one thread: torch keeps one OpenMP team per calling thread, and a
-        # rotating pool thread would start new teams and oversubscribe the cores.
-        self._owns_executor = executor is None
-        self._step_executor = executor or single_torch_thread("kvserve-step")
+        self._owns_worker = worker is None
+        self._worker = worker or TorchWorker("kvserve-step")
         self._loop_task = asyncio.create_task(self._run_loop(), name="kvserve-engine-loop")
 
     async def stop(self) -> None:
@@ -221,8 +197,8 @@ class AsyncEngine:
             self._queues[request_id].put_nowait(EngineDeadError("server is shutting down"))
         self._wake()
         await self._loop_task  # the loop catches (and logs) its own errors
-        if self._owns_executor:
-            self._step_executor.shutdown(wait=False)
+        if self._owns_worker and self._worker is not None:
+            await self._worker.stop()
         self._fail_everything(EngineDeadError("server is shutting down"))
 
     @property
@@ -232,11 +208,9 @@ class AsyncEngine:
             and not self._loop_task.done()
             and self._dead_error is None
             and not self._is_stopping
+            and self._worker is not None
+            and self._worker.is_alive
         )
-
-    @property
-    def dead_error(self) -> BaseException | None:
-        return self._dead_error
 
     # ---- requests ----
     @property
@@ -259,7 +233,7 @@ class AsyncEngine:
         return dataclasses.replace(self._stats, num_waiting=len(self._not_started))
 
     async def submit(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
     ) -> RequestStream:
         """Add a request; returns once the engine has accepted it.
 
@@ -267,26 +241,21 @@ class AsyncEngine:
         EngineDeadError, RequestTimeoutError.
         """
         self._check_alive()
-        if self.num_queued_requests >= self.max_queued_requests:
-            raise QueueFullError(
-                f"server is full: {self.num_queued_requests} requests are waiting "
-                f"(max_queued_requests={self.max_queued_requests}); retry later"
-            )
+        deadline = self.limits.admit(self.num_queued_requests, "generation")
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._queues:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
-        deadline = time.monotonic() + self.request_timeout if self.request_timeout else None
         queue: asyncio.Queue = asyncio.Queue()
         done = asyncio.get_running_loop().create_future()
         self._queues[request_id] = queue
         self._not_started.add(request_id)
         if deadline is not None:
             self._deadlines[request_id] = deadline
-        self._pending_adds.append(_PendingAdd(request_id, prompt, params, done, queue))
+        self._pending_adds.append(_PendingAdd(request_id, list(prompt_token_ids), params, done, queue))
         self._wake()
         stream = RequestStream(self, request_id, queue, deadline)
         try:
-            await _wait_until(asyncio.shield(done), deadline)
+            await wait_until(asyncio.shield(done), deadline)
         except BaseException as exc:
             # Rejected by the engine: it never entered, nothing to abort. Timed out or
             # cancelled: drop the pending add, or abort the request if it was applied.
@@ -301,26 +270,21 @@ class AsyncEngine:
         return stream
 
     async def generate(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
     ) -> AsyncIterator[RequestOutput]:
         """Submit and yield each RequestOutput (deltas); stopping early aborts the request."""
-        stream = await self.submit(prompt, params, request_id)
+        stream = await self.submit(prompt_token_ids, params, request_id)
         try:
             async for output in stream:
                 yield output
         finally:
             stream.close()
 
-    def abort(self, request_id: str) -> None:
-        """Abort a request from outside its stream (its consumer gets an abort output or nothing)."""
-        self._pending_aborts.add(request_id)
-        self._wake()
-
     # ---- internals (event-loop thread only) ----
     def _check_alive(self) -> None:
         if self._dead_error is not None:
             raise EngineDeadError(f"the engine loop has died: {self._dead_error!r}")
-        if self._loop_task is None or self._loop_task.done() or self._is_stopping:
+        if not self.is_healthy:
             raise EngineDeadError("the engine is not running")
 
     def _wake(self) -> None:
@@ -331,6 +295,7 @@ class AsyncEngine:
         self._queues.pop(request_id, None)
         self._not_started.discard(request_id)
         self._deadlines.pop(request_id, None)
+        self._output_processor.drop(request_id)
 
     def _release(self, request_id: str, abort: bool) -> None:
         self._forget(request_id)
@@ -339,7 +304,7 @@ class AsyncEngine:
             self._wake()
 
     async def _run_loop(self) -> None:
-        assert self._wakeup is not None
+        assert self._wakeup is not None and self._worker is not None
         try:
             while not self._is_stopping:
                 self._expire_deadlines()
@@ -356,8 +321,9 @@ class AsyncEngine:
                     self._idle_since_failure += time.monotonic() - idle_start
                     continue
                 try:
-                    loop = asyncio.get_running_loop()
-                    outputs = await loop.run_in_executor(self._step_executor, self.engine.step)
+                    outputs = await self._worker.run(self.engine.step)
+                except EngineDeadError:
+                    raise
                 except Exception as exc:  # noqa: BLE001 - one failed step fails its requests, not the server
                     self._handle_step_failure(exc)
                     continue
@@ -399,6 +365,9 @@ class AsyncEngine:
         aborts, self._pending_aborts = self._pending_aborts, set()
         for request_id in aborts:
             self._abort_in_engine(request_id)
+        stops, self._pending_stops = self._pending_stops, []
+        for stop in stops:
+            self.engine.stop_sample(stop.request_id, stop.index, stop.stop_string)
         adds, self._pending_adds = self._pending_adds, []
         for add in adds:
             if add.done.done() or self._queues.get(add.request_id) is not add.queue:
@@ -409,15 +378,16 @@ class AsyncEngine:
                     add.done.set_exception(RequestTimeoutError(f"request {add.request_id} was aborted"))
                 continue
             try:
-                self.engine.add_request(add.prompt, add.params, add.request_id)
+                self.engine.add_request(add.prompt_token_ids, add.params, add.request_id)
             except Exception as exc:
                 self._forget(add.request_id)
                 if not isinstance(exc, InvalidRequestError):
                     logger.exception("add_request failed for %s", add.request_id)
                 add.done.set_exception(exc)
             else:
+                self._output_processor.add_request(add.request_id, add.prompt_token_ids, add.params)
                 add.done.set_result(None)
-        if adds or aborts:
+        if adds or aborts or stops:
             self._stats = self.engine.stats()
 
     def _abort_in_engine(self, request_id: str) -> None:
@@ -430,8 +400,11 @@ class AsyncEngine:
         for request_id in list(self._queues):
             self._abort_in_engine(request_id)
 
-    def _dispatch(self, outputs: list[RequestOutput]) -> None:
-        for output in outputs:
+    def _dispatch(self, core_outputs: list[RequestOutput]) -> None:
+        """Token ids -> text, then each output to its request's queue."""
+        processed = self._output_processor.process(core_outputs)
+        self._pending_stops.extend(processed.stopped_samples)
+        for output in processed.request_outputs:
             queue = self._queues.get(output.request_id)
             if queue is not None:
                 self._not_started.discard(output.request_id)

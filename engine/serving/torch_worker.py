@@ -1,4 +1,4 @@
-"""The one thread that runs a process's torch work.
+"""The torch worker: the one thread that runs a process's torch work, and the contract of its clients.
 
 torch's CPU ops run on OpenMP, and libgomp keeps a separate team of worker
 threads for every thread that enters a parallel region. Once two threads have
@@ -7,16 +7,89 @@ development machine, a SmolLM2 int8 decode step takes 22 ms when the model is
 loaded and stepped on one thread. It takes 50-57 ms on either thread once a
 second thread has run torch ops, even with that thread idle.
 
-So the server loads both models, runs generation steps and runs embedding
-forwards on one single-thread executor, one job at a time in FIFO order (a
-generation step and an embedding batch take turns).
+So one `TorchWorker` loads both models and runs every generation step and
+every embedding forward, one job at a time in FIFO order: a generation step
+and an embedding batch take turns, and neither can starve the other.
+
+Its two clients, `AsyncEngine` (generation) and `AsyncEmbedder` (embeddings),
+give their callers the same guarantees through `RequestLimits`, with the errors
+of engine/errors.py: queue bound -> QueueFullError, deadline ->
+RequestTimeoutError, client gone (the caller's task cancelled) -> the request is
+dropped and its resources freed, worker or client loop dead -> EngineDeadError,
+a failed step or forward -> EngineStepError for the requests in it only.
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from engine.errors import EngineDeadError, QueueFullError
+
+T = TypeVar("T")
 
 
-def single_torch_thread(name: str = "kvserve-torch") -> ThreadPoolExecutor:
-    """A one-thread executor for torch work; pass it to every component that runs torch."""
-    return ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+class TorchWorker:
+    """Runs callables on one dedicated thread; `run` is awaited from the event loop."""
+
+    def __init__(self, name: str = "kvserve-torch") -> None:
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        self._is_stopped = False
+
+    @property
+    def is_alive(self) -> bool:
+        return not self._is_stopped
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """fn(*args) on the torch thread, after every job submitted before it."""
+        if self._is_stopped:
+            raise EngineDeadError("the torch worker has stopped")
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def run_blocking(self, fn: Callable[..., T], *args: Any) -> T:
+        """fn(*args) on the torch thread, waited for in the calling thread (scripts and benchmarks)."""
+        return self._executor.submit(fn, *args).result()
+
+    async def stop(self) -> None:
+        """Refuse new jobs; wait (off the event loop) for the one running, if any."""
+        self._is_stopped = True
+        await asyncio.get_running_loop().run_in_executor(None, self._executor.shutdown, True)
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """The admission rules both clients of the worker apply, with the same errors.
+
+    max_queued_requests: requests (not inputs or samples) admitted but not yet started;
+        past it a new one gets QueueFullError at once.
+    request_timeout: seconds from admission to the last result (None: no limit).
+    """
+
+    max_queued_requests: int = 256
+    request_timeout: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_queued_requests < 1:
+            raise ValueError(f"max_queued_requests must be at least 1, got {self.max_queued_requests}")
+        if self.request_timeout is not None and self.request_timeout <= 0:
+            raise ValueError(f"request_timeout must be positive, got {self.request_timeout}")
+
+    def admit(self, num_queued_requests: int, what: str) -> float | None:
+        """Raise QueueFullError if the queue is full; else the new request's deadline (monotonic) or None."""
+        if num_queued_requests >= self.max_queued_requests:
+            raise QueueFullError(
+                f"server is full: {num_queued_requests} {what} requests are waiting "
+                f"(max_queued_requests={self.max_queued_requests}); retry later"
+            )
+        return time.monotonic() + self.request_timeout if self.request_timeout else None
+
+
+async def wait_until(awaitable: Awaitable[T], deadline: float | None) -> T:
+    """Await with an absolute monotonic deadline; raises TimeoutError past it (None: no limit)."""
+    if deadline is None:
+        return await awaitable
+    return await asyncio.wait_for(awaitable, max(deadline - time.monotonic(), 0.0))

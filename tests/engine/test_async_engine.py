@@ -8,7 +8,6 @@ and checks the async path gives the same tokens as the offline `generate()`.
 from __future__ import annotations
 
 import asyncio
-import gc
 import threading
 import time
 
@@ -25,6 +24,7 @@ from engine.errors import (
 from engine.outputs import CompletionOutput, EngineStats, RequestOutput
 from engine.params import SamplingParams
 from engine.serving.async_engine import AsyncEngine
+from engine.serving.torch_worker import RequestLimits
 
 
 class ScriptedEngine:
@@ -35,7 +35,6 @@ class ScriptedEngine:
 
     model_name = "scripted"
     max_model_len = 64
-    tokenizer = None
 
     def __init__(self, step_delay: float = 0.0, max_num_seqs: int = 8, fail_steps: int = 0) -> None:
         self.step_delay = step_delay
@@ -44,6 +43,7 @@ class ScriptedEngine:
         self.requests: dict[str, dict] = {}
         self.pending: list[RequestOutput] = []
         self.num_aborts = 0
+        self.num_stops = 0
         self.calls_during_step = 0
         self._in_step = threading.Event()
 
@@ -69,6 +69,11 @@ class ScriptedEngine:
             done = CompletionOutput(0, "", [], None, finish_reason="abort")
             self.pending.append(RequestOutput(request_id, [done], request["ids"], True))
 
+    def stop_sample(self, request_id: str, index: int, stop_reason: str) -> None:
+        self._check()
+        if self.requests.pop(request_id, None) is not None:
+            self.num_stops += 1
+
     def has_unfinished_requests(self) -> bool:
         self._check()
         return bool(self.requests or self.pending)
@@ -90,7 +95,7 @@ class ScriptedEngine:
                 finished = len(request["out"]) >= request["params"].max_tokens
                 completion = CompletionOutput(
                     0,
-                    f"<{token}>",
+                    "",
                     [token],
                     None,
                     finish_reason="length" if finished else None,
@@ -120,8 +125,18 @@ async def _collect(engine: AsyncEngine, prompt, max_tokens: int, request_id: str
     return tokens
 
 
-async def _started(engine: ScriptedEngine, **kwargs) -> AsyncEngine:
-    async_engine = AsyncEngine(engine, **kwargs)
+class ScriptedTokenizer:
+    """Token t reads "<t>": the output processor's text deltas show exactly which tokens arrived."""
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(f"<{t}>" for t in token_ids)
+
+
+async def _started(
+    engine: ScriptedEngine, max_queued_requests: int = 256, request_timeout: float | None = None, **kwargs
+) -> AsyncEngine:
+    limits = RequestLimits(max_queued_requests, request_timeout)
+    async_engine = AsyncEngine(engine, ScriptedTokenizer(), limits=limits, **kwargs)
     await async_engine.start()
     return async_engine
 
@@ -322,21 +337,6 @@ def test_unread_stream_is_aborted_at_its_deadline():
     assert scripted.num_aborts == 1
 
 
-def test_dropped_stream_without_close_is_aborted():
-    scripted = ScriptedEngine(step_delay=0.005)
-
-    async def main():
-        engine = await _started(scripted)
-        stream = await engine.submit([1], SamplingParams(max_tokens=60 - 1))
-        del stream
-        gc.collect()
-        await _until(lambda: not scripted.requests and engine.num_active_requests == 0, timeout=1.0)
-        await engine.stop()
-
-    run(main())
-    assert scripted.num_aborts == 1
-
-
 def test_abort_of_an_old_request_never_hits_a_new_one_with_the_same_id():
     scripted = ScriptedEngine(step_delay=0.05)
 
@@ -402,17 +402,17 @@ def test_isolated_step_failures_with_idle_between_do_not_kill_the_engine():
 
 def test_real_engine_matches_offline_generate(tmp_path):
     from engine.config import EngineConfig
-    from engine.core.llm_engine import LLMEngine
+    from engine.llm import LLM
     from tests.support.tiny_models import make_tiny_llama
 
     model_dir = make_tiny_llama(tmp_path / "tiny")
-    llm = LLMEngine.from_config(EngineConfig(model=str(model_dir), max_model_len=128, kv_cache_memory_bytes=8 << 20))
-    prompts = ["Hello world", "The quick brown fox", "paged KV cache"]
+    llm = LLM.from_config(EngineConfig(model=str(model_dir), max_model_len=128, kv_cache_memory_bytes=8 << 20))
+    prompts = [llm.tokenizer.encode(text) for text in ("Hello world", "The quick brown fox", "paged KV cache")]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     expected = [results[0].token_ids for results in llm.generate(prompts, params)]
 
     async def main():
-        engine = AsyncEngine(llm)
+        engine = AsyncEngine(llm.engine, llm.tokenizer)
         await engine.start()
 
         async def one(prompt):
@@ -429,3 +429,22 @@ def test_real_engine_matches_offline_generate(tmp_path):
     got, stats = run(main())
     assert got == expected
     assert stats.num_running == 0 and stats.num_waiting == 0
+
+
+def test_text_deltas_and_a_stop_string_stop_the_sample_in_the_engine():
+    """Text is made on the async side; a stop string there finishes the sample and stops it in the engine."""
+    scripted = ScriptedEngine(step_delay=0.005)
+
+    async def main():
+        engine = await _started(scripted)
+        outputs = [o async for o in engine.generate([1], SamplingParams(max_tokens=30, stop=["<5>"]))]
+        await _until(lambda: not scripted.requests)
+        await engine.stop()
+        return outputs
+
+    outputs = run(main())
+    completions = [c for o in outputs for c in o.outputs]
+    assert "".join(c.text for c in completions) == "<2><3><4>"
+    assert completions[-1].finish_reason == "stop" and completions[-1].stop_reason == "<5>"
+    assert outputs[-1].finished
+    assert scripted.num_stops == 1 and scripted.num_aborts == 0

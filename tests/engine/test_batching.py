@@ -7,13 +7,13 @@ import random
 import pytest
 
 from engine.config import EngineConfig
-from engine.core.llm_engine import LLMEngine
+from engine.llm import LLM
 from engine.params import SamplingParams
 
 WORDS = "the quick brown fox jumps over lazy dog hello world paged cache blocks keys values".split()
 
 
-def _prompts(engine: LLMEngine, count: int, seed: int = 0) -> list[list[int]]:
+def _prompts(engine: LLM, count: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     return [engine.tokenizer.encode(" ".join(rng.choices(WORDS, k=rng.randint(2, 40)))) for _ in range(count)]
 
@@ -28,7 +28,7 @@ def _params(i: int, seeded: bool) -> SamplingParams:
 
 @pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded"])
 def test_sixteen_requests_together_equal_each_alone(tiny_llama_dir, seeded):
-    engine = LLMEngine.from_config(EngineConfig(model=tiny_llama_dir, block_size=8, max_num_batched_tokens=64))
+    engine = LLM.from_config(EngineConfig(model=tiny_llama_dir, block_size=8, max_num_batched_tokens=64))
     prompts = _prompts(engine, 16)
     params = [_params(i, seeded) for i in range(16)]
     together = engine.generate(prompts, params)
@@ -36,22 +36,22 @@ def test_sixteen_requests_together_equal_each_alone(tiny_llama_dir, seeded):
     for t, a in zip(together, alone):
         assert t[0].token_ids == a[0].token_ids
         assert t[0].text == a[0].text
-    assert engine.stats().num_used_blocks == 0
+    assert engine.engine.stats().num_used_blocks == 0
 
 
 def test_small_pool_preempts_and_still_matches(tiny_llama_dir):
     params = [_params(i, seeded=True) for i in range(12)]
-    big = LLMEngine.from_config(EngineConfig(model=tiny_llama_dir, block_size=4))
+    big = LLM.from_config(EngineConfig(model=tiny_llama_dir, block_size=4))
     prompts = _prompts(big, 12, seed=1)
     expected = big.generate(prompts, params)
     # 30 usable blocks of 4 tokens cannot hold 12 sequences of up to ~60 tokens at once.
-    small = LLMEngine.from_config(EngineConfig(model=tiny_llama_dir, block_size=4, num_blocks=31))
+    small = LLM.from_config(EngineConfig(model=tiny_llama_dir, block_size=4, num_blocks=31))
     got = small.generate(prompts, params)
     assert [g[0].token_ids for g in got] == [e[0].token_ids for e in expected]
-    stats = small.stats()
+    stats = small.engine.stats()
     assert stats.num_preemptions > 0
     assert stats.num_used_blocks == 0
-    assert small.pool.num_free_blocks == 30
+    assert small.engine.pool.num_free_blocks == 30
 
 
 def test_prefix_caching_hits_and_matches_caching_off(tiny_llama_dir):
@@ -60,28 +60,28 @@ def test_prefix_caching_hits_and_matches_caching_off(tiny_llama_dir):
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
     def run(caching: bool):
-        engine = LLMEngine.from_config(EngineConfig(model=tiny_llama_dir, block_size=4, enable_prefix_caching=caching))
+        engine = LLM.from_config(EngineConfig(model=tiny_llama_dir, block_size=4, enable_prefix_caching=caching))
         outs = [engine.generate([shared + s], params)[0][0].token_ids for s in suffixes]
         return engine, outs
 
     cached_engine, cached = run(True)
     plain_engine, plain = run(False)
     assert cached == plain
-    stats = cached_engine.stats()
+    stats = cached_engine.engine.stats()
     assert stats.prefix_cache_hits > 0
     # Later requests computed fewer prompt tokens than they had.
-    assert stats.num_prompt_tokens < plain_engine.stats().num_prompt_tokens
+    assert stats.num_prompt_tokens < plain_engine.engine.stats().num_prompt_tokens
     assert stats.num_used_blocks == 0
 
 
 def test_n_samples_share_prompt_blocks(tiny_llama_dir):
-    engine = LLMEngine.from_config(EngineConfig(model=tiny_llama_dir, block_size=4))
+    engine = LLM.from_config(EngineConfig(model=tiny_llama_dir, block_size=4))
     prompt = engine.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 3)
     params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True)
     results = engine.generate([prompt], params)[0]
     assert [r.index for r in results] == [0, 1, 2]
     assert len({tuple(r.token_ids) for r in results}) > 1  # different samples
-    assert engine.stats().prefix_cache_hits == 2 * ((len(prompt) - 1) // 4 * 4)
+    assert engine.engine.stats().prefix_cache_hits == 2 * ((len(prompt) - 1) // 4 * 4)
     # Each sample equals the same seed run alone as a single sample.
     for r in results:
         single = SamplingParams(temperature=1.0, seed=7 + r.index, max_tokens=8, ignore_eos=True)
@@ -89,46 +89,48 @@ def test_n_samples_share_prompt_blocks(tiny_llama_dir):
 
 
 def test_abort_frees_blocks_and_reports(tiny_llama_dir):
-    engine = LLMEngine.from_config(EngineConfig(model=tiny_llama_dir, block_size=4))
-    rid = engine.add_request("Hello world", SamplingParams(max_tokens=50, ignore_eos=True))
-    engine.step()
-    engine.step()
-    assert engine.stats().num_used_blocks > 0
-    engine.abort(rid)
-    assert engine.stats().num_used_blocks == 0
-    outs = engine.step()
+    engine = LLM.from_config(EngineConfig(model=tiny_llama_dir, block_size=4))
+    rid = engine.engine.add_request(
+        engine.tokenizer.encode("Hello world"), SamplingParams(max_tokens=50, ignore_eos=True)
+    )
+    engine.engine.step()
+    engine.engine.step()
+    assert engine.engine.stats().num_used_blocks > 0
+    engine.engine.abort(rid)
+    assert engine.engine.stats().num_used_blocks == 0
+    outs = engine.engine.step()
     assert outs and outs[0].finished and outs[0].outputs[0].finish_reason == "abort"
-    assert not engine.has_unfinished_requests()
+    assert not engine.engine.has_unfinished_requests()
 
 
 def test_prompt_too_long_states_both_numbers(tiny_llama_dir):
     from engine.errors import PromptTooLongError
 
-    engine = LLMEngine.from_config(EngineConfig(model=tiny_llama_dir, max_model_len=64))
+    engine = LLM.from_config(EngineConfig(model=tiny_llama_dir, max_model_len=64))
     with pytest.raises(PromptTooLongError) as err:
-        engine.add_request(list(range(5, 75)), SamplingParams(max_tokens=4))
+        engine.engine.add_request(list(range(5, 75)), SamplingParams(max_tokens=4))
     assert "70" in str(err.value) and "64" in str(err.value)
     with pytest.raises(PromptTooLongError) as err:
-        engine.add_request(list(range(5, 45)), SamplingParams(max_tokens=40))
+        engine.engine.add_request(list(range(5, 45)), SamplingParams(max_tokens=40))
     assert "40" in str(err.value) and "64" in str(err.value) and "80" in str(err.value)
 
 
 def test_unencodable_text_is_a_request_error(tiny_llama_dir):
     from engine.errors import InvalidRequestError
 
-    engine = LLMEngine.from_config(EngineConfig(model=tiny_llama_dir))
+    engine = LLM.from_config(EngineConfig(model=tiny_llama_dir))
     with pytest.raises(InvalidRequestError):
-        engine.add_request("broken \ud800 surrogate", SamplingParams(max_tokens=4))
-    assert not engine.has_unfinished_requests()
+        engine.tokenizer.encode("broken \ud800 surrogate")
+    assert not engine.engine.has_unfinished_requests()
 
 
 def test_prefix_cache_counts_each_sequence_once_under_pressure(tiny_llama_dir):
     """Re-admission attempts of a waiting sequence (pool full) must not inflate the counters."""
-    engine = LLMEngine.from_config(EngineConfig(model=tiny_llama_dir, block_size=4, num_blocks=16))
+    engine = LLM.from_config(EngineConfig(model=tiny_llama_dir, block_size=4, num_blocks=16))
     prompt = engine.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 2)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     engine.generate([prompt] * 3, params)
-    stats = engine.stats()
+    stats = engine.engine.stats()
     assert stats.prefix_cache_queries == 3 * len(prompt)
     assert stats.prefix_cache_hits <= stats.prefix_cache_queries
 
@@ -136,6 +138,6 @@ def test_prefix_cache_counts_each_sequence_once_under_pressure(tiny_llama_dir):
 def test_window_request_larger_than_pool_is_refused_up_front(tiny_model_dirs):
     from engine.errors import PromptTooLongError
 
-    engine = LLMEngine.from_config(EngineConfig(model=tiny_model_dirs["mistral"], block_size=4, num_blocks=4))
+    engine = LLM.from_config(EngineConfig(model=tiny_model_dirs["mistral"], block_size=4, num_blocks=4))
     with pytest.raises(PromptTooLongError):
-        engine.add_request(list(range(5, 60)), SamplingParams(max_tokens=4))
+        engine.engine.add_request(list(range(5, 60)), SamplingParams(max_tokens=4))

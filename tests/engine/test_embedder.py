@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import time
 
 import pytest
@@ -11,10 +12,11 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import EmbedderConfig
-from engine.embedder import Embedder, split_by_token_budget
-from engine.errors import InvalidRequestError
+from engine.embedder import Embedder
+from engine.errors import EngineDeadError, EngineStepError, InvalidRequestError, QueueFullError, RequestTimeoutError
 from engine.hub.models_hub import DEFAULT_EMBEDDING_MODEL
 from engine.serving.async_embedder import AsyncEmbedder
+from engine.serving.torch_worker import RequestLimits, TorchWorker
 
 MODEL_NAME = DEFAULT_EMBEDDING_MODEL
 
@@ -113,12 +115,6 @@ def test_alone_equals_inside_a_batch_of_31_others(embedder):
     alone = embedder.embed([target]).vectors[0]
     batched = embedder.embed(others[:13] + [target] + others[13:]).vectors[13]
     torch.testing.assert_close(batched, alone, atol=1e-6, rtol=0)
-
-
-def test_small_token_budget_splits_and_keeps_input_order(minilm_dir, embedder, st_vectors):
-    assert split_by_token_budget([5, 1, 9, 3], 9) == [[1, 3, 0], [2]]
-    small = Embedder(EmbedderConfig(model=minilm_dir, max_batch_tokens=300))
-    _assert_exact(small.embed(SENTENCES).vectors, st_vectors)
 
 
 def test_older_sentence_transformers_layout_with_a_transformer_subfolder(minilm_dir, embedder, tmp_path):
@@ -252,7 +248,7 @@ def test_concurrent_single_requests_share_forwards(async_embedder, st_vectors):
 
 
 def test_big_request_is_split_by_the_token_budget(minilm_dir, st_vectors):
-    small = AsyncEmbedder.from_config(EmbedderConfig(model=minilm_dir, max_batch_tokens=256))
+    small = AsyncEmbedder(Embedder(EmbedderConfig(model=minilm_dir, max_batch_tokens=256)))
 
     async def main():
         await small.start()
@@ -279,7 +275,7 @@ def test_bad_request_fails_alone_and_stop_fails_queued(async_embedder):
         await asyncio.gather(cancelled, return_exceptions=True)
         assert (await async_embedder.embed(["still serving"])).vectors.shape == (1, 384)
         await async_embedder.stop()
-        with pytest.raises(RuntimeError):
+        with pytest.raises(EngineDeadError):
             await async_embedder.embed(["after stop"])
 
     asyncio.run(main())
@@ -312,3 +308,119 @@ def test_forward_runs_off_the_event_loop(async_embedder):
     ticks, elapsed = asyncio.run(main())
     assert elapsed > 0.02
     assert ticks >= 10, f"the loop ticked {ticks} times during a {elapsed:.2f}s embedding"
+
+
+# ---------------------------------------------------------------- the worker contract
+
+
+def test_full_queue_is_refused_at_once_and_frees_its_slot(embedder):
+    """More waiting requests than max_queued_requests -> QueueFullError; a slot frees once a forward takes it."""
+    limited = AsyncEmbedder(embedder, limits=RequestLimits(max_queued_requests=2))
+    worker = TorchWorker()
+    gate = threading.Event()
+
+    async def main():
+        await limited.start(worker)
+        blocker = asyncio.get_running_loop().run_in_executor(None, worker.run_blocking, gate.wait)
+        await asyncio.sleep(0.05)  # the worker is busy: nothing queued can start
+        first = asyncio.create_task(limited.embed(["one"]))
+        await asyncio.sleep(0.01)  # taken into a forward that waits behind the gate
+        waiting = [asyncio.create_task(limited.embed([f"w{i}"])) for i in range(2)]
+        await asyncio.sleep(0.01)
+        assert limited.num_queued_requests == 2
+        with pytest.raises(QueueFullError):
+            await limited.embed(["three"])
+        gate.set()
+        await blocker
+        results = await asyncio.gather(first, *waiting)
+        assert limited.num_queued_requests == 0
+        await limited.stop()
+        await worker.stop()
+        return results
+
+    results = asyncio.run(main())
+    assert [r.vectors.shape for r in results] == [(1, 384)] * 3
+
+
+def test_deadline_gives_a_timeout_and_drops_the_queued_inputs(embedder, monkeypatch):
+    limited = AsyncEmbedder(embedder, limits=RequestLimits(request_timeout=0.1))
+    gate = threading.Event()
+    num_inputs_forwarded = 0
+    real_forward = embedder.forward_pooled
+
+    def gated_forward(token_ids):
+        nonlocal num_inputs_forwarded
+        gate.wait()
+        num_inputs_forwarded += len(token_ids)
+        return real_forward(token_ids)
+
+    monkeypatch.setattr(embedder, "forward_pooled", gated_forward)
+
+    async def main():
+        await limited.start()
+        first = asyncio.create_task(limited.embed(["first"]))  # its forward waits behind the gate
+        await asyncio.sleep(0.02)
+        with pytest.raises(RequestTimeoutError):
+            await limited.embed(["too late"] * 4)  # queued behind that forward, never started
+        assert limited.num_queued_requests == 0
+        gate.set()
+        with pytest.raises(RequestTimeoutError):
+            await first
+        assert (await limited.embed(["in time"])).vectors.shape == (1, 384)
+        await limited.stop()
+
+    asyncio.run(main())
+    # The timed-out queued inputs were dropped, never computed.
+    assert num_inputs_forwarded == 2
+
+
+def test_failed_forward_fails_its_requests_only(embedder, monkeypatch):
+    async_embedder = AsyncEmbedder(embedder)
+    real_forward = embedder.forward_pooled
+    calls = 0
+
+    def flaky_forward(token_ids):
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise RuntimeError("broken forward")
+        return real_forward(token_ids)
+
+    monkeypatch.setattr(embedder, "forward_pooled", flaky_forward)
+
+    async def main():
+        await async_embedder.start()
+        with pytest.raises(EngineStepError, match="broken forward"):
+            await async_embedder.embed(["first"])
+        assert async_embedder.is_healthy
+        result = await async_embedder.embed(["second"])
+        await async_embedder.stop()
+        return result
+
+    assert asyncio.run(main()).vectors.shape == (1, 384)
+
+
+def test_pooling_and_normalisation_run_on_the_worker_thread(embedder, monkeypatch):
+    """The event loop does no torch work: finalize (truncate + normalise) runs inside the forward job."""
+    import engine.serving.async_embedder as async_embedder_module
+
+    threads = []
+    real_finalize = async_embedder_module.finalize
+
+    def recording_finalize(*args, **kwargs):
+        threads.append(threading.current_thread().name)
+        return real_finalize(*args, **kwargs)
+
+    monkeypatch.setattr(async_embedder_module, "finalize", recording_finalize)
+    async_embedder = AsyncEmbedder(embedder)
+
+    async def main():
+        await async_embedder.start(TorchWorker("torch-test"))
+        result = await async_embedder.embed(["a", "b"], dimensions=64)
+        await async_embedder.stop()
+        return result
+
+    result = asyncio.run(main())
+    assert result.vectors.shape == (2, 64)
+    torch.testing.assert_close(result.vectors.norm(dim=-1), torch.ones(2))
+    assert threads and all(name.startswith("torch-test") for name in threads)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
-from engine.core.llm_engine import LLMEngine
+from engine.llm import LLM
 from engine.params import SamplingParams
 from tests.conftest import ARCHS
 from tests.support.tiny_models import load_reference
@@ -14,16 +14,16 @@ from tests.support.tiny_models import load_reference
 PROMPT = "The quick brown fox jumps over the lazy dog. Hello world! A paged KV cache stores keys and values."
 
 
-def _engine(model_dir: str, **overrides) -> LLMEngine:
-    return LLMEngine.from_config(EngineConfig(model=model_dir, **overrides))
+def _engine(model_dir: str, **overrides) -> LLM:
+    return LLM.from_config(EngineConfig(model=model_dir, **overrides))
 
 
-def _prompt_logits(engine: LLMEngine, prompt_ids: list[int]) -> torch.Tensor:
+def _prompt_logits(engine: LLM, prompt_ids: list[int]) -> torch.Tensor:
     """Logits at every prompt position from one engine step over the whole prompt."""
-    engine.add_request(prompt_ids, SamplingParams(max_tokens=1))
-    batch = engine.scheduler.schedule()
+    engine.engine.add_request(prompt_ids, SamplingParams(max_tokens=1))
+    batch = engine.engine.scheduler.schedule()
     assert batch.num_tokens == len(prompt_ids)
-    return engine.runner.execute(batch, all_positions=True)
+    return engine.engine.runner.compute_logits(batch, all_positions=True)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -55,4 +55,4 @@ def test_greedy_tokens_match_transformers_generate(tiny_model_dirs, arch):
     ].tolist()
     assert result.token_ids == expected
     assert result.finish_reason == "length"
-    assert engine.stats().num_used_blocks == 0
+    assert engine.engine.stats().num_used_blocks == 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine.config import EngineConfig
-from engine.core.llm_engine import LLMEngine
+from engine.llm import LLM
 from engine.params import SamplingParams
 from engine.runner.decode_path import DecodePath, DecodePlan
 from tests.support.native_kernels import needs_kernels
@@ -15,31 +15,33 @@ pytestmark = needs_kernels
 WORDS = "the quick brown fox jumps over lazy dog hello world paged cache".split()
 
 
-def _engine(model_dir: str, **overrides) -> LLMEngine:
-    return LLMEngine.from_config(EngineConfig(model=model_dir, block_size=4, quantization="int8", **overrides))
+def _engine(model_dir: str, **overrides) -> LLM:
+    return LLM.from_config(EngineConfig(model=model_dir, block_size=4, quantization="int8", **overrides))
 
 
-def _prompts(engine: LLMEngine, count: int) -> list[list[int]]:
+def _prompts(engine: LLM, count: int) -> list[list[int]]:
     return [engine.tokenizer.encode(" ".join(WORDS[: 3 + 2 * i])) for i in range(count)]
 
 
-def _decode_metadata(engine: LLMEngine, prompts: list[list[int]]):
+def _decode_metadata(engine: LLM, prompts: list[list[int]]):
     """Prefill the prompts, then build (without running) the next decode step of all of them."""
     params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
     for prompt in prompts:
-        engine.add_request(prompt, params)
-    while any(seq.num_generated_tokens == 0 for seq in engine.scheduler.running + list(engine.scheduler.waiting)):
-        engine.step()
-    batch = engine.scheduler.schedule()
+        engine.engine.add_request(prompt, params)
+    while any(
+        seq.num_generated_tokens == 0 for seq in engine.engine.scheduler.running + list(engine.engine.scheduler.waiting)
+    ):
+        engine.engine.step()
+    batch = engine.engine.scheduler.schedule()
     assert all(count == 1 for count in batch.num_new_tokens)
-    return engine.runner.build_inputs(batch)
+    return engine.engine.runner.build_inputs(batch)
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
 def test_fused_step_equals_torch_layers(tiny_model_dirs, arch):
     # mistral: window 16 is shorter than the longer prompts (a masked step); qwen2: q/k/v biases.
     engine = _engine(tiny_model_dirs[arch])
-    runner = engine.runner
+    runner = engine.engine.runner
     assert runner.decode_plan.path is DecodePath.FUSED_NATIVE
     input_ids, positions, meta = _decode_metadata(engine, _prompts(engine, 5))
     assert meta.is_decode_only
@@ -54,7 +56,7 @@ def test_fused_generation_matches_torch_generation(tiny_model_dirs):
     fused_engine = _engine(tiny_model_dirs["llama"])
     torch_engine = _engine(tiny_model_dirs["llama"])
     # The same int8 engine, its runner told to decode through the torch layers.
-    torch_engine.runner.decode_plan = DecodePlan(DecodePath.TORCH_LAYERS, "the reference", ())
+    torch_engine.engine.runner.decode_plan = DecodePlan(DecodePath.TORCH_LAYERS, "the reference", ())
     prompts = _prompts(fused_engine, 6)
     params = [
         SamplingParams(temperature=0.8, seed=i, max_tokens=20, ignore_eos=True, logprobs=2) for i in range(len(prompts))
@@ -68,5 +70,5 @@ def test_fused_generation_matches_torch_generation(tiny_model_dirs):
 
 
 def test_float32_models_keep_the_torch_layers(tiny_model_dirs):
-    engine = LLMEngine.from_config(EngineConfig(model=tiny_model_dirs["llama"]))
-    assert engine.runner.decode_plan.path is DecodePath.TORCH_LAYERS
+    engine = LLM.from_config(EngineConfig(model=tiny_model_dirs["llama"]))
+    assert engine.engine.runner.decode_plan.path is DecodePath.TORCH_LAYERS

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
-from engine.core.llm_engine import LLMEngine
+from engine.llm import LLM
 from engine.params import SamplingParams
 
 pytestmark = [
@@ -19,13 +19,13 @@ pytestmark = [
 def test_cuda_float32_matches_cpu(tiny_model_dirs, arch):
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     prompts = ["Hello world", "The quick brown fox jumps over the lazy dog. " * 3]
-    cpu = LLMEngine.from_config(EngineConfig(model=tiny_model_dirs[arch])).generate(prompts, params)
-    gpu = LLMEngine.from_config(EngineConfig(model=tiny_model_dirs[arch], device="cuda")).generate(prompts, params)
+    cpu = LLM.from_config(EngineConfig(model=tiny_model_dirs[arch])).generate(prompts, params)
+    gpu = LLM.from_config(EngineConfig(model=tiny_model_dirs[arch], device="cuda")).generate(prompts, params)
     assert [r[0].token_ids for r in cpu] == [r[0].token_ids for r in gpu]
 
 
 def test_cuda_seeded_sampling_is_batch_independent(tiny_llama_dir):
-    engine = LLMEngine.from_config(EngineConfig(model=tiny_llama_dir, device="cuda"))
+    engine = LLM.from_config(EngineConfig(model=tiny_llama_dir, device="cuda"))
     params = SamplingParams(temperature=1.0, seed=3, max_tokens=16, ignore_eos=True)
     alone = engine.generate(["Hello world"], params)[0][0].token_ids
     together = engine.generate(["Hello world", "A paged cache", "lazy dog"], params)[0][0].token_ids

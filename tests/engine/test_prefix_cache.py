@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from engine.config import EngineConfig
 from engine.core import block_pool
-from engine.core.llm_engine import LLMEngine
+from engine.llm import LLM
 from engine.params import SamplingParams
 
 PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -16,11 +16,11 @@ def _every_hash_collides(monkeypatch) -> None:
     monkeypatch.setattr(block_pool, "hash_block_tokens", lambda parent_hash, token_ids: b"\0" * 32)
 
 
-def _engine(model_dir: str, prefix_caching: bool) -> LLMEngine:
-    return LLMEngine.from_config(EngineConfig(model=model_dir, block_size=4, enable_prefix_caching=prefix_caching))
+def _engine(model_dir: str, prefix_caching: bool) -> LLM:
+    return LLM.from_config(EngineConfig(model=model_dir, block_size=4, enable_prefix_caching=prefix_caching))
 
 
-def _tokens(engine: LLMEngine, prompt: list[int]) -> list[int]:
+def _tokens(engine: LLM, prompt: list[int]) -> list[int]:
     return engine.generate([prompt], PARAMS)[0][0].token_ids
 
 
@@ -30,7 +30,7 @@ def test_a_colliding_block_of_another_prompt_is_never_reused(tiny_llama_dir, mon
     engine = _engine(tiny_llama_dir, prefix_caching=True)
     _tokens(engine, FIRST)  # publishes FIRST's first block under the one digest
     assert _tokens(engine, SECOND) == expected
-    stats = engine.stats()
+    stats = engine.engine.stats()
     assert stats.prefix_cache_hits == 0
     assert stats.prefix_cache_queries == len(FIRST) + len(SECOND)
 
@@ -43,4 +43,4 @@ def test_equal_tokens_at_another_position_are_not_a_hit(tiny_llama_dir, monkeypa
     _tokens(engine, FIRST)
     assert _tokens(engine, repeats_first_block) == expected
     # Only position 0 holds FIRST[:4] after nothing: the copies at positions 1..3 are computed.
-    assert engine.stats().prefix_cache_hits == 4
+    assert engine.engine.stats().prefix_cache_hits == 4

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
-from engine.core.llm_engine import LLMEngine
 from engine.hub.models_hub import DEFAULT_GENERATION_MODEL, pull
+from engine.llm import LLM
 
 CHATS = [
     [{"role": "user", "content": "What is the capital of France?"}],
@@ -28,7 +28,7 @@ def test_smollm2_greedy_matches_transformers(smollm2_path):
 
     from engine.params import SamplingParams
 
-    engine = LLMEngine.from_config(EngineConfig(model=str(smollm2_path)))
+    engine = LLM.from_config(EngineConfig(model=str(smollm2_path)))
     prompts = [engine.tokenizer.apply_chat_template(chat) for chat in CHATS]
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     ours = [r[0] for r in engine.generate(prompts, params)]
@@ -66,8 +66,8 @@ def test_smollm2_int8_stays_close_to_float32(smollm2_path):
     params = SamplingParams(temperature=0, max_tokens=32)
     results = {}
     for mode in ("none", "int8"):
-        engine = LLMEngine.from_config(EngineConfig(model=str(smollm2_path), quantization=mode))
-        assert engine.config.quantization == mode
+        engine = LLM.from_config(EngineConfig(model=str(smollm2_path), quantization=mode))
+        assert engine.engine.config.quantization == mode
         prompts = [engine.tokenizer.apply_chat_template(chat) for chat in CHATS]
         results[mode] = [r[0] for r in engine.generate(prompts, params)]
         del engine

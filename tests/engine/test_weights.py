@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
-from engine.core.llm_engine import LLMEngine
 from engine.errors import ModelLoadError
+from engine.llm import LLM
 from engine.models.weights import SUPPORTED_ARCHITECTURES, load_checkpoint
 from engine.params import SamplingParams
 from tests.support.tiny_models import load_reference
@@ -24,8 +24,8 @@ def test_sharded_safetensors_with_index(tiny_llama_dir, tmp_path):
     assert (sharded / "model.safetensors.index.json").is_file()
     assert len(list(sharded.glob("*.safetensors"))) > 1
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    one = LLMEngine.from_config(EngineConfig(model=tiny_llama_dir)).generate(["Hello world"], params)
-    many = LLMEngine.from_config(EngineConfig(model=str(sharded))).generate(["Hello world"], params)
+    one = LLM.from_config(EngineConfig(model=tiny_llama_dir)).generate(["Hello world"], params)
+    many = LLM.from_config(EngineConfig(model=str(sharded))).generate(["Hello world"], params)
     assert one[0][0].token_ids == many[0][0].token_ids
 
 
@@ -56,7 +56,7 @@ def test_broken_model_directory_names_file_and_reason(tiny_llama_dir, tmp_path, 
     shutil.copytree(tiny_llama_dir, broken)
     setup(broken)
     with pytest.raises(ModelLoadError) as err:
-        LLMEngine.from_config(EngineConfig(model=str(broken)))
+        LLM.from_config(EngineConfig(model=str(broken)))
     assert needle in str(err.value)
 
 
@@ -78,10 +78,10 @@ def test_bfloat16_logits_close_to_float32(tiny_llama_dir):
     prompt = "The quick brown fox jumps over the lazy dog."
     logits = {}
     for dtype in ("float32", "bfloat16"):
-        engine = LLMEngine.from_config(EngineConfig(model=tiny_llama_dir, dtype=dtype))
-        engine.add_request(prompt, SamplingParams(max_tokens=1))
-        batch = engine.scheduler.schedule()
-        logits[dtype] = engine.runner.execute(batch, all_positions=True)
+        engine = LLM.from_config(EngineConfig(model=tiny_llama_dir, dtype=dtype))
+        engine.engine.add_request(engine.tokenizer.encode(prompt), SamplingParams(max_tokens=1))
+        batch = engine.engine.scheduler.schedule()
+        logits[dtype] = engine.engine.runner.compute_logits(batch, all_positions=True)
     error = (logits["float32"] - logits["bfloat16"]).abs().max().item()
     assert error < 0.25
     assert torch.equal(logits["float32"][-1].argmax(), logits["bfloat16"][-1].argmax())

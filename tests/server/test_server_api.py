@@ -243,8 +243,8 @@ def test_token_ids_are_bounded_by_the_models_embedding_table(tmp_path):
     """A checkpoint whose embedding table (400 rows) is padded past its tokenizer (384 entries), as many
     real checkpoints are: the routes and the engine both accept ids in [384, 400) and refuse 400."""
     from engine.config import EngineConfig
-    from engine.core.llm_engine import LLMEngine
     from engine.errors import InvalidRequestError
+    from engine.llm import LLM
     from engine.params import SamplingParams
 
     padded = make_tiny_llama(tmp_path / "padded", vocab_size=400)
@@ -270,7 +270,7 @@ def test_token_ids_are_bounded_by_the_models_embedding_table(tmp_path):
             assert response.status_code == 400, (path, body, response.text)
             error = response.json()["error"]
             assert error["param"] == param and "[0, 400)" in error["message"], error
-    engine = LLMEngine.from_config(EngineConfig(model=str(padded), max_model_len=64))
+    engine = LLM.from_config(EngineConfig(model=str(padded), max_model_len=64)).engine
     assert engine.vocab_size == 400
     engine.add_request([5, 390, 6], SamplingParams(max_tokens=1))
     with pytest.raises(InvalidRequestError, match=r"\[0, 400\)"):

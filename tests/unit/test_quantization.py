@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from engine.config import EngineConfig
-from engine.core.llm_engine import LLMEngine
+from engine.llm import LLM
 from engine.ops.int8_linear import (
     MAX_KERNEL_ROWS,
     Int8Linear,
@@ -129,7 +129,7 @@ def test_auto_means_int8_for_gguf_on_cpu_float32():
 
 @pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded"])
 def test_int8_engine_batched_equals_alone(tiny_llama_dir, seeded):
-    engine = LLMEngine.from_config(
+    engine = LLM.from_config(
         EngineConfig(model=tiny_llama_dir, block_size=8, max_num_batched_tokens=64, quantization="int8")
     )
     words = "the quick brown fox jumps over lazy dog hello world".split()
@@ -141,12 +141,12 @@ def test_int8_engine_batched_equals_alone(tiny_llama_dir, seeded):
     together = engine.generate(prompts, params)
     alone = [engine.generate([p], [sp])[0] for p, sp in zip(prompts, params)]
     assert [t[0].token_ids for t in together] == [a[0].token_ids for a in alone]
-    assert engine.stats().num_used_blocks == 0
+    assert engine.engine.stats().num_used_blocks == 0
 
 
 def test_int8_engine_logits_stay_close_to_float32(tiny_llama_dir):
-    float_engine = LLMEngine.from_config(EngineConfig(model=tiny_llama_dir))
-    int8_engine = LLMEngine.from_config(EngineConfig(model=tiny_llama_dir, quantization="int8"))
+    float_engine = LLM.from_config(EngineConfig(model=tiny_llama_dir))
+    int8_engine = LLM.from_config(EngineConfig(model=tiny_llama_dir, quantization="int8"))
     prompt = float_engine.tokenizer.encode("the quick brown fox jumps over the lazy dog")
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5)
     expected = float_engine.generate([prompt], params)[0][0]

@@ -20,7 +20,7 @@ def _scheduler(
     num_blocks: int = 64, max_num_seqs: int = 8, max_num_batched_tokens: int = 64, prefix_caching: bool = False
 ) -> Scheduler:
     manager = KVCacheManager(BlockPool(num_blocks, prefix_caching), 2, None, 0)
-    return Scheduler(manager, max_num_seqs, max_num_batched_tokens)
+    return Scheduler(manager, max_num_seqs, max_num_batched_tokens, eos_token_ids=(), max_model_len=10_000)
 
 
 def _seq(num_prompt_tokens: int, parent: Sequence | None = None) -> Sequence:
@@ -44,10 +44,8 @@ def _add(scheduler: Scheduler, *num_prompt_tokens: int) -> list[Sequence]:
 
 def _run(scheduler: Scheduler, batch: ScheduledBatch) -> None:
     """What the engine does once the model ran: advance progress, append a token where one was sampled."""
-    sampled = [seq for i, seq in enumerate(batch.seqs) if batch.samples(i)]
-    scheduler.update_computed(batch)
-    for seq in sampled:
-        seq.token_ids.append(SAMPLED_TOKEN)
+    num_sampled = sum(batch.samples(i) for i in range(len(batch.seqs)))
+    scheduler.update(batch, [SAMPLED_TOKEN] * num_sampled, [None] * num_sampled)
 
 
 def _plan(batch: ScheduledBatch) -> list[tuple[Sequence, int]]:

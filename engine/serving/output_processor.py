@@ -1,0 +1,118 @@
+"""Token ids -> text: the async side's half of every RequestOutput.
+
+The engine core works in token ids only: its RequestOutputs carry each sample's
+new token ids, logprobs and any finish the core decided (EOS, stop token,
+length, abort), with empty text. The output processor owns one detokenizer per
+sample and turns those deltas into text deltas. Stop strings are text, so they
+are found here: the sample is finished at once (its text cut at the stop) and
+the processor reports it in `stopped_samples`, for its driver to stop the
+sample in the core before the next step (the core may have computed one more
+token meanwhile; that token is dropped here).
+
+Runs on one thread only (the event loop in the server), so the tokenizer is
+never used by two threads at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from engine.outputs import FINISH_STOP, CompletionOutput, RequestOutput
+from engine.params import SamplingParams
+from engine.text.detokenizer import IncrementalDetokenizer
+from engine.text.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class StoppedSample:
+    """A sample that the processor finished on a stop string; the core must stop it too."""
+
+    request_id: str
+    index: int
+    stop_string: str
+
+
+@dataclass
+class ProcessedOutputs:
+    request_outputs: list[RequestOutput] = field(default_factory=list)
+    stopped_samples: list[StoppedSample] = field(default_factory=list)
+
+
+@dataclass
+class _SampleText:
+    detokenizer: IncrementalDetokenizer
+    is_finished: bool = False  # later core deltas (after a stop string, or an abort notice) are dropped
+
+
+@dataclass
+class _RequestText:
+    samples: list[_SampleText]
+    num_finished: int = 0
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._requests: dict[str, _RequestText] = {}
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        samples = [
+            _SampleText(IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)) for _ in range(params.n)
+        ]
+        self._requests[request_id] = _RequestText(samples)
+
+    def drop(self, request_id: str) -> None:
+        """Forget a request (finished, aborted or failed); unknown ids are ignored."""
+        self._requests.pop(request_id, None)
+
+    def process(self, core_outputs: list[RequestOutput]) -> ProcessedOutputs:
+        """Fill in text for one step's core outputs; outputs of unknown requests are dropped."""
+        processed = ProcessedOutputs()
+        for core_output in core_outputs:
+            request = self._requests.get(core_output.request_id)
+            if request is None:
+                continue
+            completions = []
+            for delta in core_output.outputs:
+                completion = self._process_sample(core_output.request_id, request, delta, processed)
+                if completion is not None:
+                    completions.append(completion)
+            finished = request.num_finished == len(request.samples)
+            if finished:
+                del self._requests[core_output.request_id]
+            if completions or finished:
+                processed.request_outputs.append(
+                    dataclasses.replace(core_output, outputs=completions, finished=finished)
+                )
+        return processed
+
+    def _process_sample(
+        self, request_id: str, request: _RequestText, delta: CompletionOutput, processed: ProcessedOutputs
+    ) -> CompletionOutput | None:
+        sample = request.samples[delta.index]
+        if sample.is_finished:
+            return None
+        finish_reason, stop_reason = delta.finish_reason, delta.stop_reason
+        num_generated = delta.num_generated_tokens - len(delta.token_ids)
+        for token_id in delta.token_ids:
+            num_generated += 1
+            stop_string = sample.detokenizer.add_token(token_id, num_generated)
+            if stop_string is not None:
+                finish_reason, stop_reason = FINISH_STOP, stop_string
+                if delta.finish_reason is None:  # the core does not know yet
+                    processed.stopped_samples.append(StoppedSample(request_id, delta.index, stop_string))
+                break
+        if finish_reason is not None:
+            sample.is_finished = True
+            request.num_finished += 1
+        return dataclasses.replace(
+            delta,
+            text=sample.detokenizer.take_new_text(sample.is_finished),
+            finish_reason=finish_reason,
+            stop_reason=stop_reason,
+        )
