@@ -6,7 +6,7 @@ can answer 400 without knowing the rules itself.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from engine.errors import InvalidRequestError
 
@@ -45,7 +45,6 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
-    extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         # Accept lists / a single string for convenience; store tuples (frozen).

