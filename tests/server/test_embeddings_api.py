@@ -32,6 +32,7 @@ from server.errors import install_error_handlers
 from server.routes import embeddings as embedding_routes
 from server.state import ServerState, attach_state, state_of
 from tests.engine.test_embedder import MODEL_NAME, SENTENCES, embedder, minilm_dir, st_model, st_vectors  # noqa: F401
+from tests.support.asgi import post_scope
 
 GENERATION_MODEL = DEFAULT_GENERATION_MODEL
 MAX_CLIENT_BATCH_SIZE = 40
@@ -237,20 +238,7 @@ def test_client_leaving_cancels_the_embedding_with_a_499(path, body):
     silent = _SilentEmbedder()
     app = _make_app(silent)
     payload = json.dumps(body).encode()
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0", "spec_version": "2.3"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": path,
-        "raw_path": path.encode(),
-        "root_path": "",
-        "query_string": b"",
-        "client": ("127.0.0.1", 1),
-        "server": ("127.0.0.1", 80),
-        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())],
-    }
+    scope = post_scope(path, payload)
 
     async def main() -> list[dict]:
         is_body_read = False

@@ -22,6 +22,7 @@ from server.app import create_app
 from server.serving import CLIENT_CLOSED_REQUEST
 from server.state import state_of
 from tests.server.flaky_engine import flaky_factory
+from tests.support.asgi import post_scope
 from tests.support.server_harness import ServerThread, make_server_config
 from tests.support.tiny_models import make_tiny_llama
 
@@ -143,20 +144,7 @@ def test_client_leaving_at_each_moment_aborts_every_request(model_dir, without_g
     the response head is being sent, so Starlette cancels the body before it ever starts."""
     app = create_app(make_server_config(model_dir), engine_factory=flaky_factory)
     payload = json.dumps(body).encode()
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0", "spec_version": "2.3"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": path,
-        "raw_path": path.encode(),
-        "root_path": "",
-        "query_string": b"",
-        "client": ("127.0.0.1", 1),
-        "server": ("127.0.0.1", 80),
-        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())],
-    }
+    scope = post_scope(path, payload)
 
     async def main() -> list[dict]:
         async with app.router.lifespan_context(app):

@@ -21,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from server.app import create_app
 from server.state import state_of
 from tests.server.flaky_engine import flaky_factory
+from tests.support.asgi import post_scope
 from tests.support.server_harness import ServerProcess, ServerThread, make_server_config, parse_sse
 from tests.support.tiny_models import make_tiny_llama
 
@@ -348,20 +349,7 @@ def test_stream_whose_first_send_fails_aborts_its_request(model_dir, path):
                 await asyncio.sleep(0.01)
             engine = state_of(app).engine
             engine.engine.step_delay = 0.02  # 200 tokens take 4 s
-            scope = {
-                "type": "http",
-                "asgi": {"version": "3.0", "spec_version": "2.4"},
-                "http_version": "1.1",
-                "method": "POST",
-                "scheme": "http",
-                "path": path,
-                "raw_path": path.encode(),
-                "root_path": "",
-                "query_string": b"",
-                "client": ("127.0.0.1", 1),
-                "server": ("127.0.0.1", 80),
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())],
-            }
+            scope = post_scope(path, payload, spec_version="2.4")
             sent = []
 
             async def receive():
