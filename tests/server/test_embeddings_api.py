@@ -27,6 +27,7 @@ from fastapi import FastAPI
 from engine.config import EmbedderConfig, EngineConfig
 from engine.hub.models_hub import DEFAULT_GENERATION_MODEL
 from engine.serving.async_embedder import AsyncEmbedder
+from engine.serving.torch_worker import RequestLimits
 from server.config import ServerConfig
 from server.errors import install_error_handlers
 from server.routes import embeddings as embedding_routes
@@ -262,3 +263,39 @@ def test_client_leaving_cancels_the_embedding_with_a_499(path, body):
     sent = asyncio.run(main())
     assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 499
     assert silent.num_cancelled == 1
+
+
+def test_embedding_queue_bound_and_deadline_answer_429_and_504(embedder, monkeypatch):  # noqa: F811
+    """Embeddings keep generation's contract over HTTP: a full queue is a 429 with Retry-After,
+    a request past --request-timeout is a 504, and the server answers normally afterwards."""
+    gate = threading.Event()
+    real_forward = embedder.forward_pooled
+
+    def gated_forward(token_ids):
+        gate.wait()
+        return real_forward(token_ids)
+
+    monkeypatch.setattr(embedder, "forward_pooled", gated_forward)
+    app = _make_app(AsyncEmbedder(embedder, limits=RequestLimits(max_queued_requests=1, request_timeout=1.0)))
+    body = {"model": MODEL_NAME, "input": "x"}
+
+    async def main():
+        async with app.router.lifespan_context(app):
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://kvserve") as client:
+                in_forward = asyncio.create_task(client.post("/v1/embeddings", json=body))
+                await asyncio.sleep(0.2)  # taken into the forward that waits at the gate
+                queued = asyncio.create_task(client.post("/v1/embeddings", json=body))
+                await asyncio.sleep(0.2)
+                full = await client.post("/v1/embeddings", json=body)
+                timed_out = [await queued, await in_forward]
+                gate.set()
+                after = await client.post("/v1/embeddings", json=body)
+                return full, timed_out, after
+
+    full, timed_out, after = asyncio.run(main())
+    assert full.status_code == 429 and full.headers["Retry-After"] == "1"
+    assert full.json()["error"]["code"] == "queue_full"
+    for response in timed_out:
+        assert response.status_code == 504 and response.json()["error"]["code"] == "request_timeout"
+    assert after.status_code == 200 and len(after.json()["data"][0]["embedding"]) == 384
