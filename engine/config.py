@@ -44,7 +44,7 @@ class EngineConfig:
     kv_cache_memory_bytes: budget for the KV block pool; num_blocks overrides it.
     sliding_window: force a window on any model (None: the model's own, if any).
     num_sink_tokens: with a window, the first S tokens stay visible forever.
-    quantization: one of QUANTIZATION_MODES; LLMEngine.from_config resolves auto.
+    quantization: one of QUANTIZATION_MODES; LLM.from_config (engine/llm.py) resolves auto.
     """
 
     model: str

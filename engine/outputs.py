@@ -53,7 +53,7 @@ class RequestOutput:
 
 @dataclass
 class GenerationResult:
-    """A whole finished sample, as returned by LLMEngine.generate()."""
+    """A whole finished sample, as returned by LLM.generate() (engine/llm.py)."""
 
     request_id: str
     index: int

@@ -131,7 +131,7 @@ FLAGS: tuple[Flag, ...] = (
         "max_queued_requests",
         "server",
         int,
-        "most requests waiting to run; past it requests get 429 with Retry-After",
+        "most requests waiting to start, for generation and for embeddings each; past it: 429 with Retry-After",
     ),
     _flag(
         "api_key",
@@ -144,7 +144,7 @@ FLAGS: tuple[Flag, ...] = (
         "request_timeout",
         "server",
         _optional(float),
-        "seconds a generation request may run before it is aborted (none: no limit)",
+        "seconds a generation or embedding request may take before it is aborted (none: no limit)",
     ),
     _flag(
         "max_request_bytes",
@@ -153,7 +153,12 @@ FLAGS: tuple[Flag, ...] = (
         "largest request body accepted (413 above it): bytes or with a unit",
     ),
     _flag("shutdown_timeout", "server", float, "on SIGTERM, seconds running requests get to finish"),
-    _flag("max_client_batch_size", "server", int, "most prompts in one /v1/completions request"),
+    _flag(
+        "max_client_batch_size",
+        "server",
+        int,
+        "most prompts or inputs in one completions or embeddings request (413 above it)",
+    ),
     _flag(
         "embedding_max_batch_tokens",
         "embedder.max_batch_tokens",

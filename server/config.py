@@ -69,8 +69,8 @@ class ServerConfig:
     engine: the generation model and its engine settings.
     embedder: the embedding model; None serves no embeddings.
     served_model_name: the name clients use for the generation model (None: `engine.model`).
-    request_timeout: seconds a generation request may live (None: no limit).
-    max_client_batch_size: most prompts in one /v1/completions request.
+    request_timeout: seconds a generation or embedding request may live (None: no limit).
+    max_client_batch_size: most prompts or inputs in one completions or embeddings request.
     """
 
     engine: EngineConfig = field(default_factory=default_engine_config)
