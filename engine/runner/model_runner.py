@@ -1,4 +1,4 @@
-"""Owns the model and the KV-cache tensors; turns a ScheduledBatch into logits.
+"""Owns the model and the KV-cache tensors; turns a ScheduledBatch into sampled token ids.
 
 Everything per step is built once here as flat tensors (token ids, positions,
 cache slots, masks) and passed into the model; the model never loops over
@@ -99,6 +99,7 @@ class ModelRunner:
             return self.fused_decode(input_ids, positions, meta)
         return self.model(input_ids, positions, self.kv_caches, meta)
 
+    @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> SamplerOutput:
         """Forward the batch and sample: one token id (and logprobs) per sequence that samples this step."""
         logits = self.compute_logits(batch)

@@ -4,11 +4,12 @@
 loop task started by `AsyncEngine.start()`: request handlers never call it.
 They append adds and aborts to pending lists; the loop applies them between
 steps (on the event-loop thread, while no step runs), runs `LLMEngine.step()`
-on the torch worker so the event loop keeps serving HTTP, turns the step's
-token ids into text with the output processor (on the event-loop thread: the
-tokenizer is only ever used there), then hands each `RequestOutput` to its
-request's asyncio.Queue. A stop string found in the text stops its sample in
-the engine before the next step.
+on the torch worker so the event loop keeps serving HTTP, and while the next
+step runs turns the last step's token ids into text with the output processor
+(on the event-loop thread: the tokenizer is only ever used there) and hands
+each `RequestOutput` to its request's asyncio.Queue. A stop string found in the
+text stops its sample in the engine before the step after (the core may
+compute one or two tokens more, which the output processor drops).
 
 Guarantees (the contract shared with the embedder, see engine/serving/torch_worker.py):
 - validation errors from `LLMEngine.add_request` reach the caller of `submit()`
@@ -305,11 +306,17 @@ class AsyncEngine:
 
     async def _run_loop(self) -> None:
         assert self._wakeup is not None and self._worker is not None
+        # The last step's core outputs: turned into text and handed out while the next step runs.
+        undelivered: list[RequestOutput] = []
         try:
             while not self._is_stopping:
                 self._expire_deadlines()
                 self._apply_pending()
                 if not self.engine.has_unfinished_requests():
+                    if undelivered:
+                        self._dispatch(undelivered)
+                        undelivered = []
+                        continue  # a stop string found there may have left work to apply
                     self._wakeup.clear()
                     if self._pending_adds or self._pending_aborts:
                         continue
@@ -320,8 +327,12 @@ class AsyncEngine:
                         pass
                     self._idle_since_failure += time.monotonic() - idle_start
                     continue
+                step = asyncio.ensure_future(self._worker.run(self.engine.step))
+                if undelivered:
+                    self._dispatch(undelivered)  # touches no engine state: safe while the step runs
+                    undelivered = []
                 try:
-                    outputs = await self._worker.run(self.engine.step)
+                    undelivered = await step
                 except EngineDeadError:
                     raise
                 except Exception as exc:  # noqa: BLE001 - one failed step fails its requests, not the server
@@ -330,9 +341,9 @@ class AsyncEngine:
                 self._num_step_failures = 0
                 self.num_steps += 1
                 self._stats = self.engine.stats()
-                self._dispatch(outputs)
-                if not outputs and self._stats.num_running == 0:
+                if not undelivered and self._stats.num_running == 0:
                     await asyncio.sleep(0.005)  # nothing could be scheduled: do not spin a core
+            self._dispatch(undelivered)
             self._apply_pending()
             self._abort_all_in_engine()
         except BaseException as exc:
