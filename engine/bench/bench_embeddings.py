@@ -2,7 +2,7 @@
 
 1,000 sentences of 10 to 60 words drawn from a seeded word list are embedded
   - by sentence-transformers `encode(batch_size=32)` (the reference rate) and one sentence at a time,
-  - by kvserve's Embedder as one batch,
+  - by kvserve's AsyncEmbedder as one request of every sentence (split by its token budget),
   - by kvserve's AsyncEmbedder as 1,000 single-input requests with 32 in flight (dynamic batching),
   - optionally over HTTP (`--url`): 1,000 single-input POST /embed requests, 32 in flight,
 and a table of embeddings/s with the ratio to sentence-transformers' batched rate is printed,
@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
 
     runs: list[tuple[str, Callable[[], torch.Tensor]]] = [
         (f"sentence-transformers encode(batch_size={args.batch_size})", st_batched),
-        ("kvserve Embedder, one batch", kv_batch),
+        ("kvserve AsyncEmbedder, one request of all", kv_batch),
         (f"kvserve AsyncEmbedder, 1-input requests x{args.concurrency} in flight", kv_async_single),
     ]
     if args.url:
