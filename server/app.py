@@ -69,14 +69,16 @@ def create_app(
             if not load_task.done():
                 load_task.cancel()
                 await asyncio.gather(load_task, return_exceptions=True)
+                state.shutdown.interrupted_load = True
             state.is_ready = False
-            if state.engine is not None:
-                await state.engine.stop()
-            if state.embedder is not None:
-                await state.embedder.stop()
-            # Waits for a job still running (a model load cancelled above), off the event loop.
-            await worker.stop()
-            logger.info("kvserve stopped")
+            await stop_requests(state)
+            if state.shutdown.interrupted_load:
+                # A model load cannot be interrupted (torch, file reads, a download): the stop does not
+                # wait for it; the CLI ends the process without joining the torch thread.
+                logger.info("kvserve stopped while loading its models")
+            else:
+                await worker.stop()  # waits (off the event loop) for the job still running, if any
+                logger.info("kvserve stopped")
 
     app = FastAPI(title="kvserve", summary="OpenAI-compatible LLM inference server", lifespan=lifespan)
     state = ServerState(config=config)
@@ -90,6 +92,7 @@ def create_app(
     app.add_middleware(
         KVServeMiddleware,
         is_ready=lambda: state.is_ready,
+        shutdown=state.shutdown,
         api_key=config.api_key,
         max_request_bytes=config.max_request_bytes,
     )
@@ -102,6 +105,17 @@ def create_app(
             expose_headers=["X-Request-Id"],
         )
     return app
+
+
+async def stop_requests(state: ServerState) -> None:
+    """Enter the stopping phase (server/shutdown.py) and stop the engine and the embedder: every request
+    still in them fails with EngineDeadError, which server/serving.py answers as 503 `shutting_down`
+    (a stream: an error event, then `data: [DONE]`). Idempotent."""
+    state.shutdown.begin_stopping()
+    if state.engine is not None:
+        await state.engine.stop()
+    if state.embedder is not None:
+        await state.embedder.stop()
 
 
 async def _load_models(

@@ -1,4 +1,5 @@
-"""`kvserve serve`: flags (each also read from KVSERVE_<NAME>) and the uvicorn run.
+"""`kvserve serve`: flags (each also read from KVSERVE_<NAME>), the uvicorn run, and its stop on
+SIGTERM/SIGINT (drain, then cut, then exit: server/shutdown.py).
 
 server/__main__.py calls add_arguments(parser) and run(args); `python -m server.cli` works too.
 """
@@ -8,16 +9,33 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import math
 import os
 import signal
 import sys
-from collections.abc import Callable, Sequence
-from typing import Any
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from types import FrameType
+from typing import TYPE_CHECKING, Any
+
+import uvicorn
 
 from engine.config import POOLING_MODES, SUPPORTED_DTYPES, EmbedderConfig, EngineConfig
 from server.config import LOG_LEVELS, ServerConfig, default_embedder_config, default_engine_config, parse_bytes
+from server.shutdown import DRAINING, SERVING, STOPPING
+
+if TYPE_CHECKING:
+    from server.state import ServerState
 
 ENV_PREFIX = "KVSERVE_"
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# Once the stop has cut the requests still running, seconds their last bytes (an SSE error event
+# and [DONE]) get to reach a client before the process exits anyway; and seconds uvicorn then
+# waits for connections still open. Small, so a stop ends within --shutdown-timeout + ~2 s.
+FINISH_AFTER_CUT_S = 1.0
+CLOSE_CONNECTIONS_S = 1.0
+
+logger = logging.getLogger(__name__)
 
 
 def _optional(kind: Callable[[str], Any]) -> Callable[[str], Any]:
@@ -152,7 +170,13 @@ FLAGS: tuple[Flag, ...] = (
         _size,
         "largest request body accepted (413 above it): bytes or with a unit",
     ),
-    _flag("shutdown_timeout", "server", float, "on SIGTERM, seconds running requests get to finish"),
+    _flag(
+        "shutdown_timeout",
+        "server",
+        float,
+        "on SIGTERM/SIGINT, seconds the requests in flight get to finish while new ones get 503 "
+        "(the rest then end with 503 shutting_down); a second signal cuts them at once",
+    ),
     _flag(
         "max_client_batch_size",
         "server",
@@ -237,20 +261,101 @@ def _setup_logging(level: str) -> None:
     logging.getLogger().setLevel(level.upper())
 
 
+class _StoppingServer(uvicorn.Server):
+    """uvicorn, stopped the kvserve way (server/shutdown.py): drain first, then cut, then exit.
+
+    The first SIGTERM/SIGINT starts draining (while the models still load: stops at once); the
+    requests in flight get `grace` seconds; a second signal cuts them at once. The signal handler
+    only counts signals: the phases move on uvicorn's 0.1 s tick, on the event loop.
+    """
+
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        state: ServerState,
+        stop_requests: Callable[[ServerState], Awaitable[None]],
+        grace: float,
+    ) -> None:
+        super().__init__(config)
+        self._state = state
+        self._stop_requests = stop_requests
+        self._grace = grace
+        self._num_signals = 0
+        self._cut_at = math.inf  # monotonic
+        self._exit_at = math.inf  # monotonic
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # Replaces uvicorn's handler: it would close the listening socket at once (no 503 phase) and
+        # re-raise the signal at exit.
+        self._num_signals += 1
+
+    async def on_tick(self, counter: int) -> bool:
+        if self._num_signals and not self.should_exit:
+            await self._advance_stop()
+        return await super().on_tick(counter)
+
+    async def _advance_stop(self) -> None:
+        shutdown = self._state.shutdown
+        if shutdown.phase == SERVING:
+            if not self._state.is_ready:
+                logger.info("stop requested while the models load: stopping now")
+                self.should_exit = True
+                return
+            shutdown.begin_draining()
+            self._cut_at = time.monotonic() + self._grace
+            logger.info(
+                "draining: new requests get 503; %d in flight get up to %.1f s to finish",
+                shutdown.num_in_flight,
+                self._grace,
+            )
+        if shutdown.phase == DRAINING and (
+            shutdown.num_in_flight == 0 or time.monotonic() >= self._cut_at or self._num_signals > 1
+        ):
+            if shutdown.num_in_flight:
+                logger.warning("stopping %d request(s) still in flight: they end with 503", shutdown.num_in_flight)
+            await self._stop_requests(self._state)
+            self._exit_at = time.monotonic() + FINISH_AFTER_CUT_S
+        if shutdown.phase == STOPPING and (shutdown.num_in_flight == 0 or time.monotonic() >= self._exit_at):
+            self.should_exit = True
+
+
+def _exit_before_serving(sig: int, frame: FrameType | None) -> None:
+    """A stop before the server runs (flags, imports, the app): nothing needs an orderly end yet."""
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _ignore_signal(sig: int, frame: FrameType | None) -> None:
+    """After the server has stopped: a late signal must not change how the process ends."""
+
+
 def run(args: argparse.Namespace) -> int:
-    """Serve until SIGTERM/SIGINT (graceful: running requests get --shutdown-timeout), then return 0.
+    """Serve until SIGTERM/SIGINT, then stop cleanly (server/shutdown.py) and return 0.
+
+    A stop drains: the requests in flight get --shutdown-timeout seconds while new ones get 503;
+    a second signal cuts them at once. A stop while the models load (or before the server runs)
+    exits at once with 0, without waiting for the load: the process ends here (os._exit), since
+    the torch thread still loading cannot be interrupted or joined.
 
     Returns 1 if a model fails to load, 2 on a bad flag combination.
     """
-    import uvicorn
+    previous = {sig: signal.signal(sig, _exit_before_serving) for sig in STOP_SIGNALS}
+    try:
+        return _serve(args)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
+
+def _serve(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args)
     except ValueError as exc:
         print(f"kvserve serve: {exc}", file=sys.stderr)
         return 2
     _setup_logging(config.log_level)
-    from server.app import create_app
+    from server.app import create_app, stop_requests
+    from server.state import state_of
 
     exit_code = 0
     server: uvicorn.Server | None = None
@@ -262,28 +367,30 @@ def run(args: argparse.Namespace) -> int:
             server.should_exit = True
 
     app = create_app(config, on_fatal=on_fatal)
+    state = state_of(app)
     uvicorn_config = uvicorn.Config(
         app,
         host=config.host,
         port=config.port,
         log_level=config.log_level,
         access_log=False,  # the middleware writes one line per request with tokens and latency
-        timeout_graceful_shutdown=config.shutdown_timeout,
+        # Requests have drained (or been cut) before uvicorn's own shutdown starts: only stragglers are left.
+        timeout_graceful_shutdown=CLOSE_CONNECTIONS_S,
         lifespan="on",
         # Not "auto": with uvloop installed, a client that hung up right after sending a
         # non-streamed request was sometimes never reported as gone, so its generation ran to
         # the end (tests/server/test_server_robustness.py failed ~40% of runs); asyncio's loop never missed it.
         loop="asyncio",
     )
-    server = uvicorn.Server(uvicorn_config)
-    # uvicorn re-raises the signal that stopped it once it is done; no-op handlers make
-    # that re-raise harmless, so a graceful SIGTERM ends with exit status 0.
-    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        server.run()
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    server = _StoppingServer(uvicorn_config, state, stop_requests, config.shutdown_timeout)
+    server.run()
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, _ignore_signal)
+    if state.shutdown.interrupted_load:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(exit_code)
     if not server.started and exit_code == 0:
         return 1  # could not bind, or start-up failed
     return exit_code

@@ -1,7 +1,8 @@
 """One pure-ASGI middleware for what every request goes through, in order:
 
-request id (X-Request-Id, echoed or made) -> readiness (503 while loading) ->
-API key (401) -> body size (413) -> the app -> one access-log line.
+request id (X-Request-Id, echoed or made) -> API key (401) -> readiness (503 while loading,
+503 `shutting_down` once the server drains: server/shutdown.py) -> body size (413) -> the app
+(counted in flight while it runs, so the stop knows when nothing is left) -> one access-log line.
 
 Pure ASGI (not BaseHTTPMiddleware) so streamed responses pass through untouched
 and client disconnects still reach the routes.
@@ -20,6 +21,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.errors import APIError
+from server.shutdown import Shutdown, shutting_down_error
 
 access_logger = logging.getLogger("kvserve.access")
 
@@ -41,13 +43,20 @@ def _clean_request_id(value: str | None) -> str:
 
 
 class KVServeMiddleware:
-    """is_ready(): models loaded; api_key: required bearer token (None: open)."""
+    """is_ready(): models loaded; shutdown: the server's stop; api_key: required bearer token (None: open)."""
 
     def __init__(
-        self, app: ASGIApp, *, is_ready: Callable[[], bool], api_key: str | None, max_request_bytes: int
+        self,
+        app: ASGIApp,
+        *,
+        is_ready: Callable[[], bool],
+        shutdown: Shutdown,
+        api_key: str | None,
+        max_request_bytes: int,
     ) -> None:
         self.app = app
         self.is_ready = is_ready
+        self.shutdown = shutdown
         self.api_key = api_key.encode() if api_key else None
         self.max_request_bytes = max_request_bytes
 
@@ -59,6 +68,7 @@ class KVServeMiddleware:
         request_id = _clean_request_id(_header(scope, REQUEST_ID_HEADER))
         state = scope.setdefault("state", {})
         state["request_id"] = request_id
+        state["shutdown"] = self.shutdown  # server/serving.py names the error of a request the stop cuts
         status = {"code": 0}
 
         async def send_with_id(message: Message) -> None:
@@ -74,7 +84,14 @@ class KVServeMiddleware:
             if error is not None:
                 await _send_error(error, send_with_id)
                 return
-            await self.app(scope, self._limit_body(receive), send_with_id)
+            counted = scope["path"] not in OPEN_PATHS
+            if counted:
+                self.shutdown.request_started()
+            try:
+                await self.app(scope, self._limit_body(receive), send_with_id)
+            finally:
+                if counted:
+                    self.shutdown.request_finished()
         except Exception:
             # One request's bug fails that request only; the server keeps serving.
             logging.getLogger(__name__).exception("unhandled error in %s %s", scope["method"], scope["path"])
@@ -106,6 +123,8 @@ class KVServeMiddleware:
                 code="invalid_api_key",
                 headers={"WWW-Authenticate": "Bearer"},
             )
+        if self.shutdown.is_draining:
+            return shutting_down_error()
         if not self.is_ready():
             return APIError(
                 503,

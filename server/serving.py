@@ -12,6 +12,8 @@ leak lives here. This module alone:
   answer is a bare 499;
 - frames SSE: the chunks, the usage chunk when `stream_options.include_usage` asks, then
   `[DONE]`; an engine error becomes an error event (the JSON error body) then `[DONE]`;
+- names the failure of a request the server's stop cut (server/shutdown.py): the engine or
+  embedder stopped under it, and the answer is 503 `shutting_down`, not `engine_dead`;
 - closes every engine stream however the answer ends.
 
 The last is one mechanism. A `Generation` owns the streams of one HTTP request (and the tasks
@@ -35,13 +37,14 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from engine.errors import KVServeError
+from engine.errors import EngineDeadError, KVServeError
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from engine.params import SamplingParams
 from engine.serving.async_engine import AsyncEngine, RequestStream
-from server.errors import api_error_for
+from server.errors import APIError, api_error_for
 from server.metrics import RequestTimer
 from server.protocol.common import StreamOptions, Usage
+from server.shutdown import is_stopping, shutting_down_error
 
 CLIENT_CLOSED_REQUEST = 499  # nginx's code: the client left before the answer
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -278,7 +281,7 @@ async def generation_stream(
                 yield _sse(usage_chunk(usage))
             yield _sse("[DONE]")
         except KVServeError as exc:
-            yield _sse(api_error_for(exc).to_body())
+            yield _sse(_error_for(exc, scope).to_body())
             yield _sse("[DONE]")
 
     async def send_events(scope: Scope, receive: Receive, send: Send) -> None:
@@ -300,6 +303,10 @@ def _json_sender(work: Callable[[], Awaitable[Any]], generation: Generation | No
         except _ClientGone:
             await Response(status_code=CLIENT_CLOSED_REQUEST)(scope, receive, send)
             return
+        except EngineDeadError:
+            if is_stopping(scope):  # nothing sent yet: the app's error handlers answer it
+                raise shutting_down_error() from None
+            raise
         if generation is not None:
             generation.record_finish()
             _record_usage(scope, generation.usage())
@@ -332,6 +339,13 @@ async def _client_left(receive: Receive) -> None:
     """Returns when the client disconnects (the request body was read already)."""
     while (await receive())["type"] != "http.disconnect":
         pass
+
+
+def _error_for(exc: KVServeError, scope: Scope) -> APIError:
+    """The answer to an engine error; an engine stopped by the server's stop is 503 `shutting_down`."""
+    if isinstance(exc, EngineDeadError) and is_stopping(scope):
+        return shutting_down_error()
+    return api_error_for(exc)
 
 
 def _sse(payload: dict | str) -> str:

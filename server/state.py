@@ -1,7 +1,8 @@
 """ServerState: what the routes share, stored once on the app; a route reads it as a `SharedState` parameter.
 
 The lifespan (server/app.py) fills in `engine` and `embedder` once the models are loaded, then
-sets `is_ready`; a failed load sets `load_error` instead. Routes only read it.
+sets `is_ready`; a failed load sets `load_error` instead. `shutdown` is the server's stop
+(server/shutdown.py): the CLI moves its phase, the middleware counts requests in it. Routes only read it.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from fastapi import Depends, FastAPI, Request
 
 from server.config import ServerConfig
 from server.metrics import ServerMetrics
+from server.shutdown import Shutdown
 
 if TYPE_CHECKING:
     from engine.outputs import EngineStats
@@ -27,6 +29,7 @@ class ServerState:
     embedder: AsyncEmbedder | None = None  # None until loaded, or when no embedding model is served
     is_ready: bool = False  # every model is loaded: the middleware stops answering 503
     load_error: str | None = None  # why loading failed; /health reports it
+    shutdown: Shutdown = field(default_factory=Shutdown)  # serving -> draining -> stopping
     metrics: ServerMetrics = field(init=False)  # its engine gauges read `engine` at scrape time
 
     def __post_init__(self) -> None:

@@ -13,7 +13,10 @@ router = APIRouter()
 
 @router.get("/health")
 async def health(state: SharedState) -> JSONResponse:
-    """503 {"status": "loading"} until the models are loaded, 200 {"status": "ok"} after; 503 if an engine died."""
+    """503 {"status": "loading"} until the models are loaded, 200 {"status": "ok"} after; 503 if an engine died;
+    503 {"status": "draining"} from the first SIGTERM/SIGINT on (server/shutdown.py), so load balancers stop sending."""
+    if state.shutdown.is_draining:
+        return JSONResponse({"status": "draining"}, status_code=503)
     if state.load_error is not None:
         return JSONResponse({"status": "error", "message": state.load_error}, status_code=503)
     if not state.is_ready:

@@ -89,16 +89,25 @@ class ServerThread:
 
 
 class ServerProcess:
-    """`python -m server.cli ARGS` in a subprocess, on a free port; stderr goes to a log file."""
+    """`python -m server.cli ARGS` in a subprocess, on a free port; stderr goes to a log file.
 
-    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
+    program: what python runs instead of `-m server.cli` (a script that patches something first).
+    """
+
+    def __init__(
+        self,
+        args: list[str],
+        log_path: Path,
+        env: dict[str, str] | None = None,
+        program: tuple[str, ...] = ("-m", "server.cli"),
+    ) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         full_env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), **(env or {})}
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in wait()/kill()
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "server.cli", "--host", "127.0.0.1", "--port", str(self.port), *args],
+            [sys.executable, *program, "--host", "127.0.0.1", "--port", str(self.port), *args],
             cwd=REPO_ROOT,
             env=full_env,
             stdout=self._log,
@@ -108,8 +117,8 @@ class ServerProcess:
     def wait_ready(self, timeout: float = 120.0) -> list[int]:
         return wait_for_health(self.base_url, timeout, self.process)
 
-    def terminate(self) -> None:
-        self.process.send_signal(signal.SIGTERM)
+    def terminate(self, sig: int = signal.SIGTERM) -> None:
+        self.process.send_signal(sig)
 
     def wait(self, timeout: float = 60.0) -> int:
         try:
