@@ -214,8 +214,9 @@ class Embedder:
     ) -> list[list[int]]:
         """Texts -> token ids with the model's special tokens; token-id inputs are used as given.
 
-        Raises InvalidRequestError for an empty list, an empty token list, an out-of-vocabulary id,
-        or an input longer than max_model_len while `truncate` is false (the message gives both numbers).
+        Raises InvalidRequestError for an empty list, text that is not valid Unicode (a lone surrogate),
+        an empty token list, an out-of-vocabulary id, or an input longer than max_model_len while
+        `truncate` is false (the message gives both numbers).
         """
         if truncation_direction not in TRUNCATION_DIRECTIONS:
             raise InvalidRequestError(
@@ -227,7 +228,10 @@ class Embedder:
         if all(isinstance(x, str) for x in inputs):
             texts = [self._prepare_text(x) for x in inputs]
             tokenizer = self._tokenizers[truncation_direction if truncate else None]
-            token_ids = [enc.ids for enc in tokenizer.encode_batch(texts)]
+            try:
+                token_ids = [enc.ids for enc in tokenizer.encode_batch(texts)]
+            except (TypeError, UnicodeEncodeError) as exc:  # e.g. a lone surrogate: not valid text
+                raise _invalid_text_error(texts) from exc
         elif all(not isinstance(x, str) for x in inputs):
             token_ids = [self._check_token_ids(i, x) for i, x in enumerate(inputs)]
             if truncate:
@@ -301,6 +305,20 @@ class Embedder:
                 f"dimensions must be between 1 and {self.hidden_size} for this model, got {dimensions}",
                 param="dimensions",
             )
+
+
+def _invalid_text_error(texts: list[str]) -> InvalidRequestError:
+    """The 400 for texts the tokenizer refused: names the first input that is not valid Unicode text."""
+    for index, text in enumerate(texts):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            return InvalidRequestError(
+                f"input {index} cannot be tokenized: it is not valid Unicode text ({exc.reason} at character "
+                f"{exc.start})",
+                param="input",
+            )
+    return InvalidRequestError("input cannot be tokenized", param="input")
 
 
 def _encoder_dir(model_dir: Path) -> Path:

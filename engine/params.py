@@ -1,21 +1,53 @@
 """Per-request parameters, validated once at construction.
 
 Invalid values raise `InvalidRequestError` naming the field, so the HTTP layer
-can answer 400 without knowing the rules itself.
+can answer 400 without knowing the rules itself. The bounds below are the same
+ones the server's request models apply at the edge (server/protocol/common.py);
+they are checked here too because the engine is also used offline.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from engine.errors import InvalidRequestError
 
 MAX_TOP_LOGPROBS = 20
+MAX_SAMPLES = 128  # n
+# Token counts (max_tokens, min_tokens, top_k) and token ids: anything larger is no real request, and
+# every value up to here fits the int64 tensors the sampler builds from them.
+MAX_COUNT = 2**31 - 1
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 1024
+# Sample i of a request seeds its generator with seed + i, which must fit torch's unsigned 64-bit seed.
+MAX_SEED = 2**63 - 1
+MAX_TEMPERATURE = 100.0
+MAX_REPETITION_PENALTY = 10.0
+MAX_ABS_PENALTY = 2.0  # presence_penalty, frequency_penalty
+MAX_ABS_LOGIT_BIAS = 100.0
 
 
 def _require(condition: bool, param: str, message: str) -> None:
     if not condition:
         raise InvalidRequestError(f"{param}: {message}", param=param)
+
+
+def _is_int(value: object) -> bool:
+    """An integer that is not a bool (True is no token id, count or seed)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _require_int(value: object, param: str, low: int, high: int) -> None:
+    _require(_is_int(value), param, f"must be an integer, got {value!r}")
+    _require(low <= value <= high, param, f"must be in [{low}, {high}], got {value}")
+
+
+def _require_number(value: object, param: str, low: float, high: float, low_open: bool = False) -> None:
+    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    _require(is_number and math.isfinite(value), param, f"must be a finite number, got {value!r}")
+    in_range = (low < value if low_open else low <= value) and value <= high
+    _require(in_range, param, f"must be in {'(' if low_open else '['}{low:g}, {high:g}], got {value}")
 
 
 @dataclass(frozen=True)
@@ -52,54 +84,50 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         else:
             object.__setattr__(self, "stop", tuple(self.stop or ()))
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in (self.stop_token_ids or ())))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        for token_id in self.stop_token_ids:
+            _require_int(token_id, "stop_token_ids", 0, MAX_COUNT)
         if self.logit_bias is not None:
-            object.__setattr__(self, "logit_bias", {int(k): float(v) for k, v in self.logit_bias.items()})
+            for token_id, bias in self.logit_bias.items():
+                _require_int(token_id, "logit_bias", 0, MAX_COUNT)
+                _require_number(bias, "logit_bias", -MAX_ABS_LOGIT_BIAS, MAX_ABS_LOGIT_BIAS)
+            object.__setattr__(self, "logit_bias", {k: float(v) for k, v in self.logit_bias.items()})
 
-        _require(self.n >= 1, "n", f"must be at least 1, got {self.n}")
-        _require(self.n <= 128, "n", f"must be at most 128, got {self.n}")
+        _require_int(self.n, "n", 1, MAX_SAMPLES)
         if self.max_tokens is not None:
-            _require(self.max_tokens >= 1, "max_tokens", f"must be at least 1, got {self.max_tokens}")
-        _require(self.min_tokens >= 0, "min_tokens", f"must be non-negative, got {self.min_tokens}")
+            _require_int(self.max_tokens, "max_tokens", 1, MAX_COUNT)
+        _require_int(self.min_tokens, "min_tokens", 0, MAX_COUNT)
         if self.max_tokens is not None:
             _require(
                 self.min_tokens <= self.max_tokens,
                 "min_tokens",
                 f"must be at most max_tokens={self.max_tokens}, got {self.min_tokens}",
             )
-        _require(0.0 <= self.temperature <= 100.0, "temperature", f"must be in [0, 100], got {self.temperature}")
-        _require(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
-        _require(self.top_k >= -1, "top_k", f"must be -1, 0 (disabled) or positive, got {self.top_k}")
-        _require(0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p}")
-        _require(
-            0.0 < self.repetition_penalty <= 10.0,
-            "repetition_penalty",
-            f"must be in (0, 10], got {self.repetition_penalty}",
-        )
-        _require(
-            -2.0 <= self.presence_penalty <= 2.0,
-            "presence_penalty",
-            f"must be in [-2, 2], got {self.presence_penalty}",
-        )
-        _require(
-            -2.0 <= self.frequency_penalty <= 2.0,
-            "frequency_penalty",
-            f"must be in [-2, 2], got {self.frequency_penalty}",
-        )
-        for token_id, bias in (self.logit_bias or {}).items():
-            _require(token_id >= 0, "logit_bias", f"token id must be non-negative, got {token_id}")
-            _require(-100.0 <= bias <= 100.0, "logit_bias", f"bias must be in [-100, 100], got {bias}")
+        _require_number(self.temperature, "temperature", 0.0, MAX_TEMPERATURE)
+        _require_number(self.top_p, "top_p", 0.0, 1.0, low_open=True)
+        # -1 and 0 disable top-k; the sampler treats any k over the vocabulary as the whole vocabulary.
+        _require_int(self.top_k, "top_k", -1, MAX_COUNT)
+        _require_number(self.min_p, "min_p", 0.0, 1.0)
+        _require_number(self.repetition_penalty, "repetition_penalty", 0.0, MAX_REPETITION_PENALTY, low_open=True)
+        _require_number(self.presence_penalty, "presence_penalty", -MAX_ABS_PENALTY, MAX_ABS_PENALTY)
+        _require_number(self.frequency_penalty, "frequency_penalty", -MAX_ABS_PENALTY, MAX_ABS_PENALTY)
+        _require(all(isinstance(s, str) for s in self.stop), "stop", "stop strings must be strings")
         _require(all(len(s) > 0 for s in self.stop), "stop", "stop strings must be non-empty")
-        _require(len(self.stop) <= 16, "stop", f"at most 16 stop strings, got {len(self.stop)}")
-        _require(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "token ids must be non-negative")
+        _require(
+            len(self.stop) <= MAX_STOP_STRINGS,
+            "stop",
+            f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}",
+        )
+        longest = max((len(s) for s in self.stop), default=0)
+        _require(
+            longest <= MAX_STOP_STRING_CHARS,
+            "stop",
+            f"each stop string has at most {MAX_STOP_STRING_CHARS} characters, got one of {longest}",
+        )
         if self.logprobs is not None:
-            _require(
-                0 <= self.logprobs <= MAX_TOP_LOGPROBS,
-                "logprobs",
-                f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}",
-            )
+            _require_int(self.logprobs, "logprobs", 0, MAX_TOP_LOGPROBS)
         if self.seed is not None:
-            _require(0 <= self.seed < 2**63, "seed", f"must be in [0, 2^63), got {self.seed}")
+            _require_int(self.seed, "seed", 0, MAX_SEED)
 
     @property
     def is_greedy(self) -> bool:

@@ -81,12 +81,15 @@ def _validation_message(errors: list[dict]) -> tuple[str, str | None]:
         first_param = first_param or param
         if error.get("type") == "json_invalid":
             return f"request body is not valid JSON: {error.get('ctx', {}).get('error', error.get('msg'))}", None
-        if error.get("type") == "extra_forbidden":
+        if param is None:  # the body itself: missing, or not a JSON object
+            what = "missing" if error.get("type") == "missing" else f"must be a JSON object ({error.get('msg')})"
+            parts.append(f"request body: {what}")
+        elif error.get("type") == "extra_forbidden":
             parts.append(f"unsupported field '{param}'")
         elif error.get("type") == "missing":
             parts.append(f"missing required field '{param}'")
         else:
-            parts.append(f"{param}: {error.get('msg')}" if param else str(error.get("msg")))
+            parts.append(f"{param}: {error.get('msg')}")
     return "; ".join(parts) or "invalid request", first_param
 
 

@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, model_serializer
 
-from server.protocol.common import SamplingFields, StrictRequest, Usage, now
+from server.protocol.common import (
+    PositiveCount,
+    SamplingFields,
+    StrictRequest,
+    TopLogprobs,
+    Usage,
+    described_union,
+    now,
+)
 
 
 class TextContentPart(StrictRequest):
@@ -16,7 +24,13 @@ class TextContentPart(StrictRequest):
 
 class ChatMessage(StrictRequest):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextContentPart] | None = None
+    content: (
+        Annotated[
+            str | list[TextContentPart],
+            described_union('a string or a list of {"type": "text", "text": ...} parts'),
+        ]
+        | None
+    ) = None
     name: str | None = None
 
     def text(self) -> str:
@@ -34,10 +48,10 @@ class ResponseFormat(StrictRequest):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: PositiveCount | None = None
+    max_completion_tokens: PositiveCount | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: TopLogprobs | None = None
     add_generation_prompt: bool = True
     # OpenAI fields kvserve does not implement (400 when set to something that matters).
     response_format: ResponseFormat | None = None

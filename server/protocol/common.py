@@ -4,11 +4,82 @@ completions and chat, token usage, and the /v1/models cards."""
 from __future__ import annotations
 
 import time
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
+)
+from pydantic_core import PydanticCustomError
 
-TokenId = Annotated[int, Field(ge=0)]
+from engine.params import (
+    MAX_ABS_LOGIT_BIAS,
+    MAX_ABS_PENALTY,
+    MAX_COUNT,
+    MAX_REPETITION_PENALTY,
+    MAX_SAMPLES,
+    MAX_SEED,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_TEMPERATURE,
+    MAX_TOP_LOGPROBS,
+)
+
+# Every number is strict (`true` is not 1, "2" is not 2) and bounded, with the engine's own bounds
+# (engine/params.py), so a value the engine could not use is a 400 naming its field here.
+TokenId = Annotated[int, Field(strict=True, ge=0)]
+Count = Annotated[int, Field(strict=True, ge=0, le=MAX_COUNT)]
+PositiveCount = Annotated[int, Field(strict=True, ge=1, le=MAX_COUNT)]  # max_tokens, dimensions
+NumSamples = Annotated[int, Field(strict=True, ge=1, le=MAX_SAMPLES)]
+TopLogprobs = Annotated[int, Field(strict=True, ge=0, le=MAX_TOP_LOGPROBS)]
+
+
+def _number(low: float, high: float, low_open: bool = False) -> Any:
+    bound = {"gt": low} if low_open else {"ge": low}
+    return Annotated[float, Field(strict=True, le=high, allow_inf_nan=False, **bound)]
+
+
+def described_union(expected: str) -> WrapValidator:
+    """One error naming the field when a value fits no member of a union (instead of one error per
+    member, each at a path through the member's type name)."""
+
+    def validate(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        try:
+            return handler(value)
+        except ValidationError:
+            raise PydanticCustomError("invalid_value", "must be {expected}", {"expected": expected}) from None
+
+    return WrapValidator(validate)
+
+
+Temperature = _number(0.0, MAX_TEMPERATURE)
+Probability = _number(0.0, 1.0)  # min_p
+TopP = _number(0.0, 1.0, low_open=True)
+Penalty = _number(-MAX_ABS_PENALTY, MAX_ABS_PENALTY)  # presence_penalty, frequency_penalty
+RepetitionPenalty = _number(0.0, MAX_REPETITION_PENALTY, low_open=True)
+LogitBias = _number(-MAX_ABS_LOGIT_BIAS, MAX_ABS_LOGIT_BIAS)
+Seed = Annotated[int, Field(strict=True, ge=0, le=MAX_SEED)]
+TopK = Annotated[int, Field(strict=True, ge=-1, le=MAX_COUNT)]  # -1 or 0: disabled
+StopString = Annotated[str, Field(max_length=MAX_STOP_STRING_CHARS)]
+Stop = Annotated[
+    StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)],
+    described_union(
+        f"a string or a list of at most {MAX_STOP_STRINGS} strings, "
+        f"each at most {MAX_STOP_STRING_CHARS} characters long"
+    ),
+]
+# Prompts (completions) and inputs (embeddings): one text, several, one token-id list, or several.
+TextsOrTokenIds = Annotated[
+    str | list[str] | list[TokenId] | list[list[TokenId]],
+    described_union(
+        "a string, a list of strings, a list of token ids or a list of token-id lists "
+        "(a token id is a non-negative integer)"
+    ),
+]
 
 
 class StrictRequest(BaseModel):
@@ -30,23 +101,24 @@ class SamplingFields(StrictRequest):
     """Sampling fields shared by completions and chat (OpenAI names plus vLLM's extras)."""
 
     model: str | None = None
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    stop: str | list[str] | None = None
+    n: NumSamples = 1
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    stop: Stop | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
-    seed: int | None = None
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    # keys: token ids as strings (JSON keys are strings), checked in server/params.py
+    logit_bias: dict[str, LogitBias] | None = None
+    seed: Seed | None = None
     user: str | None = None
     # vLLM extras
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    min_tokens: int = 0
-    stop_token_ids: list[TokenId] | None = None
+    top_k: TopK = 0
+    min_p: Probability = 0.0
+    repetition_penalty: RepetitionPenalty = 1.0
+    min_tokens: Count = 0
+    stop_token_ids: list[Count] | None = None
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True

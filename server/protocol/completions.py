@@ -6,18 +6,26 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from server.protocol.common import SamplingFields, Usage, now
+from server.protocol.common import (
+    NumSamples,
+    PositiveCount,
+    SamplingFields,
+    TextsOrTokenIds,
+    TopLogprobs,
+    Usage,
+    now,
+)
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    prompt: TextsOrTokenIds
+    max_tokens: PositiveCount | None = 16
+    logprobs: TopLogprobs | None = None  # OpenAI allows 0..5; kvserve 0..20, like chat's top_logprobs
     echo: bool = False
     add_special_tokens: bool = True
     # OpenAI fields kvserve does not implement (400 when set).
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: NumSamples | None = None
 
     def unsupported_fields(self) -> list[str]:
         bad = []

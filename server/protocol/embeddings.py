@@ -7,14 +7,14 @@ validating thousands of floats per vector through pydantic would cost more than 
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, field_validator
 
-from server.protocol.common import StrictRequest, TokenId
+from server.protocol.common import PositiveCount, StrictRequest, TextsOrTokenIds
 
 # OpenAI: a string, a list of strings, one token-id list, or a list of token-id lists.
-EmbeddingInput = str | list[str] | list[TokenId] | list[list[TokenId]]
+EmbeddingInput = TextsOrTokenIds
 
 
 class EmbeddingRequest(StrictRequest):
@@ -23,7 +23,7 @@ class EmbeddingRequest(StrictRequest):
     input: EmbeddingInput
     model: str | None = None
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: Annotated[int, Field(ge=1)] | None = None
+    dimensions: PositiveCount | None = None  # at most the model's hidden size (the embedder checks)
     user: str | None = None
     # kvserve/TEI extras: OpenAI has no truncation switch (inputs over the limit are a 400).
     truncate: bool = False
@@ -56,11 +56,11 @@ class EmbeddingResponse(BaseModel):
 class EmbedRequest(StrictRequest):
     """POST /embed (text-embeddings-inference). TEI spells directions "Right"/"Left"; either case is accepted."""
 
-    inputs: str | list[str] | list[TokenId] | list[list[TokenId]]
+    inputs: EmbeddingInput
     normalize: bool = True
     truncate: bool = False
     truncation_direction: Literal["right", "left"] = "right"
-    dimensions: Annotated[int, Field(ge=1)] | None = None
+    dimensions: PositiveCount | None = None
 
     @field_validator("truncation_direction", mode="before")
     @classmethod

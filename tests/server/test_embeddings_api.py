@@ -205,6 +205,28 @@ def test_malformed_requests(server):
     assert response.status_code in (400, 422)
 
 
+@pytest.mark.parametrize(
+    ("path", "body", "param", "words"),
+    [
+        ("/v1/embeddings", {"input": "\ud800"}, "input", "input 0 cannot be tokenized: it is not valid Unicode"),
+        ("/v1/embeddings", {"input": ["fine", "broken \udfff"]}, "input", "input 1 cannot be tokenized"),
+        ("/embed", {"inputs": "\ud800"}, "input", "not valid Unicode"),
+        ("/v1/embeddings", {"input": [5, True]}, "input", "token id is a non-negative integer"),
+        ("/embed", {"inputs": [[5], [False]]}, "inputs", "token id is a non-negative integer"),
+        ("/v1/embeddings", {"input": "x", "dimensions": 10**30}, "dimensions", "dimensions: "),
+    ],
+)
+def test_invalid_text_and_bool_token_ids_are_a_400_naming_the_input(server, path, body, param, words):
+    # json.dumps escapes a lone surrogate as \ud800 (httpx's own encoder cannot send one)
+    content = json.dumps(body).encode()
+    response = httpx.post(f"{server.url}{path}", content=content, headers={"content-type": "application/json"})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and words in error["message"], error
+    ok = httpx.post(f"{server.url}/v1/embeddings", json={"input": "still fine"})
+    assert ok.status_code == 200, ok.text
+
+
 class _SilentEmbedder:
     """An embedder whose vectors never come: embed() waits until it is cancelled, and records that."""
 

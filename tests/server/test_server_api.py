@@ -147,6 +147,20 @@ def test_stop_strings(client):
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
+def test_stop_strings_are_bounded_in_number_and_length(server, client):
+    from engine.params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
+
+    longest = ["x" * MAX_STOP_STRING_CHARS] * MAX_STOP_STRINGS
+    result = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=3, stop=longest, **greedy())
+    assert result.choices[0].finish_reason == "length"
+    for stop in (["x"] * (MAX_STOP_STRINGS + 1), ["x" * (MAX_STOP_STRING_CHARS + 1)]):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=3, stop=stop)
+        assert info.value.body["param"] == "stop"
+        assert str(MAX_STOP_STRINGS) in info.value.body["message"]
+        assert str(MAX_STOP_STRING_CHARS) in info.value.body["message"]
+
+
 # ---- chat ----
 
 MESSAGES = [
@@ -237,6 +251,8 @@ def test_models_tokenize_detokenize(server, client):
     assert "".join(tokenized["token_strs"]) == PROMPTS[0]
     back = httpx.post(f"{server.base_url}/detokenize", json={"model": MODEL, "tokens": tokenized["tokens"]})
     assert back.json() == {"prompt": PROMPTS[0]}
+    refused = httpx.post(f"{server.base_url}/detokenize", json={"model": MODEL, "tokens": [5, True]})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "tokens.1", refused.text
 
 
 def test_token_ids_are_bounded_by_the_models_embedding_table(tmp_path):

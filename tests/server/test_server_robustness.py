@@ -207,6 +207,21 @@ BAD_COMPLETIONS = [
     ({"prompt": "Hi", "stream_options": {"include_usage": True}}, "stream_options"),
     ({"prompt": "Hi", "echo": True, "logprobs": 1}, "echo"),
     ({"prompt": "Hi", "stop": ["x"] * 20}, "stop"),
+    ({"prompt": "Hi", "stop": "x" * 1025}, "stop"),
+    ({"prompt": "Hi", "stop": ["x", "y" * 1025]}, "stop"),
+    # Every number is bounded and strict: a value the engine cannot use never reaches it.
+    ({"prompt": "Hi", "top_k": 10**30}, "top_k"),
+    ({"prompt": "Hi", "top_k": 2**31}, "top_k"),
+    ({"prompt": "Hi", "n": True}, "n"),
+    ({"prompt": "Hi", "max_tokens": 10**30}, "max_tokens"),
+    ({"prompt": "Hi", "min_tokens": 10**30}, "min_tokens"),
+    ({"prompt": "Hi", "seed": 2**64}, "seed"),
+    ({"prompt": "Hi", "seed": -1}, "seed"),
+    ({"prompt": "Hi", "logprobs": True}, "logprobs"),
+    ({"prompt": "Hi", "logit_bias": {"5": 1000}}, "logit_bias"),
+    ({"prompt": "Hi", "stop_token_ids": [10**30]}, "stop_token_ids"),
+    ({"prompt": [5, True]}, "prompt"),
+    ({"prompt": [[5], [True]]}, "prompt"),
 ]
 BAD_CHATS = [
     ({"messages": []}, "messages"),
@@ -215,6 +230,10 @@ BAD_CHATS = [
     ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 10**30}, "max_completion_tokens"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_k": 10**30}, "top_k"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
 ]
 
 
@@ -226,6 +245,42 @@ def test_bad_completion_fields_get_400_naming_them(server, body, param):
 @pytest.mark.parametrize(("body", "param"), BAD_CHATS, ids=[p for _, p in BAD_CHATS])
 def test_bad_chat_fields_get_400_naming_them(server, body, param):
     assert_error_shape(httpx.post(f"{server.base_url}/v1/chat/completions", json=body), 400, param)
+
+
+def test_a_huge_top_k_is_refused_without_touching_the_streams_beside_it(server, knobs):
+    """A top_k past int64 used to reach the sampler and fail the whole step, and every request in it."""
+    knobs.step_delay = 0.02
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 20, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=server.base_url, timeout=30) as http:
+        with http.stream("POST", "/v1/completions", json=body) as stream:
+            lines = stream.iter_lines()
+            next(lines)  # the stream is running
+            bad = http.post("/v1/completions", json={"prompt": "Hi", "top_k": 10**30, "max_tokens": 3})
+            error = assert_error_shape(bad, 400, "top_k")
+            assert "top_k" in error["message"]
+            data = [line[len("data: ") :] for line in lines if line.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    chunks = [json.loads(d) for d in data[:-1]]
+    assert all("error" not in chunk for chunk in chunks)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize(
+    ("content", "param", "words"),
+    [
+        (b'{"prompt": "Hi", "temperature": NaN}', "temperature", "finite"),
+        (b'{"prompt": "Hi", "top_p": Infinity}', "top_p", "finite"),
+        (b'["Hi"]', None, "request body"),
+        (b"", None, "request body"),
+    ],
+)
+def test_validation_messages_name_the_field_or_the_body(server, content, param, words):
+    url = f"{server.base_url}/v1/completions"
+    response = httpx.post(url, content=content, headers={"content-type": "application/json"})
+    error = assert_error_shape(response, 400)
+    assert error["param"] == param and words in error["message"], error
+    if param:
+        assert error["message"].startswith(f"{param}: ")
 
 
 def test_prompt_too_long_names_the_numbers(server):
