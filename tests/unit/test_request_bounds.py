@@ -84,9 +84,21 @@ def test_sampling_params_accept_the_bounds_themselves():
     assert SamplingParams(top_k=-1).top_k == -1
 
 
-def test_the_largest_seed_of_the_last_sample_still_seeds_a_generator():
-    """Sample i seeds its generator with seed + i (engine/core/llm_engine.py)."""
-    torch.Generator().manual_seed(MAX_SEED + MAX_SAMPLES - 1)
+def test_the_largest_accepted_values_sample_without_error():
+    """The bounds are safe all the way down: sample i seeds its generator with seed + i
+    (engine/core/llm_engine.py), and a top_k past the vocabulary keeps every token."""
+    from engine.runner.sampler import SamplingRow, sample
+
+    largest = SamplingParams(
+        top_k=MAX_COUNT, seed=MAX_SEED, temperature=100, repetition_penalty=10, presence_penalty=2, logit_bias={3: 100}
+    )
+    generator = torch.Generator().manual_seed(MAX_SEED + MAX_SAMPLES - 1)
+    rows = [
+        SamplingRow(largest, [1, 2, 3], 2, eos_token_ids=(0,), generator=generator),
+        SamplingRow(SamplingParams(top_k=MAX_COUNT), [1, 2, 3], 2, eos_token_ids=(0,), generator=None),
+    ]
+    token_ids = sample(torch.randn(2, 50), rows).token_ids
+    assert len(token_ids) == 2 and all(0 <= t < 50 for t in token_ids)
 
 
 def _refused(model, body: dict) -> str:
