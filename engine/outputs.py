@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
 FINISH_ABORT = "abort"
+FINISH_ERROR = "error"  # computing the request raised; RequestOutput.error says what
 
 
 @dataclass
@@ -26,7 +27,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     logprobs: list[TokenLogprob] | None
-    finish_reason: str | None = None  # "stop" | "length" | "abort" once finished
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" once finished
     stop_reason: str | int | None = None  # the stop string or stop token that ended it
     num_generated_tokens: int = 0  # total so far, including this delta
 
@@ -45,6 +46,9 @@ class RequestOutput:
     finished: bool  # every sample of the request has finished
     arrival_time: float = 0.0
     first_scheduled_time: float | None = None  # time.monotonic() when first scheduled
+    # Set when the engine finished the request because computing it raised (the other
+    # requests of that step went on); the request is over and `finished` is True.
+    error: str | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -2,12 +2,16 @@
 
 `step()` is three verbs: the scheduler picks the batch, the runner computes it
 and samples, the scheduler advances the sequences and applies the stop check.
+A request whose computation raises on its own is finished with FINISH_ERROR
+(its RequestOutput carries the error) and the rest of the step goes on; a
+failure that no request explains is raised from `step()`.
 Single-threaded by design: its one owner (engine.serving.async_engine in the
 server, engine.llm.LLM offline) calls it from one thread at a time.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -22,7 +26,7 @@ from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.scheduler import ScheduledBatch, Scheduler
 from engine.core.sequence import Sequence
 from engine.errors import InvalidRequestError, PromptTooLongError
-from engine.outputs import FINISH_ABORT, FINISH_STOP, CompletionOutput, EngineStats, RequestOutput
+from engine.outputs import FINISH_ABORT, FINISH_ERROR, FINISH_STOP, CompletionOutput, EngineStats, RequestOutput
 from engine.params import SamplingParams
 from engine.runner.model_runner import ModelRunner, kv_bytes_per_block
 
@@ -200,12 +204,31 @@ class LLMEngine:
         outputs, self._pending_outputs = self._pending_outputs, []
         if batch.is_empty:
             return outputs
-        sampled = self.runner.execute(batch)
-        sampled_seqs = self.scheduler.update(batch, sampled.token_ids, sampled.logprobs)
-        self.num_prompt_tokens_total += self._count_prompt_tokens(batch)
+        try:
+            run = self.runner.execute_isolating_failures(batch)
+        except Exception:
+            # No request explains it; nothing advanced. The notices taken above go out with a later step.
+            self._pending_outputs[:0] = outputs
+            raise
+        for request_id, error in run.failed.items():
+            outputs.extend(self._fail_request(request_id, error))
+        sampled_seqs = self.scheduler.update(run.batch, run.sampled.token_ids, run.sampled.logprobs)
+        self.num_prompt_tokens_total += self._count_prompt_tokens(run.batch)
         self.num_generation_tokens_total += len(sampled_seqs)
         outputs.extend(self._collect_outputs(sampled_seqs))
         return outputs
+
+    def _fail_request(self, request_id: str, error: Exception) -> list[RequestOutput]:
+        """Finish every sample of a request whose computation raised on its own; its blocks go back."""
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return []
+        logger.error("request %s failed on its own and was finished with an error: %r", request_id, error)
+        for seq in request.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, FINISH_ERROR)
+        output = self._request_output(request, request.seqs, num_new_tokens=0)
+        return [dataclasses.replace(output, error=f"internal error while generating: {error!r}")]
 
     def _count_prompt_tokens(self, batch: ScheduledBatch) -> int:
         """Prompt tokens computed this step (for the prompt_tokens_total counter); after update."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from engine.core.kv_cache_manager import KVCacheManager
@@ -43,6 +44,11 @@ class ScheduledBatch:
         """Does sequence i reach its last token this step (so its logits are sampled)?"""
         seq = self.seqs[i]
         return seq.num_computed_tokens + self.num_new_tokens[i] == len(seq.token_ids)
+
+    def only(self, request_ids: Collection[str]) -> ScheduledBatch:
+        """The part of this batch that belongs to these requests, in batch order."""
+        keep = [i for i, seq in enumerate(self.seqs) if seq.request_id in request_ids]
+        return ScheduledBatch([self.seqs[i] for i in keep], [self.num_new_tokens[i] for i in keep])
 
 
 class Scheduler:

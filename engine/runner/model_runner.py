@@ -2,22 +2,27 @@
 
 Everything per step is built once here as flat tensors (token ids, positions,
 cache slots, masks) and passed into the model; the model never loops over
-sequences.
+sequences. A batch that raises is run again split by request, so a failure that
+one request causes fails that request only (`execute_isolating_failures`).
 """
 
 from __future__ import annotations
 
 import logging
+import traceback
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from engine.config import TORCH_DTYPES, EngineConfig, ModelConfig
 from engine.core.scheduler import ScheduledBatch
+from engine.core.sequence import Sequence
 from engine.models.gpt2 import GPT2LMHeadModel
 from engine.models.llama import LlamaForCausalLM
 from engine.ops.int8_linear import quantize_linears
 from engine.ops.llama_decode import FusedLlamaDecode
+from engine.outputs import TokenLogprob
 from engine.runner.attention import AttentionMetadata, build_attention_metadata
 from engine.runner.decode_path import DecodePath, choose_decode_path
 from engine.runner.sampler import SamplerOutput, SamplingRow, sample
@@ -30,6 +35,15 @@ _MODEL_CLASSES = {
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "GPT2LMHeadModel": GPT2LMHeadModel,
 }
+
+
+@dataclass
+class IsolatedExecution:
+    """A batch's results once the requests that make it fail are taken out of it."""
+
+    batch: ScheduledBatch  # the sequences whose results are used, in batch order
+    sampled: SamplerOutput  # one row per sequence of `batch` that samples, in order
+    failed: dict[str, Exception] = field(default_factory=dict)  # request id -> what its part raised
 
 
 def kv_bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -112,6 +126,57 @@ class ModelRunner:
         ]
         return sample(logits, rows)
 
+    def execute_isolating_failures(self, batch: ScheduledBatch) -> IsolatedExecution:
+        """`execute`, except that a failure pinned to some requests fails only those.
+
+        When the batch raises, its requests are split in halves and each half runs
+        alone, halving again whatever still raises: a part that succeeds keeps its
+        results, a request that raises on its own lands in `failed`. The re-runs give
+        exactly what the batch would have: K/V written again for the same positions get
+        the same values, and every seeded generator is put back to its state before the
+        failed attempt. Nothing in a sequence changes here (the scheduler advances the
+        sequences of the returned batch). Raises the first error when no part succeeds:
+        nothing pins the failure on a request, so the model itself is failing.
+        """
+        request_ids = list(dict.fromkeys(seq.request_id for seq in batch.seqs))
+        if len(request_ids) == 1:  # a re-run alone is the same batch
+            return IsolatedExecution(batch, self.execute(batch))
+        generator_states = _generator_states(batch.seqs)
+        try:
+            return IsolatedExecution(batch, self.execute(batch))
+        except Exception as exc:  # noqa: BLE001 - re-run below, raised again if no request explains it
+            first_error = _without_locals(exc)
+        logger.warning(
+            "a batch of %d requests raised %r; running it again split by request", len(request_ids), first_error
+        )
+        sampled: dict[Sequence, tuple[int, TokenLogprob | None]] = {}
+        succeeded: set[str] = set()
+        failed: dict[str, Exception] = {}
+        parts = _halves(request_ids)
+        while parts:
+            part_ids = parts.pop()
+            part = batch.only(set(part_ids))
+            for seq in part.seqs:
+                if seq in generator_states:
+                    seq.generator.set_state(generator_states[seq])
+            try:
+                output = self.execute(part)
+            except Exception as exc:  # noqa: BLE001 - pinned below, or split further
+                if len(part_ids) == 1:
+                    failed[part_ids[0]] = _without_locals(exc)
+                else:
+                    parts.extend(_halves(part_ids))
+                continue
+            succeeded.update(part_ids)
+            sampling_seqs = [seq for i, seq in enumerate(part.seqs) if part.samples(i)]
+            sampled.update(zip(sampling_seqs, zip(output.token_ids, output.logprobs, strict=True), strict=True))
+        if not succeeded:
+            raise first_error
+        survivors = batch.only(succeeded)
+        rows = [sampled[seq] for i, seq in enumerate(survivors.seqs) if survivors.samples(i)]
+        output = SamplerOutput(token_ids=[t for t, _ in rows], logprobs=[lp for _, lp in rows])
+        return IsolatedExecution(survivors, output, failed)
+
     @torch.inference_mode()
     def compute_logits(self, batch: ScheduledBatch, all_positions: bool = False) -> torch.Tensor:
         """float32 logits: one row per sequence that samples this step (or one per token if all_positions)."""
@@ -124,3 +189,20 @@ class ModelRunner:
                 return hidden.new_empty(0, self.model_config.vocab_size, dtype=torch.float32)
             hidden = hidden[torch.tensor(rows, device=self.device)]
         return self.model.compute_logits(hidden)
+
+
+def _halves(items: list[str]) -> list[list[str]]:
+    middle = len(items) // 2
+    return [items[:middle], items[middle:]]
+
+
+def _without_locals(exc: Exception) -> Exception:
+    """The error with its traceback's finished frames cleared, so the failed attempt's tensors are freed
+    before the re-runs (an out-of-memory error would otherwise strike again)."""
+    traceback.clear_frames(exc.__traceback__)
+    return exc
+
+
+def _generator_states(seqs: list[Sequence]) -> dict[Sequence, torch.Tensor]:
+    """Each seeded sequence's generator state, to put back before a re-run."""
+    return {seq: seq.generator.get_state() for seq in seqs if seq.generator is not None}

@@ -21,8 +21,11 @@ Guarantees (the contract shared with the embedder, see engine/serving/torch_work
 - a request outlives its deadline only until the next loop turn: the loop aborts it
   itself, so a request nobody reads (an abandoned stream) cannot run to max_tokens;
 - aborts are applied before adds, so an abort never hits a newer request;
-- a failed step fails the requests in the engine with EngineStepError; too many in a
-  row, or a dead loop, turn `is_healthy` False and every request gets `EngineDeadError`.
+- a request that the core failed on its own (its computation raised; the rest of its
+  step went on) gets EngineStepError, and no one else does;
+- a failed step (a failure no request explains) fails the requests in the engine with
+  EngineStepError; `max_consecutive_step_failures` of them in a row, or a dead loop, turn
+  `is_healthy` False and every request gets `EngineDeadError`.
 """
 
 from __future__ import annotations
@@ -121,10 +124,12 @@ class AsyncEngine:
     """Serve an `LLMEngine` (and its tokenizer) to many concurrent asyncio callers.
 
     limits: the queue bound and request timeout (RequestLimits).
-    max_consecutive_step_failures: a failing step aborts the requests in it; this many
-        failures in a row mark the engine dead. A success resets the count, and so does
-        `failure_reset_idle_s` seconds of idleness (no request in the engine) since the last
-        failure: rare failures far apart do not add up, a truly broken engine still dies.
+    max_consecutive_step_failures: a failing step aborts the requests in the engine; this
+        many failures in a row mark the engine dead. Only a step that computed tokens resets
+        the count (one that merely delivered the failed requests' abort notices does not), and
+        so does `failure_reset_idle_s` seconds of idleness (no request in the engine) since the
+        last failure: failures with requests arriving between them add up, so a broken model
+        dies; rare failures far apart do not.
     """
 
     def __init__(
@@ -158,6 +163,7 @@ class AsyncEngine:
         self._dead_error: BaseException | None = None
         self._is_stopping = False
         self._num_step_failures = 0
+        self._num_tokens_computed = _tokens_computed(self._stats)  # as of the last successful step
         self.num_steps = 0
 
     # ---- facts about the model ----
@@ -338,9 +344,9 @@ class AsyncEngine:
                 except Exception as exc:  # noqa: BLE001 - one failed step fails its requests, not the server
                     self._handle_step_failure(exc)
                     continue
-                self._num_step_failures = 0
                 self.num_steps += 1
                 self._stats = self.engine.stats()
+                self._note_step_success()
                 if not undelivered and self._stats.num_running == 0:
                     await asyncio.sleep(0.005)  # nothing could be scheduled: do not spin a core
             self._dispatch(undelivered)
@@ -417,11 +423,21 @@ class AsyncEngine:
         self._pending_stops.extend(processed.stopped_samples)
         for output in processed.request_outputs:
             queue = self._queues.get(output.request_id)
-            if queue is not None:
+            if queue is not None and output.error is not None:
+                queue.put_nowait(EngineStepError(output.error))  # the core already dropped it
+                self._forget(output.request_id)
+            elif queue is not None:
                 self._not_started.discard(output.request_id)
                 if output.finished:
                     self._deadlines.pop(output.request_id, None)
                 queue.put_nowait(output)
+
+    def _note_step_success(self) -> None:
+        """A step that computed tokens ends a run of failures; one that only handed out notices does not."""
+        computed = _tokens_computed(self._stats)
+        if computed != self._num_tokens_computed:
+            self._num_step_failures = 0
+        self._num_tokens_computed = computed
 
     def _handle_step_failure(self, exc: Exception) -> None:
         """A step raised: fail and abort the requests in the engine; die after too many in a row."""
@@ -451,3 +467,8 @@ class AsyncEngine:
         self._queues.clear()
         self._not_started.clear()
         self._deadlines.clear()
+
+
+def _tokens_computed(stats: EngineStats) -> int:
+    """Prompt and generated tokens the engine has computed, ever: it grows with every step that computes."""
+    return stats.num_prompt_tokens + stats.num_generation_tokens

@@ -7,7 +7,8 @@ sample and turns those deltas into text deltas. Stop strings are text, so they
 are found here: the sample is finished at once (its text cut at the stop) and
 the processor reports it in `stopped_samples`, for its driver to stop the
 sample in the core before the next step (the core may have computed one more
-token meanwhile; that token is dropped here).
+token meanwhile; that token is dropped here). A RequestOutput with an `error`
+(the core failed that request alone) is passed on as the request's last output.
 
 Runs on one thread only (the event loop in the server), so the tokenizer is
 never used by two threads at once.
@@ -72,6 +73,13 @@ class OutputProcessor:
         for core_output in core_outputs:
             request = self._requests.get(core_output.request_id)
             if request is None:
+                continue
+            if core_output.error is not None:
+                # The core finished the request on an error: pass it on (samples not yet
+                # finished here, no text) and forget the request's text state.
+                del self._requests[core_output.request_id]
+                unfinished = [c for c in core_output.outputs if not request.samples[c.index].is_finished]
+                processed.request_outputs.append(dataclasses.replace(core_output, outputs=unfinished, finished=True))
                 continue
             completions = []
             for delta in core_output.outputs:

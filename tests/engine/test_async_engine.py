@@ -44,6 +44,7 @@ class ScriptedEngine:
         self.pending: list[RequestOutput] = []
         self.num_aborts = 0
         self.num_stops = 0
+        self.num_generated_tokens = 0
         self.calls_during_step = 0
         self._in_step = threading.Event()
 
@@ -92,6 +93,7 @@ class ScriptedEngine:
                 last = (request["out"] or request["ids"])[-1]
                 token = (last + 1) % 50
                 request["out"].append(token)
+                self.num_generated_tokens += 1
                 finished = len(request["out"]) >= request["params"].max_tokens
                 completion = CompletionOutput(
                     0,
@@ -111,7 +113,7 @@ class ScriptedEngine:
     def stats(self) -> EngineStats:
         self._check()
         running = sum(r["running"] for r in self.requests.values())
-        return EngineStats(running, len(self.requests) - running, running, 16, 0, 0, 0, 0, 0)
+        return EngineStats(running, len(self.requests) - running, running, 16, 0, 0, 0, 0, self.num_generated_tokens)
 
 
 def run(coro):
@@ -395,6 +397,41 @@ def test_isolated_step_failures_with_idle_between_do_not_kill_the_engine():
             await asyncio.sleep(0.1)  # idle
         assert engine.is_healthy
         assert await _collect(engine, [1], max_tokens=3) == [2, 3, 4]
+        await engine.stop()
+
+    run(main())
+
+
+def test_a_step_that_computes_tokens_ends_a_run_of_failures():
+    scripted = ScriptedEngine()
+
+    async def main():
+        engine = await _started(scripted, max_consecutive_step_failures=2)
+        for _ in range(3):
+            scripted.fail_steps = 1
+            with pytest.raises(EngineStepError):
+                await _collect(engine, [1], max_tokens=3)
+            assert await _collect(engine, [1], max_tokens=3) == [2, 3, 4]
+        assert engine.is_healthy
+        await engine.stop()
+
+    run(main())
+
+
+def test_failures_with_only_abort_notices_between_them_add_up():
+    """A step that hands out the failed requests' abort notices computes nothing: it is no success."""
+    scripted = ScriptedEngine()
+
+    async def main():
+        engine = await _started(scripted, max_consecutive_step_failures=2)
+        scripted.fail_steps = 1
+        with pytest.raises(EngineStepError):
+            await _collect(engine, [1], max_tokens=3)
+        await _until(lambda: not scripted.pending)  # the notice step ran and succeeded
+        scripted.fail_steps = 1
+        with pytest.raises((EngineStepError, EngineDeadError)):
+            await _collect(engine, [1], max_tokens=3)
+        await _until(lambda: not engine.is_healthy)
         await engine.stop()
 
     run(main())

@@ -1,4 +1,5 @@
-"""FlakyEngine: an LLMEngine with knobs the server tests steer (slow steps, failing steps, a failing add)."""
+"""FlakyEngine: an LLMEngine with knobs the server tests steer (slow steps, failing steps, a failing add,
+a failing request, a broken model)."""
 
 from __future__ import annotations
 
@@ -6,13 +7,27 @@ import time
 
 
 class FlakyEngine:
-    """An LLMEngine with knobs: step_delay (seconds per step), fail_steps (next N steps raise), fail_adds."""
+    """An LLMEngine with knobs: step_delay (seconds per step), fail_steps (next N steps raise), fail_adds,
+    fail_seed (the model runner raises for any batch holding a request with this seed, as a bug that one
+    request's parameters trigger would) and model_broken (the model runner raises for every batch)."""
 
     def __init__(self, inner) -> None:
         self._inner = inner
         self.step_delay = 0.0
         self.fail_steps = 0
         self.fail_adds = False
+        self.fail_seed: int | None = None
+        self.model_broken = False
+        run_batch = inner.runner.execute
+
+        def execute(batch):
+            if self.model_broken:
+                raise RuntimeError("injected model failure")
+            if self.fail_seed is not None and any(seq.params.seed == self.fail_seed for seq in batch.seqs):
+                raise RuntimeError("injected failure of one request")
+            return run_batch(batch)
+
+        inner.runner.execute = execute
 
     def __getattr__(self, name):
         return getattr(self._inner, name)

@@ -57,6 +57,7 @@ def knobs(server):
     engine = state_of(server.app).engine.engine
     yield engine
     engine.step_delay, engine.fail_steps, engine.fail_adds = 0.0, 0, False
+    engine.fail_seed, engine.model_broken = None, False
 
 
 def gauges(base_url: str) -> dict[str, float]:
@@ -440,6 +441,71 @@ def test_internal_errors_fail_only_their_request(server, knobs):
     knobs.fail_adds = False
     assert httpx.get(f"{server.base_url}/health").json() == {"status": "ok"}
     assert_still_serves(server.base_url)
+
+
+def _stream_payloads(lines) -> list[dict | str]:
+    """The `data:` payloads of an SSE stream read line by line (dicts, then "[DONE]")."""
+    data = [line[len("data: ") :] for line in lines if line.startswith("data: ")]
+    return [d if d == "[DONE]" else json.loads(d) for d in data]
+
+
+def test_a_failing_request_fails_alone_while_six_streams_go_on(model_dir):
+    """A request whose computation raises (here: any batch holding its seed) fails with an error event;
+    the six streams sharing its steps finish with exactly the text they get alone."""
+    prompts = ["Hello world", "The quick brown fox", "A paged cache", "keys and values", "lazy dog", "0123"]
+
+    def body(prompt: str, **extra) -> dict:
+        return {"model": MODEL, "prompt": prompt, "max_tokens": 32, "temperature": 0, "ignore_eos": True, **extra}
+
+    # Its own server: the shared one's 3 s request timeout is too tight for seven streams on a busy machine.
+    with ServerThread(create_app(make_server_config(model_dir), engine_factory=flaky_factory)) as srv:
+        url = f"{srv.base_url}/v1/completions"
+        expected = [httpx.post(url, json=body(p), timeout=30).json()["choices"][0]["text"] for p in prompts]
+        knobs = state_of(srv.app).engine.engine
+        knobs.step_delay = 0.02  # the six are surely mid-stream when the seventh joins
+        knobs.fail_seed = 777
+        clients = [httpx.Client(base_url=srv.base_url, timeout=30) for _ in prompts]
+        try:
+            streams = []
+            for http, prompt in zip(clients, prompts):
+                request = http.build_request("POST", "/v1/completions", json=body(prompt, stream=True))
+                response = http.send(request, stream=True)
+                assert response.status_code == 200
+                lines = response.iter_lines()
+                first = [next(lines)]  # the first chunk: this stream is running
+                streams.append((first, lines))
+            failing = httpx.post(url, json=body("Hello", stream=True, seed=777), timeout=30)
+            events = parse_sse(failing.text)
+            texts = []
+            for first, lines in streams:
+                payloads = _stream_payloads(first + list(lines))
+                errors = [p for p in payloads[:-1] if "error" in p]
+                assert payloads[-1] == "[DONE]" and not errors, errors
+                texts.append("".join(p["choices"][0]["text"] for p in payloads[:-1] if p["choices"]))
+        finally:
+            for http in clients:
+                http.close()
+        assert events[-2]["error"]["code"] == "engine_step_failed" and events[-1] == "[DONE]"
+        assert texts == expected
+        assert httpx.get(f"{srv.base_url}/health").json() == {"status": "ok"}
+        wait_until(lambda: gauges(srv.base_url)["kvserve:kv_cache_usage_perc"] == 0, timeout=1.0)
+
+
+def test_a_broken_model_trips_the_dead_engine_switch(model_dir):
+    """Every forward raises: each request fails (the switch counts them although the engine is idle
+    between them), and the third failure in a row marks the engine dead."""
+
+    def broken_model(engine_config):
+        llm = flaky_factory(engine_config)
+        llm.engine.model_broken = True
+        return llm
+
+    with ServerThread(create_app(make_server_config(model_dir), engine_factory=broken_model)) as srv:
+        url = f"{srv.base_url}/v1/completions"
+        statuses = [httpx.post(url, json={"prompt": "Hi", "max_tokens": 2}).status_code for _ in range(3)]
+        assert statuses == [500, 500, 503]
+        assert httpx.get(f"{srv.base_url}/health").status_code == 503
+        assert_error_shape(httpx.post(url, json={"prompt": "Hi"}), 503, type_="service_unavailable")
 
 
 def test_dead_engine_loop_turns_health_503(model_dir):
