@@ -41,6 +41,9 @@ class ChatMessage(StrictRequest):
         return "".join(part.text for part in self.content)
 
 
+StringOrObject = Annotated[str | dict[str, Any], described_union("a string or an object")]
+
+
 class ResponseFormat(StrictRequest):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: dict[str, Any] | None = None
@@ -56,10 +59,10 @@ class ChatCompletionRequest(SamplingFields):
     # OpenAI fields kvserve does not implement (400 when set to something that matters).
     response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tool_choice: StringOrObject | None = None
     parallel_tool_calls: bool | None = None
     functions: list[dict[str, Any]] | None = None
-    function_call: str | dict[str, Any] | None = None
+    function_call: StringOrObject | None = None
     audio: dict[str, Any] | None = None
     modalities: list[str] | None = None
     prediction: dict[str, Any] | None = None

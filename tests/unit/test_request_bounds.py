@@ -188,6 +188,8 @@ BAD_CHATS = [
     ({"top_k": HUGE}, "top_k"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages.0.content"),
     ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
+    ({"tool_choice": 5}, "tool_choice"),
+    ({"function_call": [1]}, "function_call"),
 ]
 
 
