@@ -26,6 +26,7 @@ MAX_TEMPERATURE = 100.0
 MAX_REPETITION_PENALTY = 10.0
 MAX_ABS_PENALTY = 2.0  # presence_penalty, frequency_penalty
 MAX_ABS_LOGIT_BIAS = 100.0
+MAX_CACHE_SALT_CHARS = 256
 
 
 def _require(condition: bool, param: str, message: str) -> None:
@@ -57,6 +58,8 @@ class SamplingParams:
     `max_tokens=None` means "until max_model_len". `top_k <= 0` disables top-k.
     `logprobs=None` returns no logprobs; `logprobs=k` returns the sampled token's
     logprob plus the k most likely alternatives (k may be 0).
+    `cache_salt`: requests with different salts never share a prefix-cache block; requests
+    with the same salt, or none, share as usual (tenant isolation).
     """
 
     n: int = 1
@@ -77,6 +80,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         # Accept lists / a single string for convenience; store tuples (frozen).
@@ -128,6 +132,12 @@ class SamplingParams:
             _require_int(self.logprobs, "logprobs", 0, MAX_TOP_LOGPROBS)
         if self.seed is not None:
             _require_int(self.seed, "seed", 0, MAX_SEED)
+        if self.cache_salt is not None:
+            _require(
+                isinstance(self.cache_salt, str) and 0 < len(self.cache_salt) <= MAX_CACHE_SALT_CHARS,
+                "cache_salt",
+                f"must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters",
+            )
 
     @property
     def is_greedy(self) -> bool:

@@ -13,7 +13,9 @@ class KVCacheManager:
 
     `extra_key` names whatever else (besides the window and sink count, which
     are always included) makes this cache's K/V differ for the same tokens;
-    it seeds the hash chain, so blocks under different keys never match.
+    it seeds the hash chain, so blocks under different keys never match. A
+    sequence's `cache_salt` (SamplingParams) is folded into the same seed, so
+    requests with different salts never share a block.
     """
 
     def __init__(
@@ -28,8 +30,8 @@ class KVCacheManager:
         self.block_size = block_size
         self.sliding_window = sliding_window
         self.num_sink_tokens = num_sink_tokens  # 0 without a window (the engine derives it)
-        key = repr((block_size, sliding_window, num_sink_tokens, *extra_key)).encode()
-        self._root_hash = block_pool.root_block_hash(key)
+        self._key = repr((block_size, sliding_window, num_sink_tokens, *extra_key)).encode()
+        self._root_hash = block_pool.root_block_hash(self._key)
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
@@ -61,9 +63,16 @@ class KVCacheManager:
         """Extend seq.block_hashes to cover every full block among its first num_tokens tokens."""
         while (len(seq.block_hashes) + 1) * self.block_size <= num_tokens:
             i = len(seq.block_hashes)
-            parent_hash = seq.block_hashes[-1] if seq.block_hashes else self._root_hash
+            parent_hash = seq.block_hashes[-1] if seq.block_hashes else self._salted_root(seq.params.cache_salt)
             # Through the module, so tests can substitute the hash function.
             seq.block_hashes.append(block_pool.hash_block_tokens(parent_hash, self._block_tokens(seq, i)))
+
+    def _salted_root(self, cache_salt: str | None) -> bytes:
+        """The chain's root for a salt; unsalted sequences keep the plain root."""
+        if cache_salt is None:
+            return self._root_hash
+        # The key is a repr (no raw NUL byte), so the NUL keeps key and salt apart.
+        return block_pool.root_block_hash(self._key + b"\0cache_salt\0" + cache_salt.encode())
 
     def register_computed_blocks(self, seq: Sequence) -> None:
         """After a step: publish every block that is now full of computed tokens.

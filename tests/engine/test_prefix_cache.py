@@ -44,3 +44,23 @@ def test_equal_tokens_at_another_position_are_not_a_hit(tiny_llama_dir, monkeypa
     assert _tokens(engine, repeats_first_block) == expected
     # Only position 0 holds FIRST[:4] after nothing: the copies at positions 1..3 are computed.
     assert engine.engine.stats().prefix_cache_hits == 4
+
+
+def test_prefix_cache_hits_are_counted_only_within_a_cache_salt(tiny_llama_dir):
+    engine = _engine(tiny_llama_dir, prefix_caching=True)
+    expected = _tokens(_engine(tiny_llama_dir, prefix_caching=False), FIRST)
+
+    def run(cache_salt: str | None) -> int:
+        """The prefix-cache hits (tokens) of one request for FIRST under this salt."""
+        before = engine.engine.stats().prefix_cache_hits
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, cache_salt=cache_salt)
+        assert engine.generate([FIRST], params)[0][0].token_ids == expected
+        return engine.engine.stats().prefix_cache_hits - before
+
+    assert run("tenant-a") == 0
+    assert run("tenant-b") == 0  # same tokens, another tenant: computed again
+    assert run(None) == 0
+    full_blocks = (len(FIRST) - 1) // 4 * 4  # every full block before the one holding the last token
+    assert run("tenant-a") == full_blocks
+    assert run("tenant-b") == full_blocks
+    assert run(None) == full_blocks

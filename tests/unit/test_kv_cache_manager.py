@@ -185,3 +185,27 @@ def test_blocks_after_a_window_released_block_are_not_published():
     assert seq.num_registered_blocks == 3
     probe = _seq(list(range(7)))
     assert manager.take_cached_prefix(probe) == 2  # block 0 is still cached; block 1 was not published
+
+
+def _salted(token_ids: list[int], cache_salt: str | None) -> Sequence:
+    seq = _seq(token_ids)
+    seq.params = SamplingParams(cache_salt=cache_salt)
+    return seq
+
+
+def test_a_different_cache_salt_never_hits_and_the_same_salt_does():
+    manager = _manager()
+    tenant_a = _salted([1, 2, 3, 4, 5], "tenant-a")
+    assert manager.grow(tenant_a, 5)
+    tenant_a.num_computed_tokens = 5
+    manager.register_computed_blocks(tenant_a)
+    assert manager.take_cached_prefix(_salted([1, 2, 3, 4, 5], "tenant-b")) == 0
+    assert manager.take_cached_prefix(_salted([1, 2, 3, 4, 5], None)) == 0
+    assert manager.take_cached_prefix(_salted([1, 2, 3, 4, 5], "tenant-a")) == 4
+
+
+def test_unsalted_sequences_share_as_before_and_a_salt_does_not_see_them():
+    manager = _manager()
+    _computed(manager, [1, 2, 3, 4, 5])
+    assert manager.take_cached_prefix(_salted([1, 2, 3, 4, 5], "tenant-a")) == 0
+    assert manager.take_cached_prefix(_salted([1, 2, 3, 4, 5], None)) == 4
