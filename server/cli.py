@@ -155,7 +155,7 @@ FLAGS: tuple[Flag, ...] = (
         "api_key",
         "server",
         _optional(str),
-        "require 'Authorization: Bearer KEY' on every route but /health and /metrics",
+        "require 'Authorization: Bearer KEY' on every route but /health (/metrics too)",
     ),
     _flag("allowed_origins", "server", str, "comma-separated CORS origins ('*' for any; empty: CORS off)"),
     _flag(
@@ -182,6 +182,13 @@ FLAGS: tuple[Flag, ...] = (
         "server",
         int,
         "most prompts or inputs in one completions or embeddings request (413 above it)",
+    ),
+    _flag(
+        "max_request_cost",
+        "server",
+        int,
+        "most tokens one completions or chat request may hold: prompts x n x (prompt tokens + max_tokens, "
+        "at most the context length); above it: 400 request_too_large",
     ),
     _flag(
         "embedding_max_batch_tokens",

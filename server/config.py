@@ -71,6 +71,8 @@ class ServerConfig:
     served_model_name: the name clients use for the generation model (None: `engine.model`).
     request_timeout: seconds a generation or embedding request may live (None: no limit).
     max_client_batch_size: most prompts or inputs in one completions or embeddings request.
+    max_request_cost: most tokens one completions or chat request may hold: prompts x n x
+        (prompt tokens + max_tokens), see server/params.py; above it, 400 request_too_large.
     """
 
     engine: EngineConfig = field(default_factory=default_engine_config)
@@ -87,6 +89,7 @@ class ServerConfig:
     # Docker's default 10 s before SIGKILL.
     shutdown_timeout: float = 8.0
     max_client_batch_size: int = 64
+    max_request_cost: int = 2**20
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -114,6 +117,8 @@ class ServerConfig:
             raise ValueError(f"shutdown_timeout must be non-negative, got {self.shutdown_timeout}")
         if self.max_client_batch_size < 1:
             raise ValueError(f"max_client_batch_size must be positive, got {self.max_client_batch_size}")
+        if self.max_request_cost < 1:
+            raise ValueError(f"max_request_cost must be positive, got {self.max_request_cost}")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
 

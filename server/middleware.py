@@ -26,7 +26,9 @@ from server.shutdown import Shutdown, shutting_down_error
 access_logger = logging.getLogger("kvserve.access")
 
 REQUEST_ID_HEADER = b"x-request-id"
-OPEN_PATHS = frozenset({"/health", "/metrics"})  # no API key, answered while loading
+OPEN_PATHS = frozenset({"/health", "/metrics"})  # answered while loading and draining, not counted in flight
+# The one route without the API key: /metrics tells whether a prefix is cached, so it needs the key too.
+KEYLESS_PATHS = frozenset({"/health"})
 
 
 def _header(scope: Scope, name: bytes) -> str | None:
@@ -113,9 +115,9 @@ class KVServeMiddleware:
 
     def _refuse(self, scope: Scope) -> APIError | None:
         path = scope["path"]
-        if path in OPEN_PATHS or scope["method"] == "OPTIONS":
+        if scope["method"] == "OPTIONS":
             return None
-        if self.api_key is not None and not self._has_key(scope):
+        if self.api_key is not None and path not in KEYLESS_PATHS and not self._has_key(scope):
             return APIError(
                 401,
                 "invalid or missing API key: send 'Authorization: Bearer <key>'",
@@ -123,6 +125,8 @@ class KVServeMiddleware:
                 code="invalid_api_key",
                 headers={"WWW-Authenticate": "Bearer"},
             )
+        if path in OPEN_PATHS:
+            return None
         if self.shutdown.is_draining:
             return shutting_down_error()
         if not self.is_ready():

@@ -1,7 +1,8 @@
 """Request fields -> engine parameters, and the checks every route applies to them.
 
 Bad values raise InvalidRequestError (400, naming the field) or APIError (413 for a batch
-over --max-client-batch-size, 400 for a field kvserve does not implement).
+over --max-client-batch-size, 400 for a field kvserve does not implement, 400 `request_too_large`
+for a request that could never be admitted or is over --max-request-cost).
 """
 
 from __future__ import annotations
@@ -30,6 +31,40 @@ def check_batch_size(config: ServerConfig, num_items: int, param: str) -> None:
         )
 
 
+def check_admissible(
+    config: ServerConfig, prompt_lengths: list[int], params: SamplingParams, max_model_len: int
+) -> None:
+    """400 for a generation request that could never be served fairly, before anything is queued.
+
+    Each prompt is one queued request, so more prompts than --max-queued-requests could never be
+    admitted (a 429 would invite retries that cannot succeed). The request's cost is the tokens
+    its samples may hold: the sum over its prompts of n x (prompt tokens + max_tokens), each
+    sample capped at the context length (max_tokens unset: the whole context). Above
+    --max-request-cost the request would hold the engine long enough to starve everyone else.
+    """
+    num_prompts = len(prompt_lengths)
+    if num_prompts > config.max_queued_requests:
+        raise APIError(
+            400,
+            f"prompt has {num_prompts} prompts, more than this server queues at once "
+            f"({config.max_queued_requests}, --max-queued-requests), so it could never be admitted; "
+            "split it into several requests",
+            param="prompt",
+            code="request_too_large",
+        )
+    max_tokens = params.max_tokens if params.max_tokens is not None else max_model_len
+    cost = sum(params.n * min(max_model_len, length + max_tokens) for length in prompt_lengths)
+    if cost > config.max_request_cost:
+        raise APIError(
+            400,
+            f"this request may hold {cost} tokens (prompts x n x (prompt tokens + max_tokens)), more than "
+            f"this server's limit of {config.max_request_cost} (--max-request-cost); lower n or max_tokens, "
+            "or split it into several requests",
+            param="max_tokens" if params.max_tokens is not None else "n",
+            code="request_too_large",
+        )
+
+
 def check_token_ids(token_ids: list[int], vocab_size: int, param: str) -> None:
     for token_id in token_ids:
         if not 0 <= token_id < vocab_size:
@@ -49,7 +84,11 @@ def reject_unsupported(fields: list[str]) -> None:
 
 
 def sampling_params(
-    body: SamplingFields, max_tokens: int | None, logprobs: int | None, vocab_size: int
+    body: SamplingFields,
+    max_tokens: int | None,
+    logprobs: int | None,
+    vocab_size: int,
+    cache_salt: str | None = None,
 ) -> SamplingParams:
     """The engine's SamplingParams for a completion or chat request (SamplingParams checks the ranges)."""
     logit_bias = None
@@ -81,4 +120,5 @@ def sampling_params(
         include_stop_str_in_output=body.include_stop_str_in_output,
         logprobs=logprobs,
         skip_special_tokens=body.skip_special_tokens,
+        cache_salt=cache_salt,
     )

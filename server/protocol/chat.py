@@ -15,6 +15,7 @@ from server.protocol.common import (
     described_union,
     now,
 )
+from server.protocol.completions import CacheSalt
 
 
 class TextContentPart(StrictRequest):
@@ -56,6 +57,7 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: TopLogprobs | None = None
     add_generation_prompt: bool = True
+    cache_salt: CacheSalt | None = None
     # OpenAI fields kvserve does not implement (400 when set to something that matters).
     response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field
 
+from engine.params import MAX_CACHE_SALT_CHARS
 from server.protocol.common import (
     NumSamples,
     PositiveCount,
@@ -16,6 +17,9 @@ from server.protocol.common import (
     now,
 )
 
+# vLLM's tenant isolation: requests with different salts never share prefix-cache blocks.
+CacheSalt = Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT_CHARS)]
+
 
 class CompletionRequest(SamplingFields):
     prompt: TextsOrTokenIds
@@ -23,6 +27,7 @@ class CompletionRequest(SamplingFields):
     logprobs: TopLogprobs | None = None  # OpenAI allows 0..5; kvserve 0..20, like chat's top_logprobs
     echo: bool = False
     add_special_tokens: bool = True
+    cache_salt: CacheSalt | None = None
     # OpenAI fields kvserve does not implement (400 when set).
     suffix: str | None = None
     best_of: NumSamples | None = None

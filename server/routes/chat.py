@@ -11,7 +11,7 @@ from fastapi.responses import Response
 from engine.errors import InvalidRequestError
 from server import serving
 from server.logprobs import chat_logprobs
-from server.params import reject_unsupported, sampling_params
+from server.params import check_admissible, reject_unsupported, sampling_params
 from server.prompts import chat_prompt_ids
 from server.protocol.chat import (
     ChatChoice,
@@ -39,7 +39,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     prompt_ids = chat_prompt_ids(tokenizer, body.messages, body.add_generation_prompt)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     num_top = body.top_logprobs or 0
-    params = sampling_params(body, max_tokens, num_top if body.logprobs else None, engine.vocab_size)
+    logprobs = num_top if body.logprobs else None
+    params = sampling_params(body, max_tokens, logprobs, engine.vocab_size, body.cache_salt)
+    check_admissible(state.config, [len(prompt_ids)], params, engine.max_model_len)
     answer_id = serving.response_id(request, "chatcmpl")
     model_name = state.config.model_name
     timer = state.metrics.start_request()

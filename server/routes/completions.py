@@ -11,7 +11,7 @@ from fastapi.responses import Response
 from server import serving
 from server.errors import APIError
 from server.logprobs import completion_logprobs
-from server.params import reject_unsupported, sampling_params
+from server.params import check_admissible, reject_unsupported, sampling_params
 from server.prompts import completion_prompts
 from server.protocol.completions import CompletionChoice, CompletionRequest, CompletionResponse
 from server.served_models import generation_engine
@@ -29,7 +29,8 @@ async def create_completion(body: CompletionRequest, request: Request, state: Sh
         raise APIError(400, "echo with logprobs is not supported (no prompt logprobs)", param="echo")
     tokenizer = engine.tokenizer
     prompts = completion_prompts(body, tokenizer, engine.vocab_size, state.config)
-    params = sampling_params(body, body.max_tokens, body.logprobs, engine.vocab_size)
+    params = sampling_params(body, body.max_tokens, body.logprobs, engine.vocab_size, body.cache_salt)
+    check_admissible(state.config, [len(ids) for _, ids in prompts], params, engine.max_model_len)
     echoes = [
         (text if text is not None else tokenizer.decode(ids, skip_special_tokens=False)) if body.echo else ""
         for text, ids in prompts

@@ -27,6 +27,7 @@ from tests.support.tiny_models import make_tiny_llama
 
 MODEL = "tiny-llama"
 API_KEY = "sekret-key"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
 ORIGIN = "http://example.com"
 
 
@@ -61,7 +62,7 @@ def knobs(server):
 
 
 def gauges(base_url: str) -> dict[str, float]:
-    text = httpx.get(f"{base_url}/metrics").text
+    text = httpx.get(f"{base_url}/metrics", headers=AUTH).text  # the key is ignored where none is set
     return {
         s.name: s.value
         for family in text_string_to_metric_families(text)
@@ -526,7 +527,7 @@ def test_dead_engine_loop_turns_health_503(model_dir):
 # ---- auth, CORS, backpressure ----
 
 
-def test_api_key_is_required_except_for_health_and_metrics(guarded):
+def test_api_key_is_required_on_every_route_but_health_metrics_included(guarded):
     url = guarded.base_url
     error = assert_error_shape(httpx.get(f"{url}/v1/models"), 401, type_="authentication_error")
     assert error["code"] == "invalid_api_key"
@@ -534,7 +535,9 @@ def test_api_key_is_required_except_for_health_and_metrics(guarded):
     assert_error_shape(wrong, 401)
     assert wrong.headers["www-authenticate"] == "Bearer"
     assert httpx.get(f"{url}/health").status_code == 200
-    assert httpx.get(f"{url}/metrics").status_code == 200
+    # /metrics tells whether a prefix is cached (prefix-cache hits): it needs the key too.
+    assert_error_shape(httpx.get(f"{url}/metrics"), 401, type_="authentication_error")
+    assert httpx.get(f"{url}/metrics", headers=AUTH).status_code == 200
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{url}/v1", api_key="nope", max_retries=0).models.list()
     client = openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0)
@@ -613,6 +616,7 @@ SERVE_FLAGS = (
     "max_request_bytes",
     "shutdown_timeout",
     "max_client_batch_size",
+    "max_request_cost",
     "embedding_max_batch_tokens",
     "pooling",
     "log_level",
