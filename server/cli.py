@@ -202,6 +202,24 @@ FLAGS: tuple[Flag, ...] = (
         _optional(str),
         f"embedding pooling, one of {', '.join(POOLING_MODES)} (default: the model's own)",
     ),
+    _flag(
+        "timeout_keep_alive",
+        "server",
+        float,
+        "seconds an idle keep-alive connection is held open after a response",
+    ),
+    _flag(
+        "limit_concurrency",
+        "server",
+        _optional(int),
+        "most open connections (and requests in progress) at once; past it: 503 (none: no cap)",
+    ),
+    _flag(
+        "max_request_head_bytes",
+        "server",
+        _size,
+        "largest request line plus headers (400 and the connection closed above it): bytes or with a unit",
+    ),
     _flag("log_level", "server", str, f"logging level: {', '.join(LOG_LEVELS)}"),
     _flag("num_threads", "engine", _optional(int), "torch CPU threads (default: torch's choice)"),
 )
@@ -384,6 +402,11 @@ def _serve(args: argparse.Namespace) -> int:
         # Requests have drained (or been cut) before uvicorn's own shutdown starts: only stragglers are left.
         timeout_graceful_shutdown=CLOSE_CONNECTIONS_S,
         lifespan="on",
+        timeout_keep_alive=config.timeout_keep_alive,
+        limit_concurrency=config.limit_concurrency,
+        # h11, not "auto": the request-head limit is h11's (httptools, were it installed, has none).
+        http="h11",
+        h11_max_incomplete_event_size=config.max_request_head_bytes,
         # Not "auto": with uvloop installed, a client that hung up right after sending a
         # non-streamed request was sometimes never reported as gone, so its generation ran to
         # the end (tests/server/test_server_robustness.py failed ~40% of runs); asyncio's loop never missed it.

@@ -71,6 +71,10 @@ class ServerConfig:
     served_model_name: the name clients use for the generation model (None: `engine.model`).
     request_timeout: seconds a generation or embedding request may live (None: no limit).
     max_client_batch_size: most prompts or inputs in one completions or embeddings request.
+    timeout_keep_alive: seconds an idle keep-alive connection is held open after a response.
+    limit_concurrency: most open connections (and requests in progress); past it, 503 (None: no cap).
+    max_request_head_bytes: largest request line plus headers; a longer head gets 400
+        and its connection closed (bounds slowloris-style headers).
     max_request_cost: most tokens one completions or chat request may hold: prompts x n x
         (prompt tokens + max_tokens), see server/params.py; above it, 400 request_too_large.
     """
@@ -90,6 +94,9 @@ class ServerConfig:
     shutdown_timeout: float = 8.0
     max_client_batch_size: int = 64
     max_request_cost: int = 2**20
+    timeout_keep_alive: float = 5.0
+    limit_concurrency: int | None = 1024
+    max_request_head_bytes: int = 64 * 1024
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -106,6 +113,7 @@ class ServerConfig:
         if self.request_timeout is not None and self.request_timeout <= 0:
             object.__setattr__(self, "request_timeout", None)
         object.__setattr__(self, "log_level", self.log_level.lower())
+        object.__setattr__(self, "max_request_head_bytes", parse_bytes(self.max_request_head_bytes))
 
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
@@ -119,6 +127,13 @@ class ServerConfig:
             raise ValueError(f"max_client_batch_size must be positive, got {self.max_client_batch_size}")
         if self.max_request_cost < 1:
             raise ValueError(f"max_request_cost must be positive, got {self.max_request_cost}")
+        if self.timeout_keep_alive <= 0:
+            raise ValueError(f"timeout_keep_alive must be positive, got {self.timeout_keep_alive}")
+        if self.limit_concurrency is not None and self.limit_concurrency < 2:
+            # uvicorn counts the connection asking too: 1 would answer every request with 503.
+            raise ValueError(f"limit_concurrency must be at least 2, got {self.limit_concurrency}")
+        if self.max_request_head_bytes < 1024:
+            raise ValueError(f"max_request_head_bytes must be at least 1024, got {self.max_request_head_bytes}")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
 

@@ -619,6 +619,9 @@ SERVE_FLAGS = (
     "max_request_cost",
     "embedding_max_batch_tokens",
     "pooling",
+    "timeout_keep_alive",
+    "limit_concurrency",
+    "max_request_head_bytes",
     "log_level",
     "num_threads",
 )
