@@ -17,7 +17,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvserve-installed$(if $(EXTRAS),-$(EXTRAS))
 
 .DEFAULT_GOAL := help
-.PHONY: help install models serve test bench lint clean
+.PHONY: help install models serve test bench soak lint clean
 
 help:
 	@echo "make serve   install, pull the default models, run the server (ARGS='--port 8001 ...')"
@@ -25,6 +25,7 @@ help:
 	@echo "make install create $(VENV) with torch ($(TORCH_SPEC)) and kvserve[$(EXTRAS)]"
 	@echo "make models  pull the default models into the cache (\$$KVSERVE_HOME or ~/.cache/kvserve)"
 	@echo "make bench   run the benchmark suite against a server it starts"
+	@echo "make soak    a mixed load against a server it starts, then a leak check (ARGS='--requests 300 ...')"
 	@echo "make lint    ruff check"
 
 install: $(STAMP)
@@ -46,6 +47,9 @@ test: install models
 
 bench: install models
 	$(BIN)/python -m clients.bench_suite $(ARGS)
+
+soak: install models
+	$(BIN)/python -m clients.soak $(ARGS)
 
 lint: install
 	$(BIN)/ruff check .

@@ -1,0 +1,439 @@
+"""`make soak`: a bounded mixed workload against a kvserve server, then a check for what it leaked.
+
+The workload, seeded: completions and chat, streamed and not, some with n > 1, embeddings (when the server
+serves an embedding model), some clients abandoning their stream after the first event (the connection
+closed), some malformed requests. Bounded by a request count and a wall-clock limit. Afterwards it reads
+/metrics and /health: KV blocks in use and running/waiting requests must return to 0, no answer may be a
+5xx, every stream read to its end must end with `[DONE]`; the server's RSS is sampled over the run (psutil)
+and its slope after the first quarter (warm-up) reported. It prints a table and exits 1 on a leak, a 5xx
+or a failed request.
+
+Usage: python -m clients.soak [--requests N] [--duration S] [--base-url URL --server-pid PID] [-- SERVE FLAGS]
+Without --base-url it starts `python -m server serve SERVE FLAGS` on a free port and stops it at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import random
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+
+from clients.bench import WORDS
+from clients.bench_suite import ROOT, free_port, server_process
+from clients.sse import SSEDecoder, is_done
+
+logger = logging.getLogger(__name__)
+
+GENERATION_KINDS = ("completion", "completion_stream", "chat", "chat_stream")
+MIB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class SoakPlan:
+    """What to send. abandon_fraction is of the streamed requests, multi_sample_fraction of the generation
+    requests, the others of all requests."""
+
+    num_requests: int = 300
+    concurrency: int = 8
+    duration_s: float = 180.0
+    abandon_fraction: float = 0.25
+    malformed_fraction: float = 0.1
+    embedding_fraction: float = 0.15
+    multi_sample_fraction: float = 0.2  # n = 2 or 3
+    max_tokens: int = 16
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class SoakRequest:
+    kind: str  # one of GENERATION_KINDS, "embedding" or "malformed"
+    body: dict | str  # a str is sent as a raw (malformed) body
+    path: str
+    abandon: bool = False
+
+
+@dataclass
+class SoakOutcome:
+    kind: str
+    status: int | None = None  # None: no HTTP answer (transport error)
+    abandoned: bool = False
+    saw_done: bool = False
+    error: str | None = None
+
+    @property
+    def is_stream(self) -> bool:
+        return self.kind.endswith("_stream")
+
+
+@dataclass
+class SoakReport:
+    requests: int
+    not_sent: int  # planned requests the time limit stopped
+    abandoned: int
+    status_2xx: int
+    status_4xx: int
+    status_5xx: int
+    transport_errors: int
+    failures: list[str]  # requests that did not get the answer they should have
+    leaks: list[str]  # what was still held once the load had stopped
+    rss_start_mib: float | None
+    rss_end_mib: float | None
+    rss_slope_mib_per_min: float | None
+    duration_s: float
+    gauges_after: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures and not self.leaks and self.status_5xx == 0 and self.transport_errors == 0
+
+
+def _prompt(rng: random.Random) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 24)))
+
+
+def _malformed(rng: random.Random, model: str) -> SoakRequest:
+    """A request the server must refuse with a 4xx: broken JSON, a missing or mistyped field, an unknown model."""
+    choices = [
+        SoakRequest("malformed", '{"model": "' + model + '", "prompt": "Hi", ', "/v1/completions"),
+        SoakRequest("malformed", {"model": model}, "/v1/chat/completions"),
+        SoakRequest("malformed", {"model": model, "prompt": "Hi", "max_tokens": "many"}, "/v1/completions"),
+        SoakRequest("malformed", {"model": model, "prompt": "Hi", "n": 0}, "/v1/completions"),
+        SoakRequest("malformed", {"model": model, "messages": [{"role": "nobody"}]}, "/v1/chat/completions"),
+        SoakRequest("malformed", {"model": "no-such-model", "prompt": "Hi"}, "/v1/completions"),
+        SoakRequest("malformed", {"model": model, "prompt": "Hi", "temperature": -1}, "/v1/completions"),
+    ]
+    return rng.choice(choices)
+
+
+def build_plan(plan: SoakPlan, model: str, embedding_model: str | None) -> list[SoakRequest]:
+    """The seeded list of requests, in sending order."""
+    rng = random.Random(plan.seed)
+    requests = []
+    for _ in range(plan.num_requests):
+        draw = rng.random()
+        if draw < plan.malformed_fraction:
+            requests.append(_malformed(rng, model))
+            continue
+        if embedding_model and draw < plan.malformed_fraction + plan.embedding_fraction:
+            inputs = [_prompt(rng) for _ in range(rng.randint(1, 4))]
+            body = {"model": embedding_model, "input": inputs}
+            requests.append(SoakRequest("embedding", body, "/v1/embeddings"))
+            continue
+        kind = rng.choice(GENERATION_KINDS)
+        body: dict = {"model": model, "max_tokens": rng.randint(1, plan.max_tokens), "temperature": 0.7}
+        body["seed"] = rng.randint(0, 2**31)
+        if rng.random() < plan.multi_sample_fraction:
+            body["n"] = rng.randint(2, 3)
+        if kind.startswith("chat"):
+            body["messages"] = [{"role": "user", "content": _prompt(rng)}]
+            path = "/v1/chat/completions"
+        else:
+            body["prompt"] = _prompt(rng)
+            path = "/v1/completions"
+        abandon = False
+        if kind.endswith("_stream"):
+            body["stream"] = True
+            # Abandoned streams must outlive their first event, so the server is mid-generation when they go.
+            abandon = rng.random() < plan.abandon_fraction
+            if abandon:
+                body["max_tokens"] = max(body["max_tokens"], plan.max_tokens)
+                body["ignore_eos"] = True
+        requests.append(SoakRequest(kind, body, path, abandon))
+    return requests
+
+
+async def _send(client: httpx.AsyncClient, request: SoakRequest) -> SoakOutcome:
+    outcome = SoakOutcome(request.kind)
+    if isinstance(request.body, str):
+        kwargs = {"content": request.body, "headers": {"Content-Type": "application/json"}}
+    else:
+        kwargs = {"json": request.body}
+    try:
+        async with client.stream("POST", request.path, **kwargs) as response:
+            outcome.status = response.status_code
+            if not request.kind.endswith("_stream") or response.status_code != 200:
+                await response.aread()
+                if response.status_code >= 300 and request.kind != "malformed":
+                    outcome.error = f"HTTP {response.status_code}: {response.text[:200]}"
+                return outcome
+            decoder = SSEDecoder()
+            async for line in response.aiter_lines():
+                payload = decoder.feed(line)
+                if payload is None:
+                    continue
+                if request.abandon:
+                    outcome.abandoned = True
+                    return outcome  # leaving the block closes the connection mid-stream
+                if is_done(payload):
+                    outcome.saw_done = True
+                elif '"error"' in payload and json.loads(payload).get("error"):
+                    outcome.error = f"SSE error event: {payload[:200]}"
+    except httpx.HTTPError as exc:
+        outcome.error = f"{type(exc).__name__}: {exc}"
+    return outcome
+
+
+def _judge(outcome: SoakOutcome) -> str | None:
+    """Why this outcome is wrong, or None."""
+    if outcome.status is None:
+        return f"{outcome.kind}: no answer ({outcome.error})"
+    if outcome.kind == "malformed":
+        return None if 400 <= outcome.status < 500 else f"malformed request answered {outcome.status}"
+    if outcome.error:
+        return f"{outcome.kind}: {outcome.error}"
+    if outcome.is_stream and not outcome.abandoned and not outcome.saw_done:
+        return f"{outcome.kind}: stream ended without [DONE]"
+    return None
+
+
+class RssSampler:
+    """The RSS of one process, sampled in a thread: (seconds since start, bytes) pairs."""
+
+    def __init__(self, pid: int | None, interval_s: float = 0.5) -> None:
+        self.pid = pid
+        self.interval_s = interval_s
+        self.samples: list[tuple[float, int]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="rss-sampler", daemon=True)
+
+    def _loop(self) -> None:
+        import psutil
+
+        process = psutil.Process(self.pid)
+        start = time.monotonic()
+        while not self._stop.is_set():
+            try:
+                self.samples.append((time.monotonic() - start, process.memory_info().rss))
+            except psutil.Error:
+                return
+            self._stop.wait(self.interval_s)
+
+    def __enter__(self) -> RssSampler:  # noqa: PYI034 - keeps Python 3.10 working
+        if self.pid is not None:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(5)
+
+
+def rss_slope(samples: Sequence[tuple[float, int]]) -> float | None:
+    """Least-squares slope of RSS over time, in MiB per minute (None under 2 samples)."""
+    if len(samples) < 2:
+        return None
+    times = [t for t, _ in samples]
+    values = [rss / MIB for _, rss in samples]
+    mean_t, mean_v = sum(times) / len(times), sum(values) / len(values)
+    spread = sum((t - mean_t) ** 2 for t in times)
+    if spread == 0:
+        return None
+    return 60.0 * sum((t - mean_t) * (v - mean_v) for t, v in zip(times, values)) / spread
+
+
+def parse_gauges(metrics_text: str) -> dict[str, float]:
+    """`name -> value` for every unlabelled or single-model sample of a Prometheus text exposition."""
+    values: dict[str, float] = {}
+    for line in metrics_text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name_part, _, value = line.rpartition(" ")
+        name = name_part.split("{", 1)[0]
+        try:
+            values[name] = values.get(name, 0.0) + float(value)
+        except ValueError:
+            continue
+    return values
+
+
+LEAK_GAUGES = ("kvserve:num_requests_running", "kvserve:num_requests_waiting", "kvserve:kv_cache_usage_perc")
+
+
+async def _settle(client: httpx.AsyncClient, timeout_s: float) -> tuple[dict[str, float], list[str]]:
+    """Wait until the engine holds nothing; returns the last gauges and what is still held after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        leaks = []
+        gauges = parse_gauges((await client.get("/metrics")).text)
+        for name in LEAK_GAUGES:
+            if name not in gauges:
+                leaks.append(f"{name} missing from /metrics")
+            elif gauges[name] != 0:
+                leaks.append(f"{name} = {gauges[name]:g} after the load stopped")
+        health = await client.get("/health")
+        if health.status_code != 200:
+            leaks.append(f"/health answered {health.status_code}")
+        if not leaks or time.monotonic() >= deadline:
+            return gauges, leaks
+        await asyncio.sleep(0.2)
+
+
+async def _discover_models(client: httpx.AsyncClient) -> tuple[str, str | None]:
+    """The generation model and the embedding model (None when not served), from /v1/models."""
+    cards = (await client.get("/v1/models")).json()["data"]
+    generation = next(c["id"] for c in cards if c.get("task", "generate") == "generate")
+    embedding = next((c["id"] for c in cards if c.get("task") == "embed"), None)
+    return generation, embedding
+
+
+async def run_soak(
+    base_url: str,
+    plan: SoakPlan,
+    *,
+    server_pid: int | None = None,
+    api_key: str | None = None,
+    settle_s: float = 15.0,
+    progress: bool = True,
+) -> SoakReport:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limits = httpx.Limits(max_connections=plan.concurrency + 2)
+    timeout = httpx.Timeout(120.0, connect=10.0)
+    async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=timeout, limits=limits) as client:
+        model, embedding_model = await _discover_models(client)
+        requests = build_plan(plan, model, embedding_model)
+        outcomes: list[SoakOutcome] = []
+        queue: asyncio.Queue[SoakRequest] = asyncio.Queue()
+        for request in requests:
+            queue.put_nowait(request)
+        start = time.monotonic()
+        stop_at = start + plan.duration_s
+
+        async def worker() -> None:
+            while not queue.empty() and time.monotonic() < stop_at:
+                outcomes.append(await _send(client, queue.get_nowait()))
+                if progress and len(outcomes) % 50 == 0:
+                    logger.info("%d / %d requests", len(outcomes), len(requests))
+
+        with RssSampler(server_pid) as sampler:
+            await asyncio.gather(*(worker() for _ in range(plan.concurrency)))
+            duration = time.monotonic() - start
+            gauges, leaks = await _settle(client, settle_s)
+    if not queue.empty():
+        logger.warning("time limit reached: %d planned requests not sent", queue.qsize())
+    failures = [reason for outcome in outcomes if (reason := _judge(outcome))]
+    statuses = [o.status for o in outcomes if o.status is not None]
+    samples = sampler.samples
+    return SoakReport(
+        requests=len(outcomes),
+        not_sent=queue.qsize(),
+        abandoned=sum(o.abandoned for o in outcomes),
+        status_2xx=sum(200 <= s < 300 for s in statuses),
+        status_4xx=sum(400 <= s < 500 for s in statuses),
+        status_5xx=sum(s >= 500 for s in statuses),
+        transport_errors=sum(o.status is None for o in outcomes),
+        failures=failures,
+        leaks=leaks,
+        rss_start_mib=samples[0][1] / MIB if samples else None,
+        rss_end_mib=samples[-1][1] / MIB if samples else None,
+        # The first quarter is warm-up (allocator pools, first batches of each shape), not a leak.
+        rss_slope_mib_per_min=rss_slope(samples[len(samples) // 4 :]),
+        duration_s=duration,
+        gauges_after={name: gauges.get(name, float("nan")) for name in LEAK_GAUGES},
+    )
+
+
+def format_report(report: SoakReport) -> str:
+    def mib(value: float | None) -> str:
+        return "n/a" if value is None else f"{value:.1f}"
+
+    rows = [
+        ("requests", str(report.requests)),
+        ("not sent (time limit)", str(report.not_sent)),
+        ("duration (s)", f"{report.duration_s:.1f}"),
+        ("abandoned streams", str(report.abandoned)),
+        ("2xx / 4xx / 5xx", f"{report.status_2xx} / {report.status_4xx} / {report.status_5xx}"),
+        ("no answer", str(report.transport_errors)),
+        ("failed requests", str(len(report.failures))),
+        ("leaks", str(len(report.leaks))),
+        ("RSS start / end (MiB)", f"{mib(report.rss_start_mib)} / {mib(report.rss_end_mib)}"),
+        (
+            "RSS slope (MiB/min)",
+            "n/a" if report.rss_slope_mib_per_min is None else f"{report.rss_slope_mib_per_min:+.2f}",
+        ),
+    ]
+    lines = ["| soak | |", "| --- | --- |", *(f"| {name} | {value} |" for name, value in rows)]
+    lines += [f"failure: {reason}" for reason in report.failures[:20]]
+    lines += [f"leak: {reason}" for reason in report.leaks]
+    lines.append("result: " + ("OK" if report.ok else "FAILED"))
+    return "\n".join(lines)
+
+
+def _parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str]]:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    serve_args: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, serve_args = argv[:cut], argv[cut + 1 :]
+    defaults = SoakPlan()
+    parser = argparse.ArgumentParser(
+        prog="python -m clients.soak",
+        description=__doc__.split("\n\n")[0],
+        epilog="Flags after `--` go to the `kvserve serve` it starts (without --base-url).",
+    )
+    parser.add_argument("--base-url", help="soak this running server instead of starting one")
+    parser.add_argument("--server-pid", type=int, help="with --base-url: the server's pid, for its RSS")
+    parser.add_argument("--api-key", help="bearer token, when the server needs one")
+    parser.add_argument("--requests", type=int, default=defaults.num_requests, help="requests planned")
+    parser.add_argument("--concurrency", type=int, default=defaults.concurrency, help="requests in flight")
+    parser.add_argument("--duration", type=float, default=defaults.duration_s, help="stop sending after S seconds")
+    parser.add_argument(
+        "--abandon-fraction",
+        type=float,
+        default=defaults.abandon_fraction,
+        help="of the streams: closed after their first event",
+    )
+    parser.add_argument(
+        "--malformed-fraction", type=float, default=defaults.malformed_fraction, help="of all requests: must get a 4xx"
+    )
+    parser.add_argument("--max-tokens", type=int, default=defaults.max_tokens, help="most tokens per sample")
+    parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--settle", type=float, default=15.0, help="seconds the server gets to release everything")
+    parser.add_argument("--json", type=Path, help="also write the report here as JSON")
+    return parser.parse_args(argv), serve_args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not one line per request
+    args, serve_args = _parse_args(argv)
+    plan = SoakPlan(
+        num_requests=args.requests,
+        concurrency=args.concurrency,
+        duration_s=args.duration,
+        abandon_fraction=args.abandon_fraction,
+        malformed_fraction=args.malformed_fraction,
+        max_tokens=args.max_tokens,
+        seed=args.seed,
+    )
+    soak_kwargs = {"api_key": args.api_key, "settle_s": args.settle}
+    if args.base_url:
+        report = asyncio.run(run_soak(args.base_url, plan, server_pid=args.server_pid, **soak_kwargs))
+    else:
+        port = free_port()
+        cmd = [sys.executable, "-m", "server", "serve", "--port", str(port), *serve_args]
+        log_path = Path(tempfile.mkdtemp(prefix="kvserve-soak-")) / "server.log"
+        logger.info("server log: %s", log_path)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+        with server_process(cmd, port, log_path, env=env) as proc:
+            report = asyncio.run(run_soak(f"http://127.0.0.1:{port}", plan, server_pid=proc.pid, **soak_kwargs))
+    print(format_report(report), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(asdict(report), indent=2))
+    return 0 if report.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
