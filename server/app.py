@@ -27,6 +27,7 @@ from engine.serving.torch_worker import RequestLimits, TorchWorker
 from server.config import ServerConfig
 from server.errors import install_error_handlers
 from server.middleware import KVServeMiddleware
+from server.openapi import install_openapi
 from server.routes import chat, completions, embeddings, health, models, tokenize
 from server.state import ServerState, attach_state
 
@@ -87,6 +88,7 @@ def create_app(
     for router in (completions.router, chat.router, models.router, tokenize.router, health.router, embeddings.router):
         app.include_router(router)
     install_error_handlers(app)
+    install_openapi(app)  # GET /openapi.json and /docs: every status, body and content type each route answers
 
     # Added last = outermost: CORS answers preflights before auth sees them.
     app.add_middleware(

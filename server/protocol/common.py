@@ -1,5 +1,5 @@
 """Shapes shared by several endpoints: the strict request base, the sampling fields of
-completions and chat, token usage, and the /v1/models cards."""
+completions and chat, token usage, the /v1/models cards, the error body and /health's body."""
 
 from __future__ import annotations
 
@@ -143,3 +143,23 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str  # e.g. "invalid_request_error", "rate_limit_error", "service_unavailable"
+    param: str | None  # the request field at fault, when one is
+    code: str | None  # e.g. "queue_full", "request_timeout", "model_not_found"
+
+
+class ErrorResponse(BaseModel):
+    """The one error body (OpenAI's) of every failure, and of the SSE error event of a stream that fails."""
+
+    error: ErrorDetail
+
+
+class HealthStatus(BaseModel):
+    """GET /health: "ok" (200); "loading", "draining" or "error" with a message (503)."""
+
+    status: Literal["ok", "loading", "draining", "error"]
+    message: str | None = None

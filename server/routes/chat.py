@@ -11,6 +11,7 @@ from fastapi.responses import Response
 from engine.errors import InvalidRequestError
 from server import serving
 from server.logprobs import chat_logprobs
+from server.openapi import generation_responses
 from server.params import check_admissible, reject_unsupported, sampling_params
 from server.prompts import chat_prompt_ids
 from server.protocol.chat import (
@@ -29,7 +30,11 @@ from server.state import SharedState
 router = APIRouter()
 
 
-@router.post("/v1/chat/completions")
+@router.post(
+    "/v1/chat/completions",
+    response_model=ChatCompletionResponse,
+    responses=generation_responses(ChatCompletionChunk),
+)
 async def create_chat_completion(body: ChatCompletionRequest, request: Request, state: SharedState) -> Response:
     engine = generation_engine(state, body.model)
     reject_unsupported(body.unsupported_fields())

@@ -11,6 +11,7 @@ from fastapi.responses import Response
 from server import serving
 from server.errors import APIError
 from server.logprobs import completion_logprobs
+from server.openapi import generation_responses
 from server.params import check_admissible, reject_unsupported, sampling_params
 from server.prompts import completion_prompts
 from server.protocol.completions import CompletionChoice, CompletionRequest, CompletionResponse
@@ -21,7 +22,7 @@ from server.state import SharedState
 router = APIRouter()
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", response_model=CompletionResponse, responses=generation_responses(CompletionResponse))
 async def create_completion(body: CompletionRequest, request: Request, state: SharedState) -> Response:
     engine = generation_engine(state, body.model)
     reject_unsupported(body.unsupported_fields())

@@ -21,6 +21,7 @@ from engine.embedder import EmbedResult
 from server import serving
 from server.errors import APIError
 from server.metrics import ServerMetrics
+from server.openapi import engine_responses
 from server.params import check_batch_size
 from server.protocol.embeddings import EmbeddingRequest, EmbeddingResponse, EmbedRequest, EmbedResponse
 from server.served_models import embedding_engine
@@ -32,7 +33,7 @@ if TYPE_CHECKING:
 router = APIRouter()
 
 
-@router.post("/v1/embeddings", response_model=EmbeddingResponse)
+@router.post("/v1/embeddings", response_model=EmbeddingResponse, responses=engine_responses())
 async def create_embeddings(body: EmbeddingRequest, state: SharedState) -> Response:
     embedder = embedding_engine(state, body.model)
     inputs = _as_input_list(body.input, "input")
@@ -65,7 +66,7 @@ async def create_embeddings(body: EmbeddingRequest, state: SharedState) -> Respo
     return serving.raced_json(answer)
 
 
-@router.post("/embed", response_model=EmbedResponse)
+@router.post("/embed", response_model=EmbedResponse, responses=engine_responses())
 async def embed(body: EmbedRequest, state: SharedState) -> Response:
     embedder = embedding_engine(state, None)
     inputs = _as_input_list(body.inputs, "inputs")

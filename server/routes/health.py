@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 from fastapi import APIRouter
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from server.metrics import CONTENT_TYPE
+from server.openapi import health_responses, metrics_responses
 from server.state import SharedState
 
 router = APIRouter()
 
 
-@router.get("/health")
+@router.get("/health", responses=health_responses())
 async def health(state: SharedState) -> JSONResponse:
     """503 {"status": "loading"} until the models are loaded, 200 {"status": "ok"} after; 503 if an engine died;
     503 {"status": "draining"} from the first SIGTERM/SIGINT on (server/shutdown.py), so load balancers stop sending."""
@@ -28,6 +29,6 @@ async def health(state: SharedState) -> JSONResponse:
     return JSONResponse({"status": "ok"})
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=PlainTextResponse, responses=metrics_responses())
 async def metrics(state: SharedState) -> Response:
     return Response(state.metrics.render(), media_type=CONTENT_TYPE)

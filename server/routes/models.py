@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
+from server.openapi import gated_responses
 from server.protocol.common import ModelCard, ModelList
 from server.state import SharedState
 
 router = APIRouter()
 
 
-@router.get("/v1/models")
+@router.get("/v1/models", responses=gated_responses())
 async def list_models(state: SharedState) -> ModelList:
     config = state.config
     cards = []

@@ -5,6 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from engine.errors import InvalidRequestError
+from server.openapi import tokenizer_responses
 from server.params import check_token_ids
 from server.prompts import chat_prompt_ids
 from server.protocol.tokenize import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
@@ -14,7 +15,7 @@ from server.state import SharedState
 router = APIRouter()
 
 
-@router.post("/tokenize")
+@router.post("/tokenize", responses=tokenizer_responses())
 async def tokenize(body: TokenizeRequest, state: SharedState) -> TokenizeResponse:
     engine = generation_engine(state, body.model)
     tokenizer = engine.tokenizer
@@ -30,7 +31,7 @@ async def tokenize(body: TokenizeRequest, state: SharedState) -> TokenizeRespons
     )
 
 
-@router.post("/detokenize")
+@router.post("/detokenize", responses=tokenizer_responses())
 async def detokenize(body: DetokenizeRequest, state: SharedState) -> DetokenizeResponse:
     engine = generation_engine(state, body.model)
     check_token_ids(body.tokens, engine.vocab_size, "tokens")

@@ -1,0 +1,200 @@
+"""What /openapi.json says each route answers: every status code, body, header and content type.
+
+The routes take their `responses=` from the functions here, built from one table of the error
+answers (server/errors.py, server/middleware.py, server/served_models.py say when each happens).
+`install_openapi` finishes the document FastAPI generates: its 422 goes (a bad request is a 400
+here), the error body and the SSE event shapes join the components, and every answer documents
+X-Request-Id.
+
+499 (the client left before a JSON answer) is not documented: no client is there to read it; it
+shows in the access log only. Nor is uvicorn's 400 to a malformed or oversized request head
+(--max-request-head-bytes): it comes before the request is parsed, so it belongs to no route.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
+
+from server.protocol.chat import ChatCompletionChunk
+from server.protocol.common import ErrorResponse, HealthStatus
+from server.protocol.completions import CompletionResponse
+
+Responses = dict[int | str, dict[str, Any]]
+
+_REF = "#/components/schemas/{model}"
+# The bodies of SSE events (besides the error body): each `generation_responses` chunk model is one of these.
+STREAM_EVENT_MODELS: tuple[type[BaseModel], ...] = (CompletionResponse, ChatCompletionChunk)
+
+_RETRY_AFTER = {
+    "Retry-After": {"description": "seconds to wait before retrying", "schema": {"type": "integer", "minimum": 1}}
+}
+_ERRORS: dict[int, tuple[str, dict[str, Any]]] = {
+    400: (
+        "Invalid request: the body is not JSON, a field is missing, unknown, of the wrong type or out of "
+        "range, or the model serves the other task. `param` names the field.",
+        {},
+    ),
+    401: (
+        "An API key is configured (--api-key) and the request did not send 'Authorization: Bearer <key>' "
+        "(`code` invalid_api_key).",
+        {"WWW-Authenticate": {"description": "Bearer", "schema": {"type": "string"}}},
+    ),
+    404: ("The `model` named is not served, or this server serves no embedding model (`code` model_not_found).", {}),
+    413: (
+        "The body is larger than --max-request-bytes (`code` request_too_large), or carries more prompts or "
+        "inputs than --max-client-batch-size (`code` batch_too_large).",
+        {},
+    ),
+    429: (
+        "--max-queued-requests requests already wait for this model (`code` queue_full); retry after Retry-After.",
+        _RETRY_AFTER,
+    ),
+    500: (
+        "Computing this request failed (`code` engine_step_failed; the other requests go on), or an "
+        "unexpected internal error failed this request alone.",
+        {},
+    ),
+    503: (
+        "The models are still loading (Retry-After), the server is shutting down (`code` shutting_down, "
+        "Retry-After), or the engine has stopped (`code` engine_dead).",
+        _RETRY_AFTER,
+    ),
+    504: ("The request outlived --request-timeout (`code` request_timeout).", {}),
+}
+# uvicorn's own answer, before the app (server/cli.py sets the limit): on every route, without X-Request-Id.
+_OVER_LIMIT = "More than --limit-concurrency connections are open: a plain-text 503, before the app."
+_PLAIN_TEXT = {"text/plain": {"schema": {"type": "string"}}}
+_ERROR_BODY = {"$ref": _REF.format(model=ErrorResponse.__name__)}
+_X_REQUEST_ID = {
+    "description": "the request's id: the client's own X-Request-Id echoed, or a new one "
+    "(not on the plain-text 503 past --limit-concurrency)",
+    "schema": {"type": "string"},
+}
+# Every route behind the middleware's checks: API key, readiness, body size, and its catch-all.
+_GATED = (401, 413, 500, 503)
+
+
+def error_responses(*codes: int) -> Responses:
+    """The error answers `codes`, each with the one error body and its headers."""
+    responses: Responses = {}
+    for code in sorted(codes):
+        description, headers = _ERRORS[code]
+        # The body is named by reference, not by `model`: FastAPI would file it under the route's media
+        # type, and /metrics answers text/plain but its errors in JSON.
+        responses[code] = {"description": description, "content": {"application/json": {"schema": _ERROR_BODY}}}
+        if code == 503:
+            responses[code]["description"] += " " + _OVER_LIMIT
+            responses[code]["content"].update(_PLAIN_TEXT)
+        if headers:
+            responses[code]["headers"] = headers
+    return responses
+
+
+def generation_responses(chunk: type[BaseModel]) -> Responses:
+    """/v1/completions and /v1/chat/completions: a JSON answer, or (`stream`) SSE `chunk` events, then [DONE]."""
+    if chunk not in STREAM_EVENT_MODELS:
+        raise ValueError(f"{chunk.__name__} must be listed in STREAM_EVENT_MODELS")
+    event = {
+        "type": "object",
+        "required": ["data"],
+        "properties": {
+            "data": {
+                "description": f"a {chunk.__name__} chunk, the error body if the stream fails after it "
+                "started, then the literal [DONE]",
+                "anyOf": [
+                    {"const": "[DONE]"},
+                    {
+                        "type": "string",
+                        "not": {"const": "[DONE]"},
+                        "contentMediaType": "application/json",
+                        "contentSchema": {
+                            "anyOf": [
+                                {"$ref": _REF.format(model=chunk.__name__)},
+                                _ERROR_BODY,
+                            ]
+                        },
+                    },
+                ],
+            },
+            "event": {"type": "string"},
+        },
+    }
+    streamed = {
+        200: {
+            "description": "One JSON body, or with `stream` true server-sent events: `data: <chunk>` each, "
+            "then `data: [DONE]`",
+            "content": {"text/event-stream": {"itemSchema": event}},
+        }
+    }
+    return {**streamed, **error_responses(400, 404, 429, 504, *_GATED)}
+
+
+def engine_responses() -> Responses:
+    """/v1/embeddings and /embed: the model, the batch, the queue and the deadline can refuse."""
+    return error_responses(400, 404, 429, 504, *_GATED)
+
+
+def tokenizer_responses() -> Responses:
+    """/tokenize and /detokenize: a model and a body, no queue."""
+    return error_responses(400, 404, *_GATED)
+
+
+def gated_responses() -> Responses:
+    """/v1/models: the middleware's checks only."""
+    return error_responses(*_GATED)
+
+
+def health_responses() -> Responses:
+    """/health: its own body for 200 and 503; no API key, answered while loading and draining."""
+    status = {"model": HealthStatus}
+    unready = {
+        "description": f"Loading, draining, or an engine has stopped (`message` says which). {_OVER_LIMIT}",
+        "content": {"application/json": {}, **_PLAIN_TEXT},  # JSON first: HealthStatus fills it in
+    }
+    return {200: status, 503: {**status, **unready}, **error_responses(500)}
+
+
+def metrics_responses() -> Responses:
+    """/metrics: Prometheus text (the route's response_class); answered while loading and draining."""
+    return {**error_responses(401, 500), 503: {"description": _OVER_LIMIT, "content": _PLAIN_TEXT}}
+
+
+def install_openapi(app: FastAPI) -> None:
+    """Make `app.openapi()` (GET /openapi.json, /docs) the document described above, built once."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            document = get_openapi(
+                title=app.title,
+                version=app.version,
+                summary=app.summary,
+                description=app.description,
+                routes=app.routes,
+            )
+            _finish(document)
+            app.openapi_schema = document
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _finish(document: dict[str, Any]) -> None:
+    schemas = document.setdefault("components", {}).setdefault("schemas", {})
+    for operations in document["paths"].values():
+        for operation in operations.values():
+            # Request validation errors are answered 400 in the one error shape (server/errors.py).
+            operation["responses"].pop("422", None)
+            for status, response in operation["responses"].items():
+                header = {**_X_REQUEST_ID, "required": status != "503"}
+                response.setdefault("headers", {})["X-Request-Id"] = header
+    for name in ("HTTPValidationError", "ValidationError"):
+        schemas.pop(name, None)
+    models = [(model, "serialization") for model in (ErrorResponse, *STREAM_EVENT_MODELS)]
+    _, referenced = models_json_schema(models, ref_template=_REF)
+    for name, schema in referenced.get("$defs", {}).items():
+        schemas.setdefault(name, schema)  # the response models FastAPI documented already keep its schema
