@@ -1,4 +1,4 @@
-"""GET /health (readiness for load balancers) and GET /metrics (Prometheus); both open without an API key."""
+"""GET /health (readiness for load balancers; always open) and GET /metrics (Prometheus; behind --api-key when one is set)."""
 
 from __future__ import annotations
 
