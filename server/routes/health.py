@@ -1,4 +1,7 @@
-"""GET /health (readiness for load balancers; always open) and GET /metrics (Prometheus; behind --api-key when one is set)."""
+"""GET /health (readiness for load balancers; always open) and GET /metrics (Prometheus).
+
+/metrics is behind --api-key when one is set, like every route but /health.
+"""
 
 from __future__ import annotations
 
