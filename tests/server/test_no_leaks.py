@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
-import socket
 import threading
 import time
 
@@ -23,7 +22,7 @@ from server.serving import CLIENT_CLOSED_REQUEST
 from server.state import state_of
 from tests.server.flaky_engine import flaky_factory
 from tests.support.asgi import post_scope
-from tests.support.server_harness import ServerThread, make_server_config
+from tests.support.server_harness import ServerThread, make_server_config, send_and_hang_up
 from tests.support.tiny_models import make_tiny_llama
 
 MODEL = "tiny-llama"
@@ -66,19 +65,6 @@ def _wait_idle(engine, timeout: float) -> float:
     return time.monotonic() - start
 
 
-def _send_and_hang_up(base_url: str, path: str, body: dict, linger: float) -> None:
-    """POST on a raw socket, read nothing, hang up `linger` seconds later."""
-    host, port = base_url.removeprefix("http://").split(":")
-    payload = json.dumps(body).encode()
-    head = (
-        f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(payload)}\r\n\r\n"
-    ).encode()
-    with socket.create_connection((host, int(port))) as sock:
-        sock.sendall(head + payload)
-        time.sleep(linger)
-
-
 def _read_first_chunk_and_leave(base_url: str, path: str, body: dict, statuses: list[int]) -> None:
     with httpx.Client(base_url=base_url, timeout=30) as http, http.stream("POST", path, json=body) as response:
         statuses.append(response.status_code)
@@ -103,7 +89,7 @@ def test_many_clients_leaving_at_every_moment_free_every_request(model_dir, with
             ("/v1/chat/completions", {**LONG, "messages": CHAT}),
         ]
         clients = [
-            threading.Thread(target=_send_and_hang_up, args=(srv.base_url, path, body, linger))
+            threading.Thread(target=send_and_hang_up, args=(srv.base_url, path, body, linger))
             for linger in (0.0, 0.01, 0.05, 0.2, 0.5)
             for path, body in requests
         ]

@@ -22,7 +22,7 @@ from server.app import create_app
 from server.state import state_of
 from tests.server.flaky_engine import flaky_factory
 from tests.support.asgi import post_scope
-from tests.support.server_harness import ServerProcess, ServerThread, make_server_config, parse_sse
+from tests.support.server_harness import ServerProcess, ServerThread, make_server_config, parse_sse, send_and_hang_up
 from tests.support.tiny_models import make_tiny_llama
 
 MODEL = "tiny-llama"
@@ -141,7 +141,6 @@ def test_non_streamed_request_dropped_right_away_is_aborted_without_gc(server, k
     """The client hangs up as soon as the request is sent: the abort must not wait for the GC."""
     import gc
     import json as jsonlib
-    import socket
     from urllib.parse import urlparse
 
     knobs.step_delay = 0.02
@@ -320,19 +319,6 @@ def test_bodies_over_the_limit_get_413(server):
     assert_still_serves(server.base_url)
 
 
-def _open_and_drop(base_url: str, body: dict, linger: float) -> None:
-    """Send a request on a raw socket and hang up `linger` seconds later, before any answer."""
-    host, port = base_url.removeprefix("http://").split(":")
-    payload = json.dumps(body).encode()
-    head = (
-        f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(payload)}\r\n\r\n"
-    ).encode()
-    with socket.create_connection((host, int(port))) as sock:
-        sock.sendall(head + payload)
-        time.sleep(linger)
-
-
 def test_retry_with_the_same_request_id_is_served(server, knobs):
     """X-Request-Id is for logs only: a retry reusing it while the first is alive is not refused."""
     knobs.step_delay = 0.02
@@ -368,7 +354,7 @@ def test_stream_dropped_before_its_first_chunk_is_aborted(server, knobs):
                 "ignore_eos": True,
                 "stream": True,
             }
-            _open_and_drop(server.base_url, body, linger=0.15)
+            send_and_hang_up(server.base_url, "/v1/completions", body, linger=0.15)
             time.sleep(0.5)  # the dropped request got submitted meanwhile
     knobs.step_delay = 0.02
     wait_until(

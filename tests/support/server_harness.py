@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -173,3 +175,16 @@ def make_server_config(model_dir, *, embedding_model=None, **overrides):
     server_values.update({k: v for k, v in overrides.items() if k not in engine_fields})
     embedder = EmbedderConfig(model=embedding_model) if embedding_model else None
     return ServerConfig(engine=EngineConfig(**engine_values), embedder=embedder, **server_values)
+
+
+def send_and_hang_up(base_url: str, path: str, body: dict, linger: float) -> None:
+    """POST `body` to `path` on a raw socket, read nothing, hang up `linger` seconds later."""
+    host, port = base_url.removeprefix("http://").split(":")
+    payload = json.dumps(body).encode()
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(payload)}\r\n\r\n"
+    ).encode()
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(head + payload)
+        time.sleep(linger)
