@@ -154,7 +154,7 @@ class AsyncEmbedder:
         self._wakeup.set()
         try:
             await wait_until(asyncio.shield(request.future), deadline)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise RequestTimeoutError("the embedding request timed out and was dropped") from None
         finally:
             # Cancelled (client gone), timed out or failed: its queued items are skipped from now on.

@@ -52,7 +52,7 @@ from engine.serving.torch_worker import RequestLimits, TorchWorker, wait_until
 from engine.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
-    from typing_extensions import Self
+    from typing import Self
 
     from engine.core.llm_engine import LLMEngine
 
@@ -91,7 +91,7 @@ class RequestStream:
             raise StopAsyncIteration
         try:
             item = await wait_until(self._queue.get(), self._deadline)
-        except asyncio.TimeoutError:  # the builtin TimeoutError from 3.11 on
+        except TimeoutError:  # the builtin TimeoutError from 3.11 on
             self.close()
             raise RequestTimeoutError(f"request {self.request_id} timed out and was aborted") from None
         except BaseException:
@@ -232,6 +232,11 @@ class AsyncEngine:
     def num_active_requests(self) -> int:
         return len(self._queues)
 
+    @property
+    def kv_cache_tokens(self) -> int:
+        """Tokens the KV cache holds when full (every block)."""
+        return self._stats.num_total_blocks * self.engine.config.block_size
+
     def stats(self) -> EngineStats:
         """The snapshot taken after the last step (or add/abort); never touches the engine.
 
@@ -328,8 +333,9 @@ class AsyncEngine:
                         continue
                     idle_start = time.monotonic()
                     try:
-                        await asyncio.wait_for(self._wakeup.wait(), self._next_deadline_in())
-                    except asyncio.TimeoutError:
+                        async with asyncio.timeout(self._next_deadline_in()):
+                            await self._wakeup.wait()
+                    except TimeoutError:
                         pass
                     self._idle_since_failure += time.monotonic() - idle_start
                     continue

@@ -22,6 +22,7 @@ a failed step or forward -> EngineStepError for the requests in it only.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -89,7 +90,19 @@ class RequestLimits:
 
 
 async def wait_until(awaitable: Awaitable[T], deadline: float | None) -> T:
-    """Await with an absolute monotonic deadline; raises TimeoutError past it (None: no limit)."""
+    """Await with an absolute monotonic deadline; raises TimeoutError past it (None: no limit).
+
+    Never `asyncio.wait_for`: up to Python 3.11, a cancel that arrives as its awaitable completes
+    is swallowed (the result is returned, the caller's task stays cancelled-but-running), and a
+    request whose client left would run on to its end. `asyncio.timeout` re-raises every cancel
+    that is not its own.
+    """
     if deadline is None:
         return await awaitable
-    return await asyncio.wait_for(awaitable, max(deadline - time.monotonic(), 0.0))
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:  # past it, even an awaitable that is ready at once is too late
+        if inspect.iscoroutine(awaitable):
+            awaitable.close()
+        raise TimeoutError
+    async with asyncio.timeout(remaining):
+        return await awaitable

@@ -24,7 +24,7 @@ from engine.errors import (
 from engine.outputs import CompletionOutput, EngineStats, RequestOutput
 from engine.params import SamplingParams
 from engine.serving.async_engine import AsyncEngine
-from engine.serving.torch_worker import RequestLimits
+from engine.serving.torch_worker import RequestLimits, wait_until
 
 
 class ScriptedEngine:
@@ -212,6 +212,30 @@ def test_cancelled_consumer_aborts_within_one_step():
         await engine.stop()
 
     run(main())
+
+
+@pytest.mark.parametrize("yields_between", [0, 1, 2, 3])
+def test_a_cancel_that_meets_an_arriving_output_is_never_swallowed(yields_between):
+    """A client leaving just as its stream's next output arrives must still stop the reader.
+
+    Python's `asyncio.wait_for` returns the awaited result when the cancel and the result
+    meet, leaving the task cancelled in name but running: the request then ran on to its end.
+    """
+
+    async def main() -> None:
+        queue: asyncio.Queue[str] = asyncio.Queue()
+        reader = asyncio.create_task(wait_until(queue.get(), time.monotonic() + 60))
+        await asyncio.sleep(0)  # the reader waits on the queue
+        queue.put_nowait("output")
+        for _ in range(yields_between):
+            await asyncio.sleep(0)
+        if reader.cancel():  # accepted: the reader must end cancelled
+            with pytest.raises(asyncio.CancelledError):
+                await reader
+        else:  # it had already returned
+            assert reader.result() == "output"
+
+    asyncio.run(main())
 
 
 def test_breaking_out_of_generate_aborts():

@@ -19,7 +19,7 @@ from clients.bench_suite import free_port
 from clients.sse import iter_sse_events
 
 if TYPE_CHECKING:
-    from typing_extensions import Self
+    from typing import Self
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
