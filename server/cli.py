@@ -186,9 +186,9 @@ FLAGS: tuple[Flag, ...] = (
     _flag(
         "max_request_cost",
         "server",
-        int,
+        _optional(int),
         "most tokens one completions or chat request may hold: prompts x n x (prompt tokens + max_tokens, "
-        "at most the context length); above it: 400 request_too_large",
+        "at most the context length); above it: 400 request_too_large (default: the KV cache's capacity)",
     ),
     _flag(
         "embedding_max_batch_tokens",

@@ -77,6 +77,8 @@ class ServerConfig:
         and its connection closed (bounds slowloris-style headers).
     max_request_cost: most tokens one completions or chat request may hold: prompts x n x
         (prompt tokens + max_tokens), see server/params.py; above it, 400 request_too_large.
+        None: the KV cache's capacity in tokens (a request that alone could fill the cache
+        would evict or hold back every other request until it ends).
     """
 
     engine: EngineConfig = field(default_factory=default_engine_config)
@@ -93,7 +95,7 @@ class ServerConfig:
     # Docker's default 10 s before SIGKILL.
     shutdown_timeout: float = 8.0
     max_client_batch_size: int = 64
-    max_request_cost: int = 2**20
+    max_request_cost: int | None = None
     timeout_keep_alive: float = 5.0
     limit_concurrency: int | None = 1024
     max_request_head_bytes: int = 64 * 1024
@@ -125,7 +127,7 @@ class ServerConfig:
             raise ValueError(f"shutdown_timeout must be non-negative, got {self.shutdown_timeout}")
         if self.max_client_batch_size < 1:
             raise ValueError(f"max_client_batch_size must be positive, got {self.max_client_batch_size}")
-        if self.max_request_cost < 1:
+        if self.max_request_cost is not None and self.max_request_cost < 1:
             raise ValueError(f"max_request_cost must be positive, got {self.max_request_cost}")
         if self.timeout_keep_alive <= 0:
             raise ValueError(f"timeout_keep_alive must be positive, got {self.timeout_keep_alive}")

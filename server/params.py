@@ -32,7 +32,11 @@ def check_batch_size(config: ServerConfig, num_items: int, param: str) -> None:
 
 
 def check_admissible(
-    config: ServerConfig, prompt_lengths: list[int], params: SamplingParams, max_model_len: int
+    config: ServerConfig,
+    prompt_lengths: list[int],
+    params: SamplingParams,
+    max_model_len: int,
+    kv_cache_tokens: int,
 ) -> None:
     """400 for a generation request that could never be served fairly, before anything is queued.
 
@@ -40,7 +44,8 @@ def check_admissible(
     admitted (a 429 would invite retries that cannot succeed). The request's cost is the tokens
     its samples may hold: the sum over its prompts of n x (prompt tokens + max_tokens), each
     sample capped at the context length (max_tokens unset: the whole context). Above
-    --max-request-cost the request would hold the engine long enough to starve everyone else.
+    --max-request-cost (default: `kv_cache_tokens`, the KV cache's capacity) the request would
+    hold the engine long enough to starve everyone else.
     """
     num_prompts = len(prompt_lengths)
     if num_prompts > config.max_queued_requests:
@@ -54,11 +59,12 @@ def check_admissible(
         )
     max_tokens = params.max_tokens if params.max_tokens is not None else max_model_len
     cost = sum(params.n * min(max_model_len, length + max_tokens) for length in prompt_lengths)
-    if cost > config.max_request_cost:
+    limit = config.max_request_cost if config.max_request_cost is not None else kv_cache_tokens
+    if cost > limit:
         raise APIError(
             400,
             f"this request may hold {cost} tokens (prompts x n x (prompt tokens + max_tokens)), more than "
-            f"this server's limit of {config.max_request_cost} (--max-request-cost); lower n or max_tokens, "
+            f"this server's limit of {limit} (--max-request-cost); lower n or max_tokens, "
             "or split it into several requests",
             param="max_tokens" if params.max_tokens is not None else "n",
             code="request_too_large",

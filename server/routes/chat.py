@@ -46,7 +46,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     num_top = body.top_logprobs or 0
     logprobs = num_top if body.logprobs else None
     params = sampling_params(body, max_tokens, logprobs, engine.vocab_size, body.cache_salt)
-    check_admissible(state.config, [len(prompt_ids)], params, engine.max_model_len)
+    check_admissible(state.config, [len(prompt_ids)], params, engine.max_model_len, engine.kv_cache_tokens)
     answer_id = serving.response_id(request, "chatcmpl")
     model_name = state.config.model_name
     timer = state.metrics.start_request()

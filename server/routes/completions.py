@@ -31,7 +31,9 @@ async def create_completion(body: CompletionRequest, request: Request, state: Sh
     tokenizer = engine.tokenizer
     prompts = completion_prompts(body, tokenizer, engine.vocab_size, state.config)
     params = sampling_params(body, body.max_tokens, body.logprobs, engine.vocab_size, body.cache_salt)
-    check_admissible(state.config, [len(ids) for _, ids in prompts], params, engine.max_model_len)
+    check_admissible(
+        state.config, [len(ids) for _, ids in prompts], params, engine.max_model_len, engine.kv_cache_tokens
+    )
     echoes = [
         (text if text is not None else tokenizer.decode(ids, skip_special_tokens=False)) if body.echo else ""
         for text, ids in prompts

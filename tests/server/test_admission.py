@@ -11,6 +11,7 @@ from engine.errors import InvalidRequestError
 from engine.params import MAX_CACHE_SALT_CHARS, SamplingParams
 from server.app import create_app
 from server.config import ServerConfig
+from server.state import state_of
 from tests.support.server_harness import ServerThread, make_server_config
 from tests.support.tiny_models import make_tiny_llama
 
@@ -86,8 +87,24 @@ def test_ordinary_requests_under_the_caps_still_work(server):
     assert len(answer.json()["choices"]) == 3
 
 
+def test_by_default_no_request_may_hold_more_tokens_than_the_kv_cache(tmp_path):
+    """64 prompts x n=128 once held an 8-token request back for 22 s: now it is refused at once."""
+    config = make_server_config(make_tiny_llama(tmp_path), max_num_seqs=64)
+    assert config.max_request_cost is None
+    with ServerThread(create_app(config)) as srv:
+        capacity = state_of(srv.app).engine.kv_cache_tokens
+        assert 0 < capacity < 64 * 128 * 16
+        body = {"model": MODEL, "prompt": ["Hello there"] * 64, "n": 128, "max_tokens": 16}
+        response = httpx.post(f"{srv.base_url}/v1/completions", json=body, timeout=60)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["code"] == "request_too_large" and str(capacity) in error["message"]
+        small = httpx.post(f"{srv.base_url}/v1/completions", json={**body, "prompt": "Hi", "n": 2}, timeout=60)
+        assert small.status_code == 200, small.text
+
+
 def test_max_request_cost_defaults_to_a_bound_and_must_be_positive():
-    assert ServerConfig().max_request_cost == 2**20
+    assert ServerConfig().max_request_cost is None  # the KV cache's capacity
     with pytest.raises(ValueError, match="max_request_cost"):
         ServerConfig(max_request_cost=0)
 
