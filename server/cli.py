@@ -22,6 +22,7 @@ import uvicorn
 
 from engine.config import POOLING_MODES, SUPPORTED_DTYPES, EmbedderConfig, EngineConfig
 from server.config import LOG_LEVELS, ServerConfig, default_embedder_config, default_engine_config, parse_bytes
+from server.http_protocol import with_request_head_timeout
 from server.shutdown import DRAINING, SERVING, STOPPING
 
 if TYPE_CHECKING:
@@ -207,6 +208,13 @@ FLAGS: tuple[Flag, ...] = (
         "server",
         float,
         "seconds an idle keep-alive connection is held open after a response",
+    ),
+    _flag(
+        "timeout_request_head",
+        "server",
+        float,
+        "seconds a connection gets to send a complete request head, from its opening or its previous "
+        "response; then it is closed (408 if a head was begun). Requests under way are not affected",
     ),
     _flag(
         "limit_concurrency",
@@ -405,7 +413,8 @@ def _serve(args: argparse.Namespace) -> int:
         timeout_keep_alive=config.timeout_keep_alive,
         limit_concurrency=config.limit_concurrency,
         # h11, not "auto": the request-head limit is h11's (httptools, were it installed, has none).
-        http="h11",
+        # uvicorn's h11 protocol, plus a deadline for the request head (server/http_protocol.py).
+        http=with_request_head_timeout(config.timeout_request_head),
         h11_max_incomplete_event_size=config.max_request_head_bytes,
         # Not "auto": with uvloop installed, a client that hung up right after sending a
         # non-streamed request was sometimes never reported as gone, so its generation ran to

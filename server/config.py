@@ -72,6 +72,10 @@ class ServerConfig:
     request_timeout: seconds a generation or embedding request may live (None: no limit).
     max_client_batch_size: most prompts or inputs in one completions or embeddings request.
     timeout_keep_alive: seconds an idle keep-alive connection is held open after a response.
+    timeout_request_head: seconds a connection gets to deliver a complete request head, counted
+        from its opening or, kept alive, from its previous response; then it is closed (a 408
+        first if part of a head came). A request whose head is in (slow body, long stream) is
+        never cut by it. Bounds slowloris-style clients and silent connections.
     limit_concurrency: most open connections (and requests in progress); past it, 503 (None: no cap).
     max_request_head_bytes: largest request line plus headers; a longer head gets 400
         and its connection closed (bounds slowloris-style headers).
@@ -97,6 +101,7 @@ class ServerConfig:
     max_client_batch_size: int = 64
     max_request_cost: int | None = None
     timeout_keep_alive: float = 5.0
+    timeout_request_head: float = 10.0
     limit_concurrency: int | None = 1024
     max_request_head_bytes: int = 64 * 1024
     log_level: str = "info"
@@ -131,6 +136,8 @@ class ServerConfig:
             raise ValueError(f"max_request_cost must be positive, got {self.max_request_cost}")
         if self.timeout_keep_alive <= 0:
             raise ValueError(f"timeout_keep_alive must be positive, got {self.timeout_keep_alive}")
+        if not self.timeout_request_head > 0:  # NaN too: a timer that never fires
+            raise ValueError(f"timeout_request_head must be positive, got {self.timeout_request_head}")
         if self.limit_concurrency is not None and self.limit_concurrency < 2:
             # uvicorn counts the connection asking too: 1 would answer every request with 503.
             raise ValueError(f"limit_concurrency must be at least 2, got {self.limit_concurrency}")

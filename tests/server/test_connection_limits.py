@@ -1,10 +1,12 @@
 """`kvserve serve` connection limits, over raw sockets against a real server process: an oversized request
 head (--max-request-head-bytes), too many open connections (--limit-concurrency), an idle keep-alive
-connection (--timeout-keep-alive). After each the server keeps serving."""
+connection (--timeout-keep-alive), a request head that never completes (--timeout-request-head). After
+each the server keeps serving."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import socket
 import time
 from collections.abc import Iterator
@@ -18,6 +20,10 @@ from tests.support.tiny_models import make_tiny_llama
 KEEP_ALIVE_S = 1.0
 LIMIT = 4
 HEAD_LIMIT = 4096
+# Longer than KEEP_ALIVE_S, so an idle kept-alive connection still meets the keep-alive timeout first.
+HEAD_TIMEOUT_S = 2.0
+# How long a test waits for the server to close a connection: generous, for a loaded machine.
+CLOSE_WAIT_S = 30.0
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +45,8 @@ def server(tmp_path_factory) -> Iterator[ServerProcess]:
             str(LIMIT),
             "--max-request-head-bytes",
             "4KiB",
+            "--timeout-request-head",
+            str(HEAD_TIMEOUT_S),
             "--log-level",
             "warning",
         ],
@@ -139,6 +147,85 @@ def test_an_idle_keep_alive_connection_is_closed_after_the_timeout(server: Serve
     _still_serves(server)
 
 
+def _closed_by_server(sock: socket.socket) -> tuple[bytes, float]:
+    """What the server sends until it closes the connection, and the seconds that took."""
+    sock.settimeout(CLOSE_WAIT_S)
+    start = time.monotonic()
+    try:
+        answer = _read_until_closed(sock)
+    except TimeoutError:
+        pytest.fail(f"the server kept the connection open for {CLOSE_WAIT_S} s")
+    return answer, time.monotonic() - start
+
+
+def _is_408_or_nothing(answer: bytes) -> bool:
+    return answer == b"" or answer.startswith(b"HTTP/1.1 408")
+
+
+def test_a_request_head_that_never_completes_is_closed(server: ServerProcess) -> None:
+    sock = _connect(server)
+    try:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Half: ")  # and never the rest
+        answer, waited_s = _closed_by_server(sock)
+    finally:
+        sock.close()
+    assert _is_408_or_nothing(answer), answer[:200]
+    assert waited_s >= HEAD_TIMEOUT_S * 0.5, waited_s  # the head timeout closed it, not something sooner
+    _still_serves(server)
+
+
+def test_a_connection_that_sends_nothing_is_closed(server: ServerProcess) -> None:
+    sock = _connect(server)
+    try:
+        answer, waited_s = _closed_by_server(sock)
+    finally:
+        sock.close()
+    assert _is_408_or_nothing(answer), answer[:200]
+    assert waited_s >= HEAD_TIMEOUT_S * 0.5, waited_s
+    _still_serves(server)
+
+
+def test_a_slow_body_after_a_timely_head_is_served(server: ServerProcess) -> None:
+    body = json.dumps({"model": "tiny-llama", "prompt": "Hi", "max_tokens": 3, "ignore_eos": True}).encode()
+    head = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n"
+    )
+    sock = _connect(server)
+    try:
+        sock.sendall(head + body[:5])
+        time.sleep(HEAD_TIMEOUT_S + 1.0)  # past the head timeout: the head is in, so it must not apply
+        sock.sendall(body[5:])
+        sock.settimeout(CLOSE_WAIT_S)
+        assert _read_response(sock).startswith(b"HTTP/1.1 200")
+    finally:
+        sock.close()
+
+
+def test_a_kept_alive_connection_that_begins_a_head_and_stalls_is_closed(server: ServerProcess) -> None:
+    sock = _connect(server)
+    try:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert _read_response(sock).startswith(b"HTTP/1.1 200")
+        # At once, before the keep-alive timeout: its first byte stops that timer, not this one.
+        sock.sendall(b"GET /health HTTP/1.1\r\nHo")
+        answer, waited_s = _closed_by_server(sock)
+    finally:
+        sock.close()
+    assert _is_408_or_nothing(answer), answer[:200]
+    assert waited_s >= HEAD_TIMEOUT_S * 0.5, waited_s
+    _still_serves(server)
+
+
+def test_the_request_head_timeout_must_be_positive() -> None:
+    from server.config import ServerConfig
+
+    assert ServerConfig().timeout_request_head == 10.0
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="timeout_request_head"):
+            ServerConfig(timeout_request_head=bad)
+
+
 def test_the_flags_default_to_limits_that_fit_the_rest_of_the_server() -> None:
     from server import cli
 
@@ -155,3 +242,7 @@ def test_the_flags_default_to_limits_that_fit_the_rest_of_the_server() -> None:
         cli.config_from_args(parser.parse_args(["--limit-concurrency", "1"]))
     with pytest.raises(ValueError, match="timeout_keep_alive"):
         cli.config_from_args(parser.parse_args(["--timeout-keep-alive", "0"]))
+    assert defaults.timeout_request_head == 10.0
+    assert cli.config_from_args(parser.parse_args(["--timeout-request-head", "2.5"])).timeout_request_head == 2.5
+    with pytest.raises(ValueError, match="timeout_request_head"):
+        cli.config_from_args(parser.parse_args(["--timeout-request-head", "0"]))

@@ -606,6 +606,7 @@ SERVE_FLAGS = (
     "embedding_max_batch_tokens",
     "pooling",
     "timeout_keep_alive",
+    "timeout_request_head",
     "limit_concurrency",
     "max_request_head_bytes",
     "log_level",
