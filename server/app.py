@@ -23,6 +23,7 @@ from engine.embedder import Embedder
 from engine.llm import LLM
 from engine.serving.async_embedder import AsyncEmbedder
 from engine.serving.async_engine import AsyncEngine
+from engine.serving.text_worker import TextWorker
 from engine.serving.torch_worker import RequestLimits, TorchWorker
 from server.config import ServerConfig
 from server.errors import install_error_handlers
@@ -30,6 +31,7 @@ from server.middleware import KVServeMiddleware
 from server.openapi import install_openapi
 from server.routes import chat, completions, embeddings, health, models, tokenize
 from server.state import ServerState, attach_state
+from server.text import RequestText
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +65,10 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         worker = TorchWorker()
-        load_task = asyncio.create_task(_load_models(state, engine_factory, embedder_factory, on_fatal, worker))
+        text_worker = TextWorker()
+        load_task = asyncio.create_task(
+            _load_models(state, engine_factory, embedder_factory, on_fatal, worker, text_worker)
+        )
         try:
             yield
         finally:
@@ -73,6 +78,7 @@ def create_app(
                 state.shutdown.interrupted_load = True
             state.is_ready = False
             await stop_requests(state)
+            await text_worker.stop()
             if state.shutdown.interrupted_load:
                 # A model load cannot be interrupted (torch, file reads, a download): the stop does not
                 # wait for it; the CLI ends the process without joining the torch thread.
@@ -126,6 +132,7 @@ async def _load_models(
     embedder_factory: EmbedderFactory,
     on_fatal: Callable[[BaseException], None] | None,
     worker: TorchWorker,
+    text_worker: TextWorker,
 ) -> None:
     config = state.config
     # Generation and embeddings are two clients of one worker, with the same limits.
@@ -133,13 +140,16 @@ async def _load_models(
     try:
         logger.info("loading generation model %s", config.engine.model)
         llm = await worker.run(engine_factory, config.engine)
+        # The loop detokenizes with the engine's tokenizer; the text worker encodes with its own copy.
+        text_tokenizer = await text_worker.run(0, llm.tokenizer.copy)
         engine = AsyncEngine(llm.engine, llm.tokenizer, limits=limits)
         await engine.start(worker)
+        state.text = RequestText(text_worker, text_tokenizer)
         state.engine = engine
         if config.embedder is not None:
             logger.info("loading embedding model %s", config.embedder.model)
             embedder = AsyncEmbedder(await worker.run(embedder_factory, config.embedder), limits=limits)
-            await embedder.start(worker)
+            await embedder.start(worker, text_worker)
             state.embedder = embedder
         state.is_ready = True
         logger.info("kvserve ready: serving %s", config.model_name)

@@ -1,4 +1,7 @@
-"""Request prompts -> token ids: completion prompts (text or ids, one or many) and chat messages."""
+"""Request prompts -> token ids: completion prompts (text or ids, one or many) and chat messages.
+
+Each function takes the tokenizer first and runs on the text worker (server/text.py).
+"""
 
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ from server.protocol.completions import CompletionRequest
 
 
 def completion_prompts(
-    body: CompletionRequest, tokenizer: Any, vocab_size: int, config: ServerConfig
+    tokenizer: Any, body: CompletionRequest, vocab_size: int, config: ServerConfig
 ) -> list[tuple[str | None, list[int]]]:
     """(text or None, token ids) for each prompt; token-id prompts must lie in [0, vocab_size)."""
     prompt = body.prompt
@@ -47,3 +50,8 @@ def chat_prompt_ids(tokenizer: Any, messages: list[ChatMessage], add_generation_
             item["name"] = message.name
         rendered.append(item)
     return tokenizer.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt)
+
+
+def echoed_prompts(tokenizer: Any, prompts: list[tuple[str | None, list[int]]]) -> list[str]:
+    """Each prompt's text as an echo shows it: as sent, or its token ids decoded."""
+    return [text if text is not None else tokenizer.decode(ids, skip_special_tokens=False) for text, ids in prompts]

@@ -15,6 +15,7 @@ from server.state import ServerState
 if TYPE_CHECKING:
     from engine.serving.async_embedder import AsyncEmbedder
     from engine.serving.async_engine import AsyncEngine
+    from server.text import RequestText
 
 Task = Literal["generate", "embed"]
 
@@ -82,6 +83,13 @@ def generation_engine(state: ServerState, model: str | None) -> AsyncEngine:
     if not engine.is_healthy:
         raise APIError(503, "the generation engine is not running", type="service_unavailable")
     return engine
+
+
+def request_text(state: ServerState) -> RequestText:
+    """Where the generation model's request text is tokenized (set with the engine); 503 before."""
+    if state.text is None:
+        raise APIError(503, "the generation model is not loaded", type="service_unavailable")
+    return state.text
 
 
 def embedding_engine(state: ServerState, model: str | None) -> AsyncEmbedder:

@@ -1,6 +1,6 @@
 """ServerState: what the routes share, stored once on the app; a route reads it as a `SharedState` parameter.
 
-The lifespan (server/app.py) fills in `engine` and `embedder` once the models are loaded, then
+The lifespan (server/app.py) fills in `engine`, `text` and `embedder` once the models are loaded, then
 sets `is_ready`; a failed load sets `load_error` instead. `shutdown` is the server's stop
 (server/shutdown.py): the CLI moves its phase, the middleware counts requests in it. Routes only read it.
 """
@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from engine.outputs import EngineStats
     from engine.serving.async_embedder import AsyncEmbedder
     from engine.serving.async_engine import AsyncEngine
+    from server.text import RequestText
 
 
 @dataclass
@@ -27,6 +28,7 @@ class ServerState:
     config: ServerConfig
     engine: AsyncEngine | None = None  # None until loaded
     embedder: AsyncEmbedder | None = None  # None until loaded, or when no embedding model is served
+    text: RequestText | None = None  # tokenizer work on request text, off the loop; set with `engine`
     is_ready: bool = False  # every model is loaded: the middleware stops answering 503
     load_error: str | None = None  # why loading failed; /health reports it
     shutdown: Shutdown = field(default_factory=Shutdown)  # serving -> draining -> stopping

@@ -1,8 +1,9 @@
 """AsyncEmbedder: embeddings' client of the torch worker. The one dynamic batcher in front of `Embedder`.
 
-Every request's inputs are tokenized on arrival, on the event-loop thread (the
-only thread that uses the embedder's tokenizers; errors go back to that request
-alone), then queued one item per input. One batching task takes queued items in
+Every request's inputs are tokenized on arrival, on the text worker
+(engine/serving/text_worker.py: the only thread that uses the embedder's
+tokenizers, so a long input never holds up the event loop; errors go back to
+that request alone), then queued one item per input. One batching task takes queued items in
 arrival order up to the token budget (`max_batch_tokens` real tokens; a single
 longer input goes alone), sorts them by length (attention groups neighbours of
 similar length; the rest of the forward is packed, padding-free) and runs one
@@ -31,6 +32,7 @@ import torch
 
 from engine.embedder import Embedder, EmbedInputs, EmbedResult, finalize
 from engine.errors import EngineDeadError, EngineStepError, RequestTimeoutError
+from engine.serving.text_worker import TextWorker
 from engine.serving.torch_worker import RequestLimits, TorchWorker, wait_until
 
 logger = logging.getLogger(__name__)
@@ -70,10 +72,13 @@ class AsyncEmbedder:
         self.max_batch_tokens = embedder.config.max_batch_tokens
         self._queue: collections.deque[_Item] = collections.deque()
         self._not_started: set[_Request] = set()
+        self._num_tokenizing = 0  # admitted requests whose inputs are still being tokenized
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._worker: TorchWorker | None = None
+        self._text_worker: TextWorker | None = None
         self._owns_worker = False
+        self._owns_text_worker = False
         self.num_forwards = 0  # forwards run so far (tests and logs read it)
 
     # ---------------------------------------------------------------- facts
@@ -97,18 +102,21 @@ class AsyncEmbedder:
 
     @property
     def num_queued_requests(self) -> int:
-        """Requests admitted none of whose inputs has gone into a forward yet."""
-        return len(self._not_started)
+        """Requests admitted none of whose inputs has gone into a forward yet (tokenizing or queued)."""
+        return len(self._not_started) + self._num_tokenizing
 
     # ---------------------------------------------------------------- lifecycle
 
-    async def start(self, worker: TorchWorker | None = None) -> None:
-        """Start batching; forwards run on `worker` (the server's one torch worker), or on one of its own."""
+    async def start(self, worker: TorchWorker | None = None, text_worker: TextWorker | None = None) -> None:
+        """Start batching; forwards run on `worker` (the server's one torch worker) and tokenization on
+        `text_worker` (the server's one text worker), or on workers of its own."""
         if self._task is not None:
             return
         self._wakeup = asyncio.Event()
         self._owns_worker = worker is None
         self._worker = worker or TorchWorker("kvserve-embed")
+        self._owns_text_worker = text_worker is None
+        self._text_worker = text_worker or TextWorker("kvserve-embed-text")
         self._task = asyncio.create_task(self._batch_loop(), name="kvserve-embed-batcher")
 
     async def stop(self) -> None:
@@ -120,6 +128,8 @@ class AsyncEmbedder:
         self._fail_queued(EngineDeadError("the embedding model is shutting down"))
         if self._owns_worker and self._worker is not None:
             await self._worker.stop()
+        if self._owns_text_worker and self._text_worker is not None:
+            await self._text_worker.stop()
 
     # ---------------------------------------------------------------- requests
 
@@ -141,7 +151,17 @@ class AsyncEmbedder:
             raise EngineDeadError("the embedding model is not running")
         deadline = self.limits.admit(self.num_queued_requests, "embedding")
         self.embedder.check_dimensions(dimensions)
-        token_ids = self.embedder.tokenize(inputs, truncate, truncation_direction)
+        assert self._text_worker is not None
+        size = sum(len(x) for x in inputs)  # characters, or token ids
+        self._num_tokenizing += 1  # it holds its place in the queue bound while it waits for the text worker
+        try:
+            token_ids = await wait_until(
+                self._text_worker.run(size, self.embedder.tokenize, inputs, truncate, truncation_direction), deadline
+            )
+        except TimeoutError:
+            raise RequestTimeoutError("the embedding request timed out while its inputs were tokenized") from None
+        finally:
+            self._num_tokenizing -= 1
         request = _Request(
             num_inputs=len(token_ids),
             normalize=self.embedder.normalize if normalize is None else normalize,

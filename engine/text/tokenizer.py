@@ -7,6 +7,7 @@ merges and `tokenizer.chat_template`).
 
 from __future__ import annotations
 
+import copy
 import logging
 from pathlib import Path
 
@@ -44,6 +45,10 @@ class Tokenizer:
         except Exception as exc:  # transformers raises many types; one clear message
             raise ModelLoadError(f"cannot load the tokenizer from {path}: {exc}") from exc
         return cls(hf, extra_eos_token_ids)
+
+    def copy(self) -> Tokenizer:
+        """An independent tokenizer (its own Rust backend and state) for another thread to own."""
+        return Tokenizer(copy.deepcopy(self._tok), self.eos_token_ids)
 
     @property
     def has_chat_template(self) -> bool:

@@ -23,9 +23,10 @@ from server.protocol.chat import (
     ChatDelta,
     ChatResponseMessage,
 )
-from server.served_models import generation_engine
+from server.served_models import generation_engine, request_text
 from server.serving import Generation
 from server.state import SharedState
+from server.text import text_size
 
 router = APIRouter()
 
@@ -40,8 +41,10 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     reject_unsupported(body.unsupported_fields())
     if body.top_logprobs is not None and not body.logprobs:
         raise InvalidRequestError("top_logprobs: requires logprobs to be true", "top_logprobs")
-    tokenizer = engine.tokenizer
-    prompt_ids = chat_prompt_ids(tokenizer, body.messages, body.add_generation_prompt)
+    prompt_ids = await request_text(state).run(
+        text_size(body.messages), chat_prompt_ids, body.messages, body.add_generation_prompt
+    )
+    tokenizer = engine.tokenizer  # the event loop's: logprob token texts, a few per step
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     num_top = body.top_logprobs or 0
     logprobs = num_top if body.logprobs else None

@@ -13,11 +13,12 @@ from server.errors import APIError
 from server.logprobs import completion_logprobs
 from server.openapi import generation_responses
 from server.params import check_admissible, reject_unsupported, sampling_params
-from server.prompts import completion_prompts
+from server.prompts import completion_prompts, echoed_prompts
 from server.protocol.completions import CompletionChoice, CompletionRequest, CompletionResponse
-from server.served_models import generation_engine
+from server.served_models import generation_engine, request_text
 from server.serving import Generation
 from server.state import SharedState
+from server.text import has_text, text_size
 
 router = APIRouter()
 
@@ -28,16 +29,20 @@ async def create_completion(body: CompletionRequest, request: Request, state: Sh
     reject_unsupported(body.unsupported_fields())
     if body.echo and body.logprobs is not None:
         raise APIError(400, "echo with logprobs is not supported (no prompt logprobs)", param="echo")
-    tokenizer = engine.tokenizer
-    prompts = completion_prompts(body, tokenizer, engine.vocab_size, state.config)
+    text = request_text(state)
     params = sampling_params(body, body.max_tokens, body.logprobs, engine.vocab_size, body.cache_salt)
+    if has_text(body.prompt):
+        prompts = await text.run(text_size(body.prompt), completion_prompts, body, engine.vocab_size, state.config)
+    else:  # token ids need no tokenizer: they do not queue for the text worker
+        prompts = completion_prompts(None, body, engine.vocab_size, state.config)
     check_admissible(
         state.config, [len(ids) for _, ids in prompts], params, engine.max_model_len, engine.kv_cache_tokens
     )
-    echoes = [
-        (text if text is not None else tokenizer.decode(ids, skip_special_tokens=False)) if body.echo else ""
-        for text, ids in prompts
-    ]
+    if body.echo:
+        echoes = await text.run(sum(len(ids) for _, ids in prompts), echoed_prompts, prompts)
+    else:
+        echoes = [""] * len(prompts)
+    tokenizer = engine.tokenizer  # the event loop's: logprob token texts, a few per step
     answer_id = serving.response_id(request, "cmpl")
     model_name = state.config.model_name
     prompt_ids = [ids for _, ids in prompts]

@@ -1,38 +1,59 @@
-"""POST /tokenize and POST /detokenize with the generation model's tokenizer (vLLM's shapes)."""
+"""POST /tokenize and POST /detokenize with the generation model's tokenizer (vLLM's shapes).
+
+The work and the JSON body are done on the text worker (server/text.py): a 2 MB prompt is
+over 400,000 token ids, and neither encoding it nor writing them out may hold up the event loop.
+"""
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 from fastapi import APIRouter
+from fastapi.responses import Response
 
 from engine.errors import InvalidRequestError
 from server.openapi import tokenizer_responses
 from server.params import check_token_ids
 from server.prompts import chat_prompt_ids
 from server.protocol.tokenize import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
-from server.served_models import generation_engine
+from server.served_models import generation_engine, request_text
 from server.state import SharedState
+from server.text import text_size
 
 router = APIRouter()
 
 
-@router.post("/tokenize", responses=tokenizer_responses())
-async def tokenize(body: TokenizeRequest, state: SharedState) -> TokenizeResponse:
+@router.post("/tokenize", response_model=TokenizeResponse, responses=tokenizer_responses())
+async def tokenize(body: TokenizeRequest, state: SharedState) -> Response:
     engine = generation_engine(state, body.model)
-    tokenizer = engine.tokenizer
     if (body.prompt is None) == (body.messages is None):
         raise InvalidRequestError("give exactly one of prompt or messages", "prompt")
+    size = text_size(body.prompt if body.prompt is not None else body.messages)
+    return _json(await request_text(state).run(size, _tokenize, body, engine.max_model_len))
+
+
+@router.post("/detokenize", response_model=DetokenizeResponse, responses=tokenizer_responses())
+async def detokenize(body: DetokenizeRequest, state: SharedState) -> Response:
+    engine = generation_engine(state, body.model)
+    check_token_ids(body.tokens, engine.vocab_size, "tokens")
+    return _json(await request_text(state).run(len(body.tokens), _detokenize, body.tokens))
+
+
+def _tokenize(tokenizer: Any, body: TokenizeRequest, max_model_len: int) -> bytes:
     if body.messages is not None:
         token_ids = chat_prompt_ids(tokenizer, body.messages, body.add_generation_prompt)
     else:
         token_ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
     token_strs = [tokenizer.id_to_token(t) for t in token_ids] if body.return_token_strs else None
-    return TokenizeResponse(
-        count=len(token_ids), max_model_len=engine.max_model_len, tokens=token_ids, token_strs=token_strs
-    )
+    answer = {"count": len(token_ids), "max_model_len": max_model_len, "tokens": token_ids, "token_strs": token_strs}
+    return json.dumps(answer, ensure_ascii=False).encode()
 
 
-@router.post("/detokenize", responses=tokenizer_responses())
-async def detokenize(body: DetokenizeRequest, state: SharedState) -> DetokenizeResponse:
-    engine = generation_engine(state, body.model)
-    check_token_ids(body.tokens, engine.vocab_size, "tokens")
-    return DetokenizeResponse(prompt=engine.tokenizer.decode(body.tokens, skip_special_tokens=False))
+def _detokenize(tokenizer: Any, token_ids: list[int]) -> bytes:
+    text = tokenizer.decode(token_ids, skip_special_tokens=False)
+    return json.dumps({"prompt": text}, ensure_ascii=False).encode()
+
+
+def _json(content: bytes) -> Response:
+    return Response(content, media_type="application/json")

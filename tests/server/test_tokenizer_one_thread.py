@@ -1,9 +1,9 @@
-"""The generation tokenizer is used by one thread only, however many requests use it at once.
+"""Each generation tokenizer object is used by one thread only, however many requests use it at once.
 
-Chat templates, /tokenize, echo, logprob token texts and the streaming detokenizer all
-run on the event loop; the torch worker never touches text. Hundreds of concurrent
-requests of every kind must all succeed, agree with each other, and leave every
-tokenizer call on one thread.
+Prompt encoding, chat templates, /tokenize and echo run on the text worker with its own copy of
+the tokenizer; the streaming detokenizer and logprob token texts run on the event loop with the
+engine's; the torch worker never touches text. Hundreds of concurrent requests of every kind
+must all succeed, agree with each other, and leave each tokenizer's calls on its one thread.
 """
 
 from __future__ import annotations
@@ -72,7 +72,9 @@ def test_hundreds_of_concurrent_text_requests_use_the_tokenizer_on_one_thread(mo
     config = make_server_config(model_dir, max_num_seqs=32, max_queued_requests=4 * NUM_EACH)
     app = create_app(config)
     with ServerThread(app) as srv:
-        thread_ids = _record_threads(state_of(app).engine.tokenizer, monkeypatch)
+        loop_threads = _record_threads(state_of(app).engine.tokenizer, monkeypatch)
+        text_threads = _record_threads(state_of(app).text.tokenizer, monkeypatch)
+        assert state_of(app).text.tokenizer is not state_of(app).engine.tokenizer
 
         async def main():
             limits = httpx.Limits(max_connections=64)
@@ -96,6 +98,7 @@ def test_hundreds_of_concurrent_text_requests_use_the_tokenizer_on_one_thread(mo
             assert choice["text"].startswith(f"Request {i} says hello")
         else:
             assert len(choice["logprobs"]["tokens"]) == GREEDY["max_tokens"]
-    # Every call, from routes and from the detokenizer, came from the event loop's thread.
-    assert len(thread_ids) == 1
-    assert threading.get_ident() not in thread_ids  # the server's loop thread, not this test's
+    # The detokenizer and logprob texts: the event loop's thread; the routes' text work: the text worker's.
+    assert len(loop_threads) == 1 and len(text_threads) == 1
+    assert loop_threads != text_threads
+    assert threading.get_ident() not in loop_threads | text_threads  # the server's threads, not this test's
