@@ -46,6 +46,9 @@ class Probe:
     values_ms: list[float]
     note: str = ""
 
+    def mean(self) -> float:
+        return sum(self.values_ms) / len(self.values_ms) if self.values_ms else float("nan")
+
     def stat(self, q: float) -> float:
         value = percentile(self.values_ms, q)
         return float("nan") if value is None else value
@@ -117,19 +120,48 @@ async def _streams_load(client: httpx.AsyncClient, model: str, num_streams: int,
     return f"{num_streams} streams x {max_tokens} tokens"
 
 
+def _stream_gaps_child(base_url: str, model: str, max_tokens: int, results: multiprocessing.Queue) -> None:
+    """In a child process (its loop busy with nothing else): one stream's inter-token gaps, in ms."""
+
+    async def main() -> list[float]:
+        async with httpx.AsyncClient(base_url=base_url, timeout=300.0) as client:
+            return _gaps_ms(await _stream_tokens(client, model, max_tokens))
+
+    results.put(asyncio.run(main()))
+
+
+async def _stream_gaps(base_url: str, model: str, max_tokens: int) -> list[float]:
+    """One stream's inter-token gaps (ms), read by a child process so the load's client work cannot delay it."""
+    context = multiprocessing.get_context("spawn")
+    results: multiprocessing.Queue = context.Queue()
+    child = context.Process(target=_stream_gaps_child, args=(base_url, model, max_tokens, results), daemon=True)
+    child.start()
+    gaps = await asyncio.to_thread(results.get, True, 600.0)
+    child.join(5)
+    return gaps
+
+
 def _gaps_ms(arrivals: Sequence[float]) -> list[float]:
     return [(b - a) * 1000 for a, b in zip(arrivals[1:], arrivals[2:], strict=False)]  # from the 2nd token
 
 
 async def _embedding_flood(
-    client: httpx.AsyncClient, model: str, stop: asyncio.Event, num_single: int, num_batch: int
+    client: httpx.AsyncClient,
+    model: str,
+    stop: asyncio.Event,
+    num_single: int,
+    num_batch: int,
+    served: list[tuple[float, int]],
 ) -> dict[str, int]:
+    """Embedding requests until `stop`; appends (time answered, inputs) of each 200 to `served`."""
     statuses: dict[str, int] = {}
 
     async def one(inputs: list[str]) -> None:
         while not stop.is_set():
             response = await client.post("/v1/embeddings", json={"model": model, "input": inputs}, timeout=300.0)
             statuses[str(response.status_code)] = statuses.get(str(response.status_code), 0) + 1
+            if response.status_code == 200:
+                served.append((time.monotonic(), len(inputs)))
             if response.status_code == 429:
                 await asyncio.sleep(0.05)
 
@@ -164,18 +196,25 @@ async def run(base_url: str, args: argparse.Namespace) -> list[Probe]:
 
         if embedding_model:
             await _stream_tokens(client, model, 8)  # warm-up
-            idle_gaps = _gaps_ms(await _stream_tokens(client, model, args.max_tokens))
+            idle_gaps = await _stream_gaps(base_url, model, args.itl_tokens)
             probes.append(Probe("generation ITL", "idle", idle_gaps))
             steps.update()
             stop = asyncio.Event()
+            served: list[tuple[float, int]] = []
             flood = asyncio.create_task(
-                _embedding_flood(client, embedding_model, stop, args.embed_clients, args.embed_batch_clients)
+                _embedding_flood(client, embedding_model, stop, args.embed_clients, args.embed_batch_clients, served)
             )
             await asyncio.sleep(2.0)  # the flood fills the queue first
-            loaded_gaps = _gaps_ms(await _stream_tokens(client, model, args.max_tokens))
+            start = time.monotonic()
+            loaded_gaps = await _stream_gaps(base_url, model, args.itl_tokens)
+            window = time.monotonic() - start
             stop.set()
             statuses = await flood
-            note = f"{args.embed_clients} one-input + {args.embed_batch_clients} 64-input clients; statuses {statuses}"
+            inputs = sum(n for t, n in served if t >= start)
+            note = (
+                f"{args.embed_clients} one-input + {args.embed_batch_clients} 64-input clients; statuses {statuses}; "
+                f"{inputs / window:.0f} inputs/s embedded while the stream ran"
+            )
             probes.append(Probe("generation ITL", "embedding flood", loaded_gaps, note))
             steps.update()
         steps.close()
@@ -185,16 +224,18 @@ async def run(base_url: str, args: argparse.Namespace) -> list[Probe]:
 def format_table(probes: Sequence[Probe]) -> str:
     idle = {p.name: p for p in probes if p.condition == "idle"}
     lines = [
-        "| probe | condition | n | p50 ms | p99 ms | max ms | p50 / idle | p99 / idle | load |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| probe | condition | n | mean ms | p50 ms | p99 ms | max ms | mean / idle | p50 / idle | p99 / idle | load |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for p in probes:
         base = idle.get(p.name)
+        ratio_mean = p.mean() / base.mean() if base else float("nan")
         ratio50 = p.stat(50) / base.stat(50) if base else float("nan")
         ratio99 = p.stat(99) / base.stat(99) if base else float("nan")
         lines.append(
-            f"| {p.name} | {p.condition} | {len(p.values_ms)} | {p.stat(50):.1f} | {p.stat(99):.1f} | "
-            f"{max(p.values_ms, default=float('nan')):.1f} | {ratio50:.2f}x | {ratio99:.2f}x | {p.note} |"
+            f"| {p.name} | {p.condition} | {len(p.values_ms)} | {p.mean():.1f} | {p.stat(50):.1f} | {p.stat(99):.1f} | "
+            f"{max(p.values_ms, default=float('nan')):.1f} | {ratio_mean:.2f}x | {ratio50:.2f}x | {ratio99:.2f}x | "
+            f"{p.note} |"
         )
     return "\n".join(lines)
 
@@ -216,6 +257,7 @@ def _parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[st
     parser.add_argument("--tokenize-chars", type=int, default=2_000_000, help="characters each client tokenizes")
     parser.add_argument("--streams", type=int, default=32, help="concurrent streams in the /health probe")
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens per stream")
+    parser.add_argument("--itl-tokens", type=int, default=256, help="tokens of the stream whose gaps are timed")
     parser.add_argument("--embed-clients", type=int, default=64, help="clients sending one-input embeddings")
     parser.add_argument("--embed-batch-clients", type=int, default=4, help="clients sending 64-input embeddings")
     return parser.parse_args(argv), serve_args

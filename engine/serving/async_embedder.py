@@ -3,14 +3,29 @@
 Every request's inputs are tokenized on arrival, on the text worker
 (engine/serving/text_worker.py: the only thread that uses the embedder's
 tokenizers, so a long input never holds up the event loop; errors go back to
-that request alone), then queued one item per input. One batching task takes queued items in
-arrival order up to the token budget (`max_batch_tokens` real tokens; a single
-longer input goes alone), sorts them by length (attention groups neighbours of
-similar length; the rest of the forward is packed, padding-free) and runs one
+that request alone), then queued one item per input. One batching task takes
+queued items in arrival order up to the token budget (a single longer input
+goes alone), sorts them by length (attention groups neighbours of similar
+length; the rest of the forward is packed, padding-free) and runs one
 forward on the torch worker. Pooling, Matryoshka truncation and normalisation
 run in that same job, so the event loop never does torch work. While a forward
 runs, new requests queue up and ride in the next one: many one-input requests
 share a forward, and one big request is split across several.
+
+The budget is `max_batch_tokens` real tokens while generation is idle. While it
+runs, generation steps and embedding forwards share the one torch worker, and a
+stream whose next step waits behind an embedding forward gets its next token
+that much later. So, while generation runs:
+- a forward gets only the tokens expected to fit in one generation step (at
+  least one input), by a cost model (fixed + per-token seconds) fitted to the
+  recent forwards (engine/serving/forward_cost.py);
+- after a forward, the embedder waits until generation has had its share of the
+  worker (`embedding_share` of the time goes to embeddings: with 1/3, a 20 ms
+  forward is followed by at least 40 ms of generation steps).
+A stream's inter-token time then stays at its idle pace for most tokens, and
+within about two steps for the one after each embedding forward, while
+embeddings still get a steady share of the worker (and 429s past the queue
+bound).
 
 The contract is generation's (engine/serving/torch_worker.py): more than
 `max_queued_requests` requests waiting -> QueueFullError; a request still
@@ -25,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -32,8 +48,9 @@ import torch
 
 from engine.embedder import Embedder, EmbedInputs, EmbedResult, finalize
 from engine.errors import EngineDeadError, EngineStepError, RequestTimeoutError
+from engine.serving.forward_cost import ForwardCost
 from engine.serving.text_worker import TextWorker
-from engine.serving.torch_worker import RequestLimits, TorchWorker, wait_until
+from engine.serving.torch_worker import EMBEDDING_TURN, GENERATION_TURN, RequestLimits, TorchWorker, wait_until
 
 logger = logging.getLogger(__name__)
 
@@ -66,10 +83,17 @@ class _Item:
 class AsyncEmbedder:
     """Dynamic batching over an `Embedder`; all public methods run on the event loop."""
 
-    def __init__(self, embedder: Embedder, *, limits: RequestLimits | None = None) -> None:
+    def __init__(
+        self, embedder: Embedder, *, limits: RequestLimits | None = None, embedding_share: float = 1 / 3
+    ) -> None:
         self.embedder = embedder
         self.limits = limits or RequestLimits()
         self.max_batch_tokens = embedder.config.max_batch_tokens
+        if not 0 < embedding_share <= 1:
+            raise ValueError(f"embedding_share must be in (0, 1], got {embedding_share}")
+        self.embedding_share = embedding_share  # of the worker's time while generation runs
+        self._cost = ForwardCost()
+        self._generation_owed_until = 0.0  # the worker's generation busy-seconds to reach before the next forward
         self._queue: collections.deque[_Item] = collections.deque()
         self._not_started: set[_Request] = set()
         self._num_tokenizing = 0  # admitted requests whose inputs are still being tokenized
@@ -186,8 +210,32 @@ class AsyncEmbedder:
 
     # ---------------------------------------------------------------- batching
 
+    def turn_budget(self) -> int:
+        """Tokens for the next forward: max_batch_tokens, or while generation runs what fits in one of
+        its steps (0 before the first forward was timed: one input goes)."""
+        assert self._worker is not None
+        step_s = self._worker.recent_turn_seconds(GENERATION_TURN)
+        if step_s is None:
+            return self.max_batch_tokens
+        return min(self._cost.tokens_within(step_s) or 0, self.max_batch_tokens)
+
+    def generation_seconds_owed(self) -> float:
+        """Seconds of generation steps still due before the next forward (0 while generation is idle)."""
+        assert self._worker is not None
+        if self._worker.recent_turn_seconds(GENERATION_TURN) is None:
+            return 0.0
+        return max(self._generation_owed_until - self._worker.busy_seconds(GENERATION_TURN), 0.0)
+
+    def _note_forward(self, num_tokens: int, seconds: float, shared: bool) -> None:
+        """shared: generation was running when the forward's batch was taken (it owes only then)."""
+        assert self._worker is not None
+        self._cost.note(num_tokens, seconds)
+        due = seconds * (1 - self.embedding_share) / self.embedding_share if shared else 0.0
+        self._generation_owed_until = self._worker.busy_seconds(GENERATION_TURN) + due
+
     def _take_batch(self) -> list[_Item]:
-        """Queued items in arrival order up to the token budget (at least one), sorted by length."""
+        """Queued items in arrival order up to the turn's token budget (at least one), sorted by length."""
+        budget = self.turn_budget()
         batch: list[_Item] = []
         num_tokens = 0
         while self._queue:
@@ -195,7 +243,7 @@ class AsyncEmbedder:
             if item.request.future.done():  # cancelled by its client, timed out or failed: drop
                 self._queue.popleft()
                 continue
-            if batch and num_tokens + len(item.token_ids) > self.max_batch_tokens:
+            if batch and num_tokens + len(item.token_ids) > budget:
                 break
             batch.append(self._queue.popleft())
             num_tokens += len(item.token_ids)
@@ -203,26 +251,31 @@ class AsyncEmbedder:
         batch.sort(key=lambda it: len(it.token_ids))
         return batch
 
-    def _forward(self, batch: list[_Item]) -> list[np.ndarray]:
-        """On the torch worker: one forward, then each row truncated and normalised as its request asks."""
+    def _forward(self, batch: list[_Item]) -> tuple[list[np.ndarray], float]:
+        """On the torch worker: one forward, then each row truncated and normalised as its request asks.
+        Returns the rows and the seconds the forward took."""
+        start = time.perf_counter()
         pooled = self.embedder.forward_pooled([it.token_ids for it in batch])  # [B, H]
         rows = []
         for i, item in enumerate(batch):
             row = finalize(pooled[i : i + 1], item.request.normalize, item.request.dimensions)
             rows.append(row[0].numpy())
-        return rows
+        return rows, time.perf_counter() - start
 
     async def _batch_loop(self) -> None:
         assert self._wakeup is not None and self._worker is not None
         while True:
             await self._wakeup.wait()
+            while (owed := self.generation_seconds_owed()) > 0:
+                await asyncio.sleep(owed)  # generation needs at least this long to run its share
+            shared = self._worker.recent_turn_seconds(GENERATION_TURN) is not None
             batch = self._take_batch()
             if not self._queue:
                 self._wakeup.clear()
             if not batch:
                 continue
             try:
-                rows = await self._worker.run(self._forward, batch)
+                rows, seconds = await self._worker.run(self._forward, batch, kind=EMBEDDING_TURN)
             except asyncio.CancelledError:
                 self._fail_items(batch, EngineDeadError("the embedding model is shutting down"))
                 raise
@@ -235,6 +288,7 @@ class AsyncEmbedder:
                 self._fail_items(batch, EngineStepError(f"internal error while embedding: {exc!r}"))
                 continue
             self.num_forwards += 1
+            self._note_forward(sum(len(item.token_ids) for item in batch), seconds, shared)
             for item, row in zip(batch, rows, strict=True):
                 self._deliver(item, row)
 

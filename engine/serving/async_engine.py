@@ -48,7 +48,7 @@ from engine.errors import (
 from engine.outputs import EngineStats, RequestOutput
 from engine.params import SamplingParams
 from engine.serving.output_processor import OutputProcessor, StoppedSample
-from engine.serving.torch_worker import RequestLimits, TorchWorker, wait_until
+from engine.serving.torch_worker import GENERATION_TURN, RequestLimits, TorchWorker, wait_until
 from engine.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -339,7 +339,7 @@ class AsyncEngine:
                         pass
                     self._idle_since_failure += time.monotonic() - idle_start
                     continue
-                step = asyncio.ensure_future(self._worker.run(self.engine.step))
+                step = asyncio.ensure_future(self._worker.run(self.engine.step, kind=GENERATION_TURN))
                 if undelivered:
                     self._dispatch(undelivered)  # touches no engine state: safe while the step runs
                     undelivered = []

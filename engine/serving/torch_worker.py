@@ -9,7 +9,12 @@ second thread has run torch ops, even with that thread idle.
 
 So one `TorchWorker` loads both models and runs every generation step and
 every embedding forward, one job at a time in FIFO order: a generation step
-and an embedding batch take turns, and neither can starve the other.
+and an embedding batch take turns, and neither can starve the other. Taking
+turns is not enough by itself: an 8192-token embedding forward takes over a
+second, and a stream waiting for it between two of its tokens stalls that long.
+So the worker times each kind of job, and while generation runs the embedder
+sizes its turns by the length of a generation step and takes only its share of
+the worker's time (engine/serving/async_embedder.py).
 
 Its two clients, `AsyncEngine` (generation) and `AsyncEmbedder` (embeddings),
 give their callers the same guarantees through `RequestLimits`, with the errors
@@ -40,16 +45,51 @@ class TorchWorker:
     def __init__(self, name: str = "kvserve-torch") -> None:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
         self._is_stopped = False
+        self._turns: dict[str, _TurnTimes] = {}  # job kind -> its recent durations
+        self._num_waiting: dict[str, int] = {}  # job kind -> its jobs submitted and not yet done
 
     @property
     def is_alive(self) -> bool:
         return not self._is_stopped
 
-    async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        """fn(*args) on the torch thread, after every job submitted before it."""
+    async def run(self, fn: Callable[..., T], *args: Any, kind: str = "other") -> T:
+        """fn(*args) on the torch thread, after every job submitted before it; timed as a job of `kind`."""
         if self._is_stopped:
             raise EngineDeadError("the torch worker has stopped")
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        self._num_waiting[kind] = self._num_waiting.get(kind, 0) + 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._executor, self._timed, kind, fn, args)
+        finally:
+            self._num_waiting[kind] -= 1
+
+    def recent_turn_seconds(self, kind: str, within_s: float = 0.25) -> float | None:
+        """How long a job of `kind` lasts (a moving average) while that kind of work is active: a job of it
+        waits or runs, or one ended in the last `within_s` seconds. None when it is idle (or never ran)."""
+        turns = self._turns.get(kind)
+        if turns is None:
+            return None
+        if self._num_waiting.get(kind, 0) == 0 and time.monotonic() - turns.last_end > within_s:
+            return None
+        return turns.average_s
+
+    def busy_seconds(self, kind: str) -> float:
+        """Seconds the worker has spent on jobs of `kind` so far."""
+        turns = self._turns.get(kind)
+        return turns.total_s if turns is not None else 0.0
+
+    def _timed(self, kind: str, fn: Callable[..., T], args: tuple) -> T:
+        start = time.monotonic()
+        try:
+            return fn(*args)
+        finally:
+            end = time.monotonic()
+            turns = self._turns.get(kind)
+            if turns is None:
+                self._turns[kind] = _TurnTimes(average_s=end - start, last_end=end, total_s=end - start)
+            else:
+                turns.average_s += _TURN_AVERAGE_WEIGHT * (end - start - turns.average_s)
+                turns.last_end = end
+                turns.total_s += end - start
 
     def run_blocking(self, fn: Callable[..., T], *args: Any) -> T:
         """fn(*args) on the torch thread, waited for in the calling thread (scripts and benchmarks)."""
@@ -59,6 +99,19 @@ class TorchWorker:
         """Refuse new jobs; wait (off the event loop) for the one running, if any."""
         self._is_stopped = True
         await asyncio.get_running_loop().run_in_executor(None, self._executor.shutdown, True)
+
+
+# The kinds of job the worker times (`run(..., kind=)`).
+GENERATION_TURN = "generation"
+EMBEDDING_TURN = "embedding"
+_TURN_AVERAGE_WEIGHT = 0.2  # of the newest job: steps vary with the batch, the average follows in a few
+
+
+@dataclass
+class _TurnTimes:
+    average_s: float
+    last_end: float  # time.monotonic()
+    total_s: float
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from engine.embedder import Embedder
 from engine.errors import EngineDeadError, EngineStepError, InvalidRequestError, QueueFullError, RequestTimeoutError
 from engine.hub.models_hub import DEFAULT_EMBEDDING_MODEL
 from engine.serving.async_embedder import AsyncEmbedder
-from engine.serving.torch_worker import RequestLimits, TorchWorker
+from engine.serving.torch_worker import EMBEDDING_TURN, GENERATION_TURN, RequestLimits, TorchWorker
 
 MODEL_NAME = DEFAULT_EMBEDDING_MODEL
 
@@ -311,6 +311,62 @@ def test_forward_runs_off_the_event_loop(async_embedder):
 
 
 # ---------------------------------------------------------------- the worker contract
+
+
+def test_an_embedding_flood_leaves_generation_its_share_of_the_worker(embedder):
+    """While generation steps keep coming, every embedding forward holds one step's worth of tokens
+    (here: one input, as a 1 ms step fits no more) and is followed by at least (1 - share) / share
+    times its length of generation work.
+
+    Before, forwards of up to max_batch_tokens ran back to back with one step between them: a
+    16-token generation took 79 s instead of 0.83 s during a flood.
+    """
+    worker = TorchWorker()
+    flooded = AsyncEmbedder(embedder, embedding_share=1 / 3)
+    jobs: list[tuple[str, float, int]] = []  # (kind, seconds on the worker, inputs), in the order they ran
+    real_run = worker.run
+
+    async def recording_run(fn, *args, kind="other"):
+        num_inputs = len(args[0]) if kind == EMBEDDING_TURN else 0
+
+        def timed(*fn_args):
+            start = time.perf_counter()
+            try:
+                return fn(*fn_args)
+            finally:
+                jobs.append((kind, time.perf_counter() - start, num_inputs))
+
+        return await real_run(timed, *args, kind=kind)
+
+    worker.run = recording_run
+    generating = True
+
+    async def generation_steps() -> None:
+        while generating:
+            await worker.run(time.sleep, 0.001, kind=GENERATION_TURN)  # a 1 ms decode step
+
+    async def main():
+        nonlocal generating
+        await flooded.start(worker)
+        steps = asyncio.create_task(generation_steps())
+        await asyncio.sleep(0.05)
+        results = await asyncio.gather(*(flooded.embed([s] * 3) for s in SENTENCES[:6]))
+        generating = False
+        await steps
+        await flooded.stop()
+        await worker.stop()
+        return results
+
+    results = asyncio.run(main())
+    assert all(r.vectors.shape == (3, 384) for r in results)  # every embedding was answered
+    forwards = [i for i, (kind, _, _) in enumerate(jobs) if kind == EMBEDDING_TURN]
+    assert all(jobs[i][2] == 1 for i in forwards[1:])  # the first one, untimed, may hold more
+    for first, second in zip(forwards, forwards[1:], strict=False):
+        generation_s = sum(s for kind, s, _ in jobs[first + 1 : second] if kind == GENERATION_TURN)
+        forward_s = jobs[first][1]
+        assert generation_s >= 2 * forward_s * 0.95, (
+            f"{generation_s * 1e3:.1f} ms after a {forward_s * 1e3:.1f} ms forward"
+        )
 
 
 def test_full_queue_is_refused_at_once_and_frees_its_slot(embedder):
