@@ -294,6 +294,9 @@ def _setup_logging(level: str) -> None:
     logging.getLogger().setLevel(level.upper())
 
 
+GIL_SWITCH_INTERVAL_S = 0.0005
+
+
 class _StoppingServer(uvicorn.Server):
     """uvicorn, stopped the kvserve way (server/shutdown.py): drain first, then cut, then exit.
 
@@ -387,6 +390,11 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"kvserve serve: {exc}", file=sys.stderr)
         return 2
     _setup_logging(config.log_level)
+    # Three threads share the GIL: the event loop, the text worker and the torch worker. A decode
+    # step gives the GIL up at every native call (a torch op, a kernel) and must win it back each
+    # time; under load the holder keeps it for up to the switch interval (5 ms by default), so a
+    # 10 ms step could take 200 ms. A shorter interval hands it back sooner.
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     from server.app import create_app, stop_requests
     from server.state import state_of
 

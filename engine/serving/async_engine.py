@@ -323,7 +323,10 @@ class AsyncEngine:
             while not self._is_stopping:
                 self._expire_deadlines()
                 self._apply_pending()
-                if not self.engine.has_unfinished_requests():
+                has_work = self.engine.has_unfinished_requests()
+                # Between steps the loop hands out text; the embedder must not take that pause for idleness.
+                self._worker.want_turns(GENERATION_TURN, has_work)
+                if not has_work:
                     if undelivered:
                         self._dispatch(undelivered)
                         undelivered = []

@@ -47,6 +47,7 @@ class TorchWorker:
         self._is_stopped = False
         self._turns: dict[str, _TurnTimes] = {}  # job kind -> its recent durations
         self._num_waiting: dict[str, int] = {}  # job kind -> its jobs submitted and not yet done
+        self._wanting: set[str] = set()  # job kinds whose client has work now (want_turns)
 
     @property
     def is_alive(self) -> bool:
@@ -62,15 +63,24 @@ class TorchWorker:
         finally:
             self._num_waiting[kind] -= 1
 
+    def want_turns(self, kind: str, wanting: bool) -> None:
+        """A client says whether it has work of `kind` now (jobs to come), whether or not one is queued."""
+        if wanting:
+            self._wanting.add(kind)
+        else:
+            self._wanting.discard(kind)
+
     def recent_turn_seconds(self, kind: str, within_s: float = 0.25) -> float | None:
-        """How long a job of `kind` lasts (a moving average) while that kind of work is active: a job of it
-        waits or runs, or one ended in the last `within_s` seconds. None when it is idle (or never ran)."""
+        """How long a job of `kind` lasts (a moving average) while that kind of work is active: its client
+        wants turns, a job of it waits or runs, or one ended in the last `within_s` seconds. None when it
+        is idle (or never ran)."""
         turns = self._turns.get(kind)
         if turns is None:
             return None
-        if self._num_waiting.get(kind, 0) == 0 and time.monotonic() - turns.last_end > within_s:
-            return None
-        return turns.average_s
+        is_active = (
+            kind in self._wanting or self._num_waiting.get(kind, 0) > 0 or time.monotonic() - turns.last_end <= within_s
+        )
+        return turns.average_s if is_active else None
 
     def busy_seconds(self, kind: str) -> float:
         """Seconds the worker has spent on jobs of `kind` so far."""

@@ -46,6 +46,10 @@ def test_the_worker_times_each_kind_and_knows_when_it_is_busy():
         assert worker.recent_turn_seconds(GENERATION_TURN, within_s=0.0) is not None  # one runs: active
         gate.set()
         await waiting
+        worker.want_turns(GENERATION_TURN, True)  # between two steps, the loop still has work
+        assert worker.recent_turn_seconds(GENERATION_TURN, within_s=0.0) is not None
+        worker.want_turns(GENERATION_TURN, False)
+        assert worker.recent_turn_seconds(GENERATION_TURN, within_s=0.0) is None
         assert worker.busy_seconds("embedding") == 0.0
         await worker.stop()
 
