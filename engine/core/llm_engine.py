@@ -32,6 +32,9 @@ from engine.runner.model_runner import ModelRunner, kv_bytes_per_block
 
 logger = logging.getLogger(__name__)
 
+_PROBE_TOKEN_ID = 0  # any id in the vocabulary will do: the probe asks only that the model computes
+_PROBE_MAX_STEPS = 4  # a one-token prompt and one new token: one step, two with a chunked prefill
+
 
 @dataclass
 class _Request:
@@ -217,6 +220,32 @@ class LLMEngine:
         self.num_generation_tokens_total += len(sampled_seqs)
         outputs.extend(self._collect_outputs(sampled_seqs))
         return outputs
+
+    def probe(self) -> None:
+        """One greedy token of a one-token prompt, alone in its step; raises whatever the model raises.
+
+        For an engine with no request in it (a failed step's requests were just aborted): a step
+        that held one request cannot tell a request that fails on its own from a model that fails
+        everything, and this can. It leaves no trace: the counters, the abort notices waiting to
+        go out and the KV blocks are as they were.
+        """
+        if self._requests:
+            raise RuntimeError("probe() needs an engine with no request in it")
+        saved = (self._pending_outputs, self.num_prompt_tokens_total, self.num_generation_tokens_total)
+        cache_stats = dataclasses.replace(self.pool.cache_stats)
+        self._pending_outputs = []
+        request_id = f"kvserve-probe-{uuid.uuid4().hex}"
+        try:
+            self.add_request([_PROBE_TOKEN_ID], SamplingParams(temperature=0.0, max_tokens=1), request_id)
+            for _ in range(_PROBE_MAX_STEPS):
+                if request_id not in self._requests:
+                    return
+                self.step()
+            raise RuntimeError(f"the probe request did not finish within {_PROBE_MAX_STEPS} steps")
+        finally:
+            self.abort(request_id)
+            self._pending_outputs, self.num_prompt_tokens_total, self.num_generation_tokens_total = saved
+            self.pool.cache_stats = cache_stats
 
     def _fail_request(self, request_id: str, error: Exception) -> list[RequestOutput]:
         """Finish every sample of a request whose computation raised on its own; its blocks go back."""

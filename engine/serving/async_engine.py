@@ -351,7 +351,7 @@ class AsyncEngine:
                 except EngineDeadError:
                     raise
                 except Exception as exc:  # noqa: BLE001 - one failed step fails its requests, not the server
-                    self._handle_step_failure(exc)
+                    await self._handle_step_failure(exc)
                     continue
                 self.num_steps += 1
                 self._stats = self.engine.stats()
@@ -448,22 +448,43 @@ class AsyncEngine:
             self._num_step_failures = 0
         self._num_tokens_computed = computed
 
-    def _handle_step_failure(self, exc: Exception) -> None:
-        """A step raised: fail and abort the requests in the engine; die after too many in a row."""
+    async def _handle_step_failure(self, exc: Exception) -> None:
+        """A step raised: fail and abort the requests in the engine; die after too many in a row.
+
+        The step raised because no request in it could be blamed alone (the runner re-runs a
+        failed batch split by request), and a step of one request can never blame it. So the
+        engine then probes the model on its own (`LLMEngine.probe`): if the probe computes, the
+        failure was the requests' and does not count towards the dead-engine switch.
+        """
         if self._idle_since_failure >= self.failure_reset_idle_s:
             self._num_step_failures = 0  # the last failure was followed by a quiet spell
         self._idle_since_failure = 0.0
-        self._num_step_failures += 1
-        logger.error("engine step failed (%d in a row)", self._num_step_failures, exc_info=exc)
-        if self._num_step_failures >= self.max_consecutive_step_failures:
-            raise exc
-        error = EngineStepError(f"internal error while generating: {exc!r}")
-        for request_id, queue in list(self._queues.items()):
-            if any(add.request_id == request_id for add in self._pending_adds):
-                continue  # not in the engine yet: it was not part of the failed step
-            queue.put_nowait(error)
-            self._forget(request_id)
+        pending = {add.request_id for add in self._pending_adds}  # not in the engine yet: not in the step
+        failed = [request_id for request_id in self._queues if request_id not in pending]
+        for request_id in failed:
             self._abort_in_engine(request_id)
+        try:
+            await self._worker.run(self.engine.probe, kind=GENERATION_TURN)
+        except EngineDeadError:
+            raise
+        except Exception as probe_exc:  # noqa: BLE001 - the model fails on its own: this failure counts
+            self._num_step_failures += 1
+            logger.error(
+                "engine step failed (%d in a row; a probe of the model alone failed too: %r)",
+                self._num_step_failures,
+                probe_exc,
+                exc_info=exc,
+            )
+            if self._num_step_failures >= self.max_consecutive_step_failures:
+                raise exc from None  # the loop dies: every request fails with EngineDeadError
+        else:
+            logger.error("engine step failed; the model computes alone, so its requests were failed", exc_info=exc)
+        error = EngineStepError(f"internal error while generating: {exc!r}")
+        for request_id in failed:
+            queue = self._queues.get(request_id)
+            if queue is not None:
+                queue.put_nowait(error)
+                self._forget(request_id)
         self._stats = self.engine.stats()
 
     def _fail_everything(self, error: BaseException) -> None:

@@ -40,6 +40,8 @@ class ScriptedEngine:
         self.step_delay = step_delay
         self.max_num_seqs = max_num_seqs
         self.fail_steps = fail_steps  # the next `fail_steps` steps raise
+        self.model_fails_alone = True  # probe() raises too: a failed step is the model's, and counts
+        self.num_probes = 0
         self.requests: dict[str, dict] = {}
         self.pending: list[RequestOutput] = []
         self.num_aborts = 0
@@ -109,6 +111,11 @@ class ScriptedEngine:
             return outputs
         finally:
             self._in_step.clear()
+
+    def probe(self) -> None:
+        self.num_probes += 1
+        if self.model_fails_alone:
+            raise RuntimeError("scripted model failure")
 
     def stats(self) -> EngineStats:
         self._check()
@@ -459,6 +466,28 @@ def test_failures_with_only_abort_notices_between_them_add_up():
         await engine.stop()
 
     run(main())
+
+
+def test_failures_the_model_does_not_make_alone_never_kill_the_engine():
+    """Steps of one request each, failing one after the other: a probe of the model alone computes,
+    so the requests are failed and the engine lives on. Before, three such requests in a row
+    killed it (a request that fails on its own is a denial of service otherwise)."""
+    scripted = ScriptedEngine()
+    scripted.model_fails_alone = False
+
+    async def main():
+        engine = await _started(scripted, max_consecutive_step_failures=2)
+        for _ in range(5):
+            await _until(lambda: not scripted.pending)  # the last failure's abort notice went out
+            scripted.fail_steps = 1
+            with pytest.raises(EngineStepError):
+                await _collect(engine, [1], max_tokens=3)
+        assert engine.is_healthy
+        assert await _collect(engine, [1], max_tokens=3) == [2, 3, 4]
+        await engine.stop()
+
+    run(main())
+    assert scripted.num_probes == 5
 
 
 def test_real_engine_matches_offline_generate(tmp_path):

@@ -230,3 +230,42 @@ def test_rare_failures_far_apart_do_not_kill_the_engine(tiny_llama_dir, monkeypa
 
     healthy, tokens = run(main())
     assert healthy and tokens == expected
+
+
+def test_the_probe_computes_alone_and_leaves_no_trace(tiny_llama_dir, monkeypatch):
+    llm = _llm(tiny_llama_dir)
+    core = llm.engine
+    core.add_request([5, 6, 7], SamplingParams(max_tokens=2), "gone")
+    core.abort("gone")  # its abort notice waits for the next step
+    before = core.stats()
+    core.probe()
+    assert core.stats() == before and before.num_used_blocks == 0
+    notices = core.step()
+    assert [o.request_id for o in notices] == ["gone"]
+    _break_the_model(monkeypatch, llm)
+    with pytest.raises(RuntimeError, match="the model is broken"):
+        core.probe()
+    assert core.stats().num_used_blocks == 0 and not core.has_unfinished_requests()
+
+
+def test_requests_that_fail_alone_one_after_another_never_kill_the_engine(tiny_llama_dir, monkeypatch):
+    """Each poisoned request runs alone, so its step cannot blame it; the probe can. Before, the
+    third such request in a row marked the engine dead for everyone."""
+    llm = _llm(tiny_llama_dir)
+    _poison_the_sampler(monkeypatch)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    expected = llm.generate([[5, 6, 7]], params)[0][0].token_ids
+
+    async def main():
+        engine = AsyncEngine(llm.engine, llm.tokenizer, max_consecutive_step_failures=2)
+        await engine.start()
+        for _ in range(4):
+            with pytest.raises(EngineStepError):
+                await _tokens(engine, [5, 6, 7], _poison_params())
+        healthy = engine.is_healthy
+        tokens = await _tokens(engine, [5, 6, 7], params)
+        await engine.stop()
+        return healthy, tokens
+
+    healthy, tokens = run(main())
+    assert healthy and tokens == expected

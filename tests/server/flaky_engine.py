@@ -45,6 +45,12 @@ class FlakyEngine:
             raise RuntimeError("injected step failure")
         return self._inner.step()
 
+    def probe(self):
+        """A step failure injected here is the engine's own: the probe of the model alone fails too."""
+        if self.fail_steps > 0:
+            raise RuntimeError("injected step failure")
+        self._inner.probe()
+
 
 def flaky_factory(engine_config):
     """An engine factory for create_app: the model loaded as usual, its engine core wrapped."""
