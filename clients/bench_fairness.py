@@ -163,7 +163,11 @@ async def _embedding_flood(
 
     async def one(inputs: list[str]) -> None:
         while not stop.is_set():
-            response = await client.post("/v1/embeddings", json={"model": model, "input": inputs}, timeout=300.0)
+            try:
+                response = await client.post("/v1/embeddings", json={"model": model, "input": inputs}, timeout=300.0)
+            except httpx.TransportError:  # e.g. a pooled connection the server closed as it was reused
+                statuses["transport error"] = statuses.get("transport error", 0) + 1
+                continue
             statuses[str(response.status_code)] = statuses.get(str(response.status_code), 0) + 1
             if response.status_code == 200:
                 served.append((time.monotonic(), len(inputs)))
