@@ -57,7 +57,8 @@ class LLM:
         started = time.monotonic()
         model_config, state_dict = load_checkpoint(path)
         tokenizer = Tokenizer.from_path(path, _config_eos_token_ids(model_config, path))
-        engine = LLMEngine(config, model_config, state_dict, tokenizer.eos_token_ids)
+        grammar = tokenizer.grammar_compiler(model_config.vocab_size)
+        engine = LLMEngine(config, model_config, state_dict, tokenizer.eos_token_ids, grammar)
         logger.info(
             "loaded %s (%s, quantization %s) in %.1f s",
             config.model,

@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 
 from engine.errors import InvalidRequestError
+from engine.structured.spec import StructuredOutput
 
 MAX_TOP_LOGPROBS = 20
 MAX_SAMPLES = 128  # n
@@ -60,6 +61,8 @@ class SamplingParams:
     logprob plus the k most likely alternatives (k may be 0).
     `cache_salt`: requests with different salts never share a prefix-cache block; requests
     with the same salt, or none, share as usual (tenant isolation).
+    `structured`: what the output must match (a JSON schema, regex, choice or grammar), enforced
+    token by token; the sequence ends when the grammar is complete.
     """
 
     n: int = 1
@@ -81,6 +84,7 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     cache_salt: str | None = None
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         # Accept lists / a single string for convenience; store tuples (frozen).

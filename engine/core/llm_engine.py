@@ -29,6 +29,7 @@ from engine.errors import InvalidRequestError, PromptTooLongError
 from engine.outputs import FINISH_ABORT, FINISH_ERROR, FINISH_STOP, CompletionOutput, EngineStats, RequestOutput
 from engine.params import SamplingParams
 from engine.runner.model_runner import ModelRunner, kv_bytes_per_block
+from engine.structured.grammar import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -50,9 +51,16 @@ class _Request:
 
 class LLMEngine:
     def __init__(
-        self, config: EngineConfig, model_config: ModelConfig, state_dict: dict, eos_token_ids: tuple[int, ...]
+        self,
+        config: EngineConfig,
+        model_config: ModelConfig,
+        state_dict: dict,
+        eos_token_ids: tuple[int, ...],
+        grammar: GrammarCompiler | None = None,
     ) -> None:
+        """grammar: compiles the structured-output specs of requests (None: such requests are refused)."""
         self.config = config
+        self.grammar = grammar
         self.model_config = model_config
         self.eos_token_ids = eos_token_ids
         self.model_name = config.model
@@ -156,6 +164,13 @@ class LLMEngine:
         prompt_ids = list(prompt_token_ids)
         self._check_prompt_ids(prompt_ids)
         self._check_length(len(prompt_ids), params)
+        if params.structured is not None and self.grammar is None:
+            raise InvalidRequestError(
+                "structured output needs the model's tokenizer; this engine has none", params.structured.param
+            )
+        if params.structured is not None:
+            assert self.grammar is not None
+            self.grammar.compile(params.structured)  # raises for a spec that does not compile, before any state
         now = time.monotonic()
         seqs: list[Sequence] = []
         for index in range(params.n):
@@ -172,6 +187,7 @@ class LLMEngine:
                 arrival_time=now,
                 generator=generator,
                 parent=seqs[0] if seqs else None,
+                matcher=self.grammar.matcher(params.structured) if params.structured is not None else None,
             )
             seqs.append(seq)
             self.scheduler.add(seq)

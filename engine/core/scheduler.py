@@ -178,6 +178,8 @@ class Scheduler:
             seq.token_ids.append(token_id)
             if logprob is not None:
                 seq.logprobs.append(logprob)
+            if seq.matcher is not None:
+                seq.matcher.consume_token(token_id)
             stop = check_stop(
                 seq.params,
                 token_id,
@@ -185,6 +187,7 @@ class Scheduler:
                 len(seq.token_ids),
                 self.eos_token_ids,
                 self.max_model_len,
+                is_grammar_complete=seq.matcher is not None and seq.matcher.is_stopped(),
             )
             if stop is not None:
                 self.finish(seq, *stop)
@@ -198,14 +201,19 @@ def check_stop(
     num_tokens: int,
     eos_token_ids: tuple[int, ...],
     max_model_len: int,
+    is_grammar_complete: bool = False,
 ) -> tuple[str, int | None] | None:
     """(finish_reason, stop_reason) if the newest token ends the sequence, else None.
+
+    is_grammar_complete: a structured request's grammar allows nothing more (its JSON closed).
 
     The sampler bans EOS and stop tokens until min_tokens, so they are not checked against it here.
     """
     if token_id in params.stop_token_ids:
         return FINISH_STOP, token_id
     if token_id in eos_token_ids and not params.ignore_eos:
+        return FINISH_STOP, None
+    if is_grammar_complete:
         return FINISH_STOP, None
     max_tokens = params.max_tokens or max_model_len
     if num_generated_tokens >= max_tokens or num_tokens >= max_model_len:

@@ -5,13 +5,16 @@ A request with n samples owns n Sequences. Each field has one writer:
 - the scheduler writes status, num_computed_tokens, first_scheduled_time, and
   appends sampled tokens (token_ids, logprobs) and the finish (finish_reason,
   stop_reason) in `Scheduler.update`;
-- the KV cache manager writes block_table, block_hashes and num_registered_blocks.
+- the KV cache manager writes block_table, block_hashes and num_registered_blocks;
+- the engine creates the matcher (structured output), and `Scheduler.update` advances it with
+  each sampled token. A preempted sequence keeps it: recomputing its KV changes no token.
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -45,6 +48,7 @@ class Sequence:
     parent: Sequence | None = None  # sample 0 of the request, for n > 1 prefix sharing
     first_scheduled_time: float | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)  # of generated tokens, when asked
+    matcher: Any = None  # the grammar matcher of a structured request (llguidance), at its output so far
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -26,6 +26,7 @@ from engine.outputs import TokenLogprob
 from engine.runner.attention import AttentionMetadata, build_attention_metadata
 from engine.runner.decode_path import DecodePath, choose_decode_path
 from engine.runner.sampler import SamplerOutput, SamplingRow, sample
+from engine.structured.masks import apply_grammar_masks
 
 logger = logging.getLogger(__name__)
 
@@ -124,6 +125,9 @@ class ModelRunner:
             SamplingRow(s.params, s.token_ids, s.num_prompt_tokens, self.eos_token_ids, s.generator)
             for s in sampling_seqs
         ]
+        matchers = [s.matcher for s in sampling_seqs]
+        if any(m is not None for m in matchers):
+            apply_grammar_masks(logits, matchers, self.eos_token_ids)
         return sample(logits, rows)
 
     def execute_isolating_failures(self, batch: ScheduledBatch) -> IsolatedExecution:

@@ -12,6 +12,7 @@ import logging
 from pathlib import Path
 
 from engine.errors import InvalidRequestError, ModelLoadError
+from engine.structured.grammar import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +50,10 @@ class Tokenizer:
     def copy(self) -> Tokenizer:
         """An independent tokenizer (its own Rust backend and state) for another thread to own."""
         return Tokenizer(copy.deepcopy(self._tok), self.eos_token_ids)
+
+    def grammar_compiler(self, vocab_size: int) -> GrammarCompiler:
+        """Compiles structured-output grammars over this tokenizer's tokens, for logits `vocab_size` wide."""
+        return GrammarCompiler(self._tok, vocab_size, self.eos_token_ids)
 
     @property
     def has_chat_template(self) -> bool:

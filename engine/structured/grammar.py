@@ -1,0 +1,103 @@
+"""GrammarCompiler: StructuredOutput specs -> llguidance matchers over one tokenizer's token ids.
+
+llguidance (the grammar engine vLLM and llama.cpp also use) compiles JSON schemas, regexes and
+Lark or GBNF grammars into a token-level matcher: after each token it can say which tokens may
+come next, as a bitmask over the vocabulary. It was chosen over xgrammar (its wheel pulls in
+triton, ~1 GB) and outlines-core (slower per mask); its numpy helpers need no compiler.
+
+Compiling validates the grammar against the tokenizer; a spec that does not compile is an
+InvalidRequestError naming the request field. Compiled grammars are cached by spec (LRU), so
+the server can compile a request's spec on its text worker, off the torch thread, and the
+engine then only copies a ready matcher for each sequence. Thread-safe.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import re
+import threading
+from typing import Any
+
+from engine.errors import InvalidRequestError
+from engine.structured.spec import StructuredOutput
+
+_CACHE_SIZE = 256
+_COMPACT_JSON = {"whitespace_flexible": False}
+
+
+class GrammarCompiler:
+    """hf_tokenizer: the model's transformers fast tokenizer. vocab_size: the width of the model's logits."""
+
+    def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
+        import llguidance.hf
+
+        self.vocab_size = vocab_size
+        self.ll_tokenizer = llguidance.hf.from_tokenizer(
+            hf_tokenizer, n_vocab=vocab_size, eos_token=list(eos_token_ids) or None
+        )
+        self._lock = threading.Lock()
+        self._compiled: collections.OrderedDict[StructuredOutput, Any] = collections.OrderedDict()
+
+    def compile(self, spec: StructuredOutput) -> None:
+        """Compile and cache `spec`; raises InvalidRequestError (naming `spec.param`) if it does not compile."""
+        self._template(spec)
+
+    def matcher(self, spec: StructuredOutput) -> Any:
+        """A fresh llguidance matcher for `spec`, at the start of the output."""
+        return self._template(spec).deep_copy()
+
+    def _template(self, spec: StructuredOutput) -> Any:
+        with self._lock:
+            template = self._compiled.get(spec)
+            if template is not None:
+                self._compiled.move_to_end(spec)
+                return template
+        template = self._build(spec)
+        with self._lock:
+            self._compiled[spec] = template
+            while len(self._compiled) > _CACHE_SIZE:
+                self._compiled.popitem(last=False)
+        return template
+
+    def _build(self, spec: StructuredOutput) -> Any:
+        import llguidance
+
+        try:
+            grammar = _grammar_text(spec)
+        except Exception as exc:  # noqa: BLE001 - llguidance raises plain exceptions for bad input
+            raise InvalidRequestError(f"{spec.param}: invalid {spec.kind}: {exc}", spec.param) from exc
+        error = llguidance.LLMatcher.validate_grammar(grammar, self.ll_tokenizer)
+        if error:
+            raise InvalidRequestError(f"{spec.param}: invalid {spec.kind}: {error.strip()}", spec.param)
+        template = llguidance.LLMatcher(self.ll_tokenizer, grammar)
+        if template.is_error():
+            raise InvalidRequestError(f"{spec.param}: invalid {spec.kind}: {template.get_error()}", spec.param)
+        return template
+
+
+def _grammar_text(spec: StructuredOutput) -> str:
+    import llguidance
+    from llguidance.gbnf_to_lark import gbnf_to_lark
+
+    # JSON comes out in one line with fixed separators: with free whitespace, small models fill the
+    # budget with blank lines and the output never closes.
+    if spec.json is not None:
+        return llguidance.LLMatcher.grammar_from_json_schema(spec.json, overrides=_COMPACT_JSON)
+    if spec.json_object:
+        return llguidance.LLMatcher.grammar_from_json_schema(json.dumps({"type": "object"}), overrides=_COMPACT_JSON)
+    if spec.regex is not None:
+        return llguidance.LLMatcher.grammar_from_regex(spec.regex)
+    if spec.choice is not None:
+        return llguidance.LLMatcher.grammar_from_regex("|".join(_regex_literal(c) for c in spec.choice))
+    assert spec.grammar is not None
+    lark = gbnf_to_lark(spec.grammar) if "::=" in spec.grammar else spec.grammar
+    return llguidance.LLMatcher.grammar_from_lark(lark)
+
+
+_REGEX_META = re.compile(r"([\\.+*?()|\[\]{}^$#&\-~])")  # what the grammar's (Rust) regex syntax escapes
+
+
+def _regex_literal(text: str) -> str:
+    """`text`, matched literally."""
+    return _REGEX_META.sub(r"\\\1", text)
