@@ -11,6 +11,7 @@ import re
 
 from engine.errors import InvalidRequestError
 from engine.params import SamplingParams
+from engine.structured.spec import StructuredOutput
 from server.config import ServerConfig
 from server.errors import APIError
 from server.protocol.common import SamplingFields
@@ -95,6 +96,7 @@ def sampling_params(
     logprobs: int | None,
     vocab_size: int,
     cache_salt: str | None = None,
+    structured: StructuredOutput | None = None,
 ) -> SamplingParams:
     """The engine's SamplingParams for a completion or chat request (SamplingParams checks the ranges)."""
     logit_bias = None
@@ -127,4 +129,5 @@ def sampling_params(
         logprobs=logprobs,
         skip_special_tokens=body.skip_special_tokens,
         cache_salt=cache_salt,
+        structured=structured,
     )

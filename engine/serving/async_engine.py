@@ -55,6 +55,7 @@ if TYPE_CHECKING:
     from typing import Self
 
     from engine.core.llm_engine import LLMEngine
+    from engine.structured.grammar import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -231,6 +232,11 @@ class AsyncEngine:
     @property
     def num_active_requests(self) -> int:
         return len(self._queues)
+
+    @property
+    def grammar(self) -> GrammarCompiler | None:
+        """The engine's structured-output compiler; thread-safe (the server compiles on its text worker)."""
+        return self.engine.grammar
 
     @property
     def kv_cache_tokens(self) -> int:

@@ -16,6 +16,7 @@ from server.protocol.common import (
     now,
 )
 from server.protocol.completions import CacheSalt
+from server.protocol.structured import GuidedFields, ResponseFormat
 
 
 class TextContentPart(StrictRequest):
@@ -45,12 +46,7 @@ class ChatMessage(StrictRequest):
 StringOrObject = Annotated[str | dict[str, Any], described_union("a string or an object")]
 
 
-class ResponseFormat(StrictRequest):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
-
-
-class ChatCompletionRequest(SamplingFields):
+class ChatCompletionRequest(SamplingFields, GuidedFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: PositiveCount | None = None
     max_completion_tokens: PositiveCount | None = None
@@ -58,8 +54,8 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: TopLogprobs | None = None
     add_generation_prompt: bool = True
     cache_salt: CacheSalt | None = None
-    # OpenAI fields kvserve does not implement (400 when set to something that matters).
     response_format: ResponseFormat | None = None
+    # OpenAI fields kvserve does not implement (400 when set to something that matters).
     tools: list[dict[str, Any]] | None = None
     tool_choice: StringOrObject | None = None
     parallel_tool_calls: bool | None = None
@@ -75,8 +71,6 @@ class ChatCompletionRequest(SamplingFields):
             bad.append("tool_choice")
         if self.function_call not in (None, "none"):
             bad.append("function_call")
-        if self.response_format is not None and self.response_format.type != "text":
-            bad.append("response_format")
         if self.modalities not in (None, ["text"]):
             bad.append("modalities")
         return bad

@@ -16,12 +16,13 @@ from server.protocol.common import (
     Usage,
     now,
 )
+from server.protocol.structured import GuidedFields
 
 # vLLM's tenant isolation: requests with different salts never share prefix-cache blocks.
 CacheSalt = Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT_CHARS)]
 
 
-class CompletionRequest(SamplingFields):
+class CompletionRequest(SamplingFields, GuidedFields):
     prompt: TextsOrTokenIds
     max_tokens: PositiveCount | None = 16
     logprobs: TopLogprobs | None = None  # OpenAI allows 0..5; kvserve 0..20, like chat's top_logprobs

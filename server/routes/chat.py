@@ -26,6 +26,7 @@ from server.protocol.chat import (
 from server.served_models import generation_engine, request_text
 from server.serving import Generation
 from server.state import SharedState
+from server.structured import compile_structured, structured_output
 from server.text import text_size
 
 router = APIRouter()
@@ -48,7 +49,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     num_top = body.top_logprobs or 0
     logprobs = num_top if body.logprobs else None
-    params = sampling_params(body, max_tokens, logprobs, engine.vocab_size, body.cache_salt)
+    structured = structured_output(body, body.response_format)
+    params = sampling_params(body, max_tokens, logprobs, engine.vocab_size, body.cache_salt, structured)
+    await compile_structured(request_text(state), engine, structured)
     check_admissible(state.config, [len(prompt_ids)], params, engine.max_model_len, engine.kv_cache_tokens)
     answer_id = serving.response_id(request, "chatcmpl")
     model_name = state.config.model_name

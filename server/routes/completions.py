@@ -18,6 +18,7 @@ from server.protocol.completions import CompletionChoice, CompletionRequest, Com
 from server.served_models import generation_engine, request_text
 from server.serving import Generation
 from server.state import SharedState
+from server.structured import compile_structured, structured_output
 from server.text import has_text, text_size
 
 router = APIRouter()
@@ -30,7 +31,9 @@ async def create_completion(body: CompletionRequest, request: Request, state: Sh
     if body.echo and body.logprobs is not None:
         raise APIError(400, "echo with logprobs is not supported (no prompt logprobs)", param="echo")
     text = request_text(state)
-    params = sampling_params(body, body.max_tokens, body.logprobs, engine.vocab_size, body.cache_salt)
+    structured = structured_output(body)
+    params = sampling_params(body, body.max_tokens, body.logprobs, engine.vocab_size, body.cache_salt, structured)
+    await compile_structured(text, engine, structured)
     if has_text(body.prompt):
         prompts = await text.run(text_size(body.prompt), completion_prompts, body, engine.vocab_size, state.config)
     else:  # token ids need no tokenizer: they do not queue for the text worker
