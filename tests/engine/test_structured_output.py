@@ -160,3 +160,15 @@ def test_logprobs_report_the_masked_distribution(llm):
     finite = {tid: lp for tid, lp in first.top if lp > float("-inf")}
     assert set(finite) <= allowed | {first.token_id}
     assert sum(2.718281828**lp for lp in finite.values()) == pytest.approx(1.0, abs=1e-4)
+
+
+def test_the_structured_benchmark_prints_a_row_per_batch_size(tiny_llama_dir, monkeypatch, capsys):
+    from engine.bench import structured
+
+    monkeypatch.setattr(
+        "sys.argv", ["structured", "--model", tiny_llama_dir, "--batches", "1", "3", "--max-tokens", "6"]
+    )
+    structured.main()
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert [row.split("|")[1].strip() for row in rows] == ["1", "3"]
+    assert all(row.count("x |") == 1 for row in rows)
