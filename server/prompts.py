@@ -12,6 +12,7 @@ from server.config import ServerConfig
 from server.params import check_batch_size, check_token_ids
 from server.protocol.chat import ChatMessage
 from server.protocol.completions import CompletionRequest
+from server.tools import ToolPlan, render_messages
 
 
 def completion_prompts(
@@ -41,15 +42,12 @@ def completion_prompts(
     return prompts
 
 
-def chat_prompt_ids(tokenizer: Any, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
-    """The messages through the model's chat template ("developer" is the system role)."""
-    rendered = []
-    for message in messages:
-        item = {"role": "system" if message.role == "developer" else message.role, "content": message.text()}
-        if message.name:
-            item["name"] = message.name
-        rendered.append(item)
-    return tokenizer.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt)
+def chat_prompt_ids(
+    tokenizer: Any, messages: list[ChatMessage], add_generation_prompt: bool, tools: ToolPlan | None = None
+) -> list[int]:
+    """The messages through the model's chat template (server/tools.py renders tool turns and adds
+    the tool instructions to the system prompt)."""
+    return tokenizer.apply_chat_template(render_messages(messages, tools), add_generation_prompt=add_generation_prompt)
 
 
 def echoed_prompts(tokenizer: Any, prompts: list[tuple[str | None, list[int]]]) -> list[str]:

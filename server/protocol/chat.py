@@ -24,8 +24,19 @@ class TextContentPart(StrictRequest):
     text: str
 
 
+class FunctionCall(StrictRequest):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(StrictRequest):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(StrictRequest):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: (
         Annotated[
             str | list[TextContentPart],
@@ -34,6 +45,8 @@ class ChatMessage(StrictRequest):
         | None
     ) = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool turn: which call it answers
 
     def text(self) -> str:
         if self.content is None:
@@ -46,6 +59,18 @@ class ChatMessage(StrictRequest):
 StringOrObject = Annotated[str | dict[str, Any], described_union("a string or an object")]
 
 
+class FunctionDefinition(StrictRequest):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class Tool(StrictRequest):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
 class ChatCompletionRequest(SamplingFields, GuidedFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: PositiveCount | None = None
@@ -55,10 +80,11 @@ class ChatCompletionRequest(SamplingFields, GuidedFields):
     add_generation_prompt: bool = True
     cache_salt: CacheSalt | None = None
     response_format: ResponseFormat | None = None
-    # OpenAI fields kvserve does not implement (400 when set to something that matters).
-    tools: list[dict[str, Any]] | None = None
+    tools: list[Tool] | None = None
+    # "none" | "auto" | "required" | {"type": "function", "function": {"name": ...}}
     tool_choice: StringOrObject | None = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: bool = True
+    # OpenAI fields kvserve does not implement (400 when set to something that matters).
     functions: list[dict[str, Any]] | None = None
     function_call: StringOrObject | None = None
     audio: dict[str, Any] | None = None
@@ -66,9 +92,7 @@ class ChatCompletionRequest(SamplingFields, GuidedFields):
     prediction: dict[str, Any] | None = None
 
     def unsupported_fields(self) -> list[str]:
-        bad = [name for name in ("tools", "functions", "audio", "prediction") if getattr(self, name)]
-        if self.tool_choice not in (None, "none"):
-            bad.append("tool_choice")
+        bad = [name for name in ("functions", "audio", "prediction") if getattr(self, name)]
         if self.function_call not in (None, "none"):
             bad.append("function_call")
         if self.modalities not in (None, ["text"]):
@@ -90,9 +114,28 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class ToolCallFunction(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ResponseToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ResponseToolCall] | None = None
+
+    @model_serializer
+    def _without_empty_tool_calls(self) -> dict[str, Any]:
+        body: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            body["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        return body
 
 
 class ChatChoice(BaseModel):
@@ -117,10 +160,12 @@ class ChatDelta(BaseModel):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # {"index", "id", "type", "function": {"name", "arguments"}}
 
     @model_serializer
-    def _only_set(self) -> dict[str, str]:
-        return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+    def _only_set(self) -> dict[str, Any]:
+        pairs = (("role", self.role), ("content", self.content), ("tool_calls", self.tool_calls))
+        return {k: v for k, v in pairs if v is not None}
 
 
 class ChatChunkChoice(BaseModel):

@@ -28,6 +28,7 @@ from server.serving import Generation
 from server.state import SharedState
 from server.structured import compile_structured, structured_output
 from server.text import text_size
+from server.tools import ToolPlan, plan_tools
 
 router = APIRouter()
 
@@ -42,14 +43,17 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     reject_unsupported(body.unsupported_fields())
     if body.top_logprobs is not None and not body.logprobs:
         raise InvalidRequestError("top_logprobs: requires logprobs to be true", "top_logprobs")
+    tools = plan_tools(body)
     prompt_ids = await request_text(state).run(
-        text_size(body.messages), chat_prompt_ids, body.messages, body.add_generation_prompt
+        text_size(body.messages), chat_prompt_ids, body.messages, body.add_generation_prompt, tools
     )
     tokenizer = engine.tokenizer  # the event loop's: logprob token texts, a few per step
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     num_top = body.top_logprobs or 0
     logprobs = num_top if body.logprobs else None
-    structured = structured_output(body, body.response_format)
+    structured = tools.spec if tools is not None else structured_output(body, body.response_format)
+    if tools is not None and structured_output(body) is not None:
+        raise InvalidRequestError("tools: cannot be combined with structured_outputs or guided_*", "tools")
     params = sampling_params(body, max_tokens, logprobs, engine.vocab_size, body.cache_salt, structured)
     await compile_structured(request_text(state), engine, structured)
     check_admissible(state.config, [len(prompt_ids)], params, engine.max_model_len, engine.kv_cache_tokens)
@@ -63,6 +67,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
             return ChatCompletionChunk(id=answer_id, model=model_name, choices=[], usage=usage).model_dump()
 
         def chunks(generation: Generation) -> AsyncIterator[dict]:
+            if tools is not None:
+                return _tool_chunks(generation, body, tools, answer_id, model_name)
             return _chunks(generation, body, num_top, answer_id, model_name, tokenizer)
 
         return await serving.generation_stream(
@@ -70,16 +76,18 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
         )
 
     async def answer(generation: Generation) -> dict:
-        choices = [
-            ChatChoice(
-                index=index,
-                message=ChatResponseMessage(content=sample.text),
-                logprobs=chat_logprobs(tokenizer, sample.logprobs, num_top) if body.logprobs else None,
-                finish_reason=sample.finish_reason,
-                stop_reason=sample.stop_reason,
+        choices = []
+        for index, sample in enumerate(await generation.samples()):
+            content, calls = tools.parse(sample.text) if tools is not None else (sample.text, [])
+            choices.append(
+                ChatChoice(
+                    index=index,
+                    message=ChatResponseMessage(content=content, tool_calls=calls or None),
+                    logprobs=chat_logprobs(tokenizer, sample.logprobs, num_top) if body.logprobs else None,
+                    finish_reason="tool_calls" if calls else sample.finish_reason,
+                    stop_reason=sample.stop_reason,
+                )
             )
-            for index, sample in enumerate(await generation.samples())
-        ]
         usage = generation.usage()
         return ChatCompletionResponse(id=answer_id, model=model_name, choices=choices, usage=usage).model_dump()
 
@@ -115,3 +123,34 @@ async def _chunks(
                     )
                 ]
             )
+
+
+async def _tool_chunks(
+    generation: Generation, body: ChatCompletionRequest, tools: ToolPlan, answer_id: str, model_name: str
+) -> AsyncIterator[dict]:
+    """A reply that may be a tool call is read whole before it is sent (only then is it known to be
+    one): each choice ends with either its text answer or its tool calls, one delta per call, whole."""
+
+    def chunk(choice: ChatChunkChoice) -> dict:
+        return ChatCompletionChunk(id=answer_id, model=model_name, choices=[choice]).model_dump()
+
+    for index in range(body.n):
+        yield chunk(ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content="")))
+    texts: dict[int, list[str]] = {}
+    async for _, output in generation.outputs():
+        for delta in output.outputs:
+            texts.setdefault(delta.index, []).append(delta.text)
+            if delta.finish_reason is None:
+                continue
+            content, calls = tools.parse("".join(texts[delta.index]))
+            if calls:
+                for position, call in enumerate(calls):
+                    tool_delta = {"index": position, **call.model_dump()}
+                    yield chunk(ChatChunkChoice(index=delta.index, delta=ChatDelta(tool_calls=[tool_delta])))
+                yield chunk(ChatChunkChoice(index=delta.index, delta=ChatDelta(), finish_reason="tool_calls"))
+            else:
+                yield chunk(
+                    ChatChunkChoice(
+                        index=delta.index, delta=ChatDelta(content=content), finish_reason=delta.finish_reason
+                    )
+                )

@@ -226,9 +226,9 @@ BAD_COMPLETIONS = [
 ]
 BAD_CHATS = [
     ({"messages": []}, "messages"),
-    ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role"),
+    ({"messages": [{"role": "function", "content": "x"}]}, "messages.0.role"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages.0"),
-    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools.0.function"),
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}}, "response_format.type"),
     ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
