@@ -8,11 +8,15 @@ compiled (server/routes, on the text worker) names the field the client sent.
 from __future__ import annotations
 
 import json
+import time
 from typing import TYPE_CHECKING, Any
 
 from engine.errors import InvalidRequestError
+from engine.serving.torch_worker import wait_until
 from engine.structured.spec import StructuredOutput
 from server.protocol.structured import GuidedFields, ResponseFormat
+
+COMPILE_TIMEOUT_S = 10.0  # the compile goes on in the text worker; the request gets its 400 now
 
 if TYPE_CHECKING:
     from engine.serving.async_engine import AsyncEngine
@@ -58,7 +62,11 @@ async def compile_structured(text: RequestText, engine: AsyncEngine, spec: Struc
     if grammar is None:
         raise InvalidRequestError("this model cannot enforce structured output (no tokenizer)", spec.param)
     size = len(spec.json or spec.regex or spec.grammar or "") + sum(len(c) for c in spec.choice or ())
-    await text.worker.run(size, grammar.compile, spec)
+    try:
+        await wait_until(text.worker.run(size, grammar.compile, spec), time.monotonic() + COMPILE_TIMEOUT_S)
+    except TimeoutError:
+        message = f"{spec.param}: compiling this {spec.kind} took over {COMPILE_TIMEOUT_S:.0f} s; simplify it"
+        raise InvalidRequestError(message, spec.param) from None
 
 
 def _from_response_format(response_format: ResponseFormat) -> StructuredOutput:

@@ -62,6 +62,7 @@ class GrammarCompiler:
 
     def _build(self, spec: StructuredOutput) -> Any:
         import llguidance
+        import llguidance.numpy
 
         try:
             grammar = _grammar_text(spec)
@@ -71,6 +72,8 @@ class GrammarCompiler:
         if error:
             raise InvalidRequestError(f"{spec.param}: invalid {spec.kind}: {error.strip()}", spec.param)
         template = llguidance.LLMatcher(self.ll_tokenizer, grammar)
+        # The first mask builds the lexer (the slow part for a large schema): here, not on the torch thread.
+        llguidance.numpy.fill_next_token_bitmask(template, llguidance.numpy.allocate_token_bitmask(1, self.vocab_size))
         if template.is_error():
             raise InvalidRequestError(f"{spec.param}: invalid {spec.kind}: {template.get_error()}", spec.param)
         return template

@@ -208,3 +208,27 @@ def test_smollm2_parse_gives_a_valid_object_for_every_prompt():
         assert len(parsed) == 20 and all(isinstance(p, Person) for p in parsed)
     finally:
         srv.stop()
+
+
+def test_a_spec_that_takes_too_long_to_compile_is_a_400(server, monkeypatch):
+    import time
+
+    from server import structured
+    from server.state import state_of
+
+    grammar = state_of(server.app).engine.grammar
+    real_compile = grammar.compile
+
+    def slow_compile(spec):
+        time.sleep(0.5)
+        return real_compile(spec)
+
+    monkeypatch.setattr(structured, "COMPILE_TIMEOUT_S", 0.05)
+    monkeypatch.setattr(grammar, "compile", slow_compile)
+    response = post(server, "/v1/completions", {"prompt": "Hi", "guided_regex": "[0-9]{4}"})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "guided_regex" and "took over" in error["message"]
+    time.sleep(0.6)  # the compile finished in the text worker meanwhile
+    monkeypatch.undo()
+    assert post(server, "/v1/completions", {"prompt": "Hi", "guided_regex": "[0-9]{4}"}).status_code == 200
