@@ -45,9 +45,12 @@ def completion_prompts(
 def chat_prompt_ids(
     tokenizer: Any, messages: list[ChatMessage], add_generation_prompt: bool, tools: ToolPlan | None = None
 ) -> list[int]:
-    """The messages through the model's chat template (server/tools.py renders tool turns and adds
-    the tool instructions to the system prompt)."""
-    return tokenizer.apply_chat_template(render_messages(messages, tools), add_generation_prompt=add_generation_prompt)
+    """The messages through the model's chat template (server/tools.py renders tool turns, and the
+    tool definitions as the template takes them)."""
+    native = tokenizer.tool_call_format
+    rendered = render_messages(messages, tools, native)
+    definitions = list(tools.definitions) if tools is not None and tools.definitions else None
+    return tokenizer.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt, tools=definitions)
 
 
 def echoed_prompts(tokenizer: Any, prompts: list[tuple[str | None, list[int]]]) -> list[str]:

@@ -1,18 +1,31 @@
-"""Tool calling, the same way on every chat template: the tool definitions go into the system
-prompt, the reply is constrained by a JSON schema to a tool call (with `tool_choice` "auto": a tool
-call or a text answer), and the JSON is parsed back into OpenAI's `tool_calls`.
+"""Tool calling: the tools go to the model the way its chat template knows, the reply is constrained
+so a call always parses and validates, and it is read back into OpenAI's `tool_calls`.
 
-The reply the model writes, always one JSON object on one line:
-    {"tool_calls":[{"name":"get_weather","arguments":{"city":"Paris"}}]}
-    {"response":"It is sunny."}                       (only with "auto")
-"required" needs at least one call; a named function exactly one call of it; with
-`parallel_tool_calls` false at most one call. Earlier turns are rendered the same way: an
-assistant turn's `tool_calls` become that JSON, a `tool` turn's content follows as a "tool" turn.
+Two formats, chosen by the chat template (`Tokenizer.tool_call_format`):
+
+- "hermes": templates that render `tools` themselves and write each call as a block
+      <tool_call>
+      {"name": "get_weather", "arguments": {"city": "Paris"}}
+      </tool_call>
+  (Qwen2.5, Hermes and their kin). The template gets the tool definitions and the earlier turns'
+  `tool_calls` and `tool` results as it expects them. "required" and a named function constrain
+  the reply to such blocks by a grammar (the JSON inside by each tool's schema); "auto" leaves the
+  reply free and reads any blocks back.
+- "generic", every other template (the default SmolLM2's has no tool support): the tool
+  definitions and one reply format go into the system prompt, and the reply is one JSON object,
+  constrained by a JSON schema:
+      {"tool_calls":[{"name":"get_weather","arguments":{"city":"Paris"}}]}
+      {"response":"It is sunny."}                       (only with "auto")
+  Earlier assistant `tool_calls` are rendered as that JSON, `tool` turns as "tool" turns.
+
+"required" needs at least one call, a named function exactly one call of it, and with
+`parallel_tool_calls` false at most one call is allowed.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -21,7 +34,7 @@ from engine.errors import InvalidRequestError
 from engine.structured.spec import StructuredOutput
 from server.protocol.chat import ChatCompletionRequest, ChatMessage, ResponseToolCall, Tool, ToolCallFunction
 
-TOOLS_PROMPT = """You can call these tools. Each one's arguments follow its JSON schema.
+GENERIC_PROMPT = """You can call these tools. Each one's arguments follow its JSON schema.
 {tools}
 
 Reply with one JSON object and nothing else.
@@ -30,35 +43,37 @@ To call tools: {{"tool_calls":[{{"name":"<tool name>","arguments":{{...}}}}]}}.
 RULE_AUTO = 'To answer without a tool: {"response":"<your answer>"}.'
 RULE_REQUIRED = "Call at least one tool."
 RULE_NAMED = "Call the tool {name}."
+_HERMES_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+_COMPACT = {"whitespace_flexible": False}
 
 
 @dataclass(frozen=True)
 class ToolPlan:
     """How a request with tools is prompted, constrained and read back."""
 
-    spec: StructuredOutput  # what the reply must match
-    instructions: str  # appended to the system prompt
+    style: str  # "generic" or "hermes"
+    spec: StructuredOutput | None  # what the reply must match (None: free, "hermes" with "auto")
+    instructions: str  # "generic": appended to the system prompt
+    definitions: tuple[dict[str, Any], ...]  # "hermes": the tool definitions the template renders
 
     def parse(self, text: str) -> tuple[str | None, list[ResponseToolCall]]:
         """(content, tool calls) from a whole reply; a reply cut short (by max_tokens) is left as content."""
+        if self.style == "hermes":
+            return _parse_hermes(text)
         try:
             value = json.loads(text)
         except ValueError:
             return _partial_response(text), []
         if "tool_calls" in value:
-            calls = [
-                ResponseToolCall(
-                    id=f"call_{uuid.uuid4().hex[:24]}",
-                    function=ToolCallFunction(name=call["name"], arguments=json.dumps(call["arguments"])),
-                )
-                for call in value["tool_calls"]
-            ]
-            return None, calls
+            return None, [_call(call["name"], call["arguments"]) for call in value["tool_calls"]]
         return value.get("response", text), []
 
 
-def plan_tools(body: ChatCompletionRequest) -> ToolPlan | None:
-    """None when the request has no tools or `tool_choice` is "none"; 400s name the bad field."""
+def plan_tools(body: ChatCompletionRequest, native_format: str | None) -> ToolPlan | None:
+    """None when the request has no tools or `tool_choice` is "none"; 400s name the bad field.
+
+    native_format: the chat template's own tool format ("hermes") or None (generic).
+    """
     choice = body.tool_choice if body.tool_choice is not None else ("auto" if body.tools else "none")
     if choice == "none":
         return None
@@ -89,29 +104,47 @@ def plan_tools(body: ChatCompletionRequest) -> ToolPlan | None:
         raise InvalidRequestError(
             "response_format: cannot be combined with tools (use tool_choice none)", "response_format"
         )
-    schema = _reply_schema(tools, max_calls, may_answer)
+    if native_format == "hermes":
+        spec = None if may_answer else StructuredOutput(grammar=_hermes_grammar(tools, max_calls), param="tools")
+        definitions = tuple(tool.model_dump(exclude_none=True) for tool in body.tools)
+        return ToolPlan(style="hermes", spec=spec, instructions="", definitions=definitions)
+    schema = _generic_schema(tools, max_calls, may_answer)
+    instructions = GENERIC_PROMPT.format(tools="\n".join(_describe(tool) for tool in body.tools), rule=rule)
     return ToolPlan(
+        style="generic",
         spec=StructuredOutput(json=json.dumps(schema), param="tools"),
-        instructions=TOOLS_PROMPT.format(tools="\n".join(_describe(tool) for tool in body.tools), rule=rule),
+        instructions=instructions,
+        definitions=(),
     )
 
 
-def render_messages(messages: list[ChatMessage], plan: ToolPlan | None) -> list[dict[str, Any]]:
-    """The messages as the chat template takes them: tool calls and tool results as text, and the
-    tool instructions added to the system prompt ("developer" is the system role)."""
+def render_messages(
+    messages: list[ChatMessage], plan: ToolPlan | None, native_format: str | None
+) -> list[dict[str, Any]]:
+    """The messages as the chat template takes them ("developer" is the system role): earlier tool
+    calls in the template's own shape ("hermes") or as the generic reply JSON, and the generic tool
+    instructions added to the system prompt."""
     rendered = []
     for message in messages:
-        content = message.text()
-        if message.tool_calls:
+        item: dict[str, Any] = {"role": "system" if message.role == "developer" else message.role}
+        item["content"] = message.text()
+        if message.tool_calls and native_format == "hermes":
+            item["tool_calls"] = [
+                {
+                    "type": "function",
+                    "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)},
+                }
+                for c in message.tool_calls
+            ]
+        elif message.tool_calls:
             calls = [
                 {"name": c.function.name, "arguments": _arguments(c.function.arguments)} for c in message.tool_calls
             ]
-            content = json.dumps({"tool_calls": calls}, separators=(",", ":"), ensure_ascii=False)
-        item = {"role": "system" if message.role == "developer" else message.role, "content": content}
+            item["content"] = json.dumps({"tool_calls": calls}, separators=(",", ":"), ensure_ascii=False)
         if message.name:
             item["name"] = message.name
         rendered.append(item)
-    if plan is not None:
+    if plan is not None and plan.instructions:
         if rendered and rendered[0]["role"] == "system":
             rendered[0]["content"] = f"{rendered[0]['content']}\n\n{plan.instructions}"
         else:
@@ -119,8 +152,8 @@ def render_messages(messages: list[ChatMessage], plan: ToolPlan | None) -> list[
     return rendered
 
 
-def _reply_schema(tools: list[Tool], max_calls: int | None, may_answer: bool) -> dict[str, Any]:
-    calls = [
+def _call_schemas(tools: list[Tool]) -> list[dict[str, Any]]:
+    return [
         {
             "type": "object",
             "properties": {
@@ -132,6 +165,10 @@ def _reply_schema(tools: list[Tool], max_calls: int | None, may_answer: bool) ->
         }
         for tool in tools
     ]
+
+
+def _generic_schema(tools: list[Tool], max_calls: int | None, may_answer: bool) -> dict[str, Any]:
+    calls = _call_schemas(tools)
     items: dict[str, Any] = {"type": "array", "items": calls[0] if len(calls) == 1 else {"anyOf": calls}, "minItems": 1}
     if max_calls is not None:
         items["maxItems"] = max_calls
@@ -150,6 +187,33 @@ def _reply_schema(tools: list[Tool], max_calls: int | None, may_answer: bool) ->
         "additionalProperties": False,
     }
     return {"anyOf": [call_reply, text_reply]}
+
+
+def _hermes_grammar(tools: list[Tool], max_calls: int | None) -> str:
+    """Lark (llguidance's dialect, `%json` for a schema): one or more `<tool_call>` blocks."""
+    calls = _call_schemas(tools)
+    schema = {**(calls[0] if len(calls) == 1 else {"anyOf": calls}), "x-guidance": _COMPACT}
+    repeat = "" if max_calls == 1 else ' ("\\n" call)*'
+    return f'start: call{repeat}\ncall: "<tool_call>\\n" body "\\n</tool_call>"\nbody: %json {json.dumps(schema)}\n'
+
+
+def _parse_hermes(text: str) -> tuple[str | None, list[ResponseToolCall]]:
+    calls = []
+    for block in _HERMES_BLOCK.findall(text):
+        try:
+            value = json.loads(block)
+            calls.append(_call(value["name"], value.get("arguments", {})))
+        except (ValueError, KeyError, TypeError):
+            return text, []  # not a well-formed call: the reply is text
+    if not calls:
+        return text, []
+    content = _HERMES_BLOCK.sub("", text).strip()
+    return content or None, calls
+
+
+def _call(name: str, arguments: Any) -> ResponseToolCall:
+    text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    return ResponseToolCall(id=f"call_{uuid.uuid4().hex[:24]}", function=ToolCallFunction(name=name, arguments=text))
 
 
 def _describe(tool: Tool) -> str:

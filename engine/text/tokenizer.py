@@ -72,15 +72,29 @@ class Tokenizer:
         """The token's own text (decoded bytes), as OpenAI's logprobs show it."""
         return self._tok.decode([token_id], skip_special_tokens=False)
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    @property
+    def tool_call_format(self) -> str | None:
+        """"hermes" when the chat template renders tool definitions and writes calls as `<tool_call>`
+        blocks (Qwen2.5, Hermes and their kin); None when it has no tool support of its own."""
+        template = getattr(self._tok, "chat_template", None)
+        if isinstance(template, str) and "tools" in template and "<tool_call>" in template:
+            return "hermes"
+        return None
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None) -> str:
+        """tools: OpenAI tool definitions, for a template that renders them itself."""
         if not self.has_chat_template:
             raise InvalidRequestError("this model has no chat template; use /v1/completions", param="messages")
         try:
-            return self._tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+            return self._tok.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tokenize=False, tools=tools
+            )
         except Exception as exc:  # a template error is the caller's input (roles, order)
             raise InvalidRequestError(f"the chat template rejected the messages: {exc}", param="messages") from exc
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        text = self.render_chat(messages, add_generation_prompt)
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None
+    ) -> list[int]:
+        text = self.render_chat(messages, add_generation_prompt, tools)
         # The template already wrote any BOS it wants; do not add another.
         return self.encode(text, add_special_tokens=False)

@@ -43,7 +43,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     reject_unsupported(body.unsupported_fields())
     if body.top_logprobs is not None and not body.logprobs:
         raise InvalidRequestError("top_logprobs: requires logprobs to be true", "top_logprobs")
-    tools = plan_tools(body)
+    tools = plan_tools(body, engine.tokenizer.tool_call_format)
     prompt_ids = await request_text(state).run(
         text_size(body.messages), chat_prompt_ids, body.messages, body.add_generation_prompt, tools
     )
@@ -51,7 +51,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     num_top = body.top_logprobs or 0
     logprobs = num_top if body.logprobs else None
-    structured = tools.spec if tools is not None else structured_output(body, body.response_format)
+    structured = (tools.spec if tools is not None else None) or structured_output(body, body.response_format)
     if tools is not None and structured_output(body) is not None:
         raise InvalidRequestError("tools: cannot be combined with structured_outputs or guided_*", "tools")
     params = sampling_params(body, max_tokens, logprobs, engine.vocab_size, body.cache_salt, structured)

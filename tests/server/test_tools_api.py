@@ -215,7 +215,7 @@ def test_replies_are_read_back_whole_or_cut_short():
     from engine.structured.spec import StructuredOutput
     from server.tools import ToolPlan
 
-    plan = ToolPlan(spec=StructuredOutput(json_object=True), instructions="")
+    plan = ToolPlan(style="generic", spec=StructuredOutput(json_object=True), instructions="", definitions=())
     content, calls = plan.parse('{"tool_calls":[{"name":"f","arguments":{"a":1}},{"name":"g","arguments":{}}]}')
     assert content is None and [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
         ("f", {"a": 1}),
@@ -226,3 +226,100 @@ def test_replies_are_read_back_whole_or_cut_short():
     assert plan.parse('{"response":"It is sun') == ("It is sun", [])  # cut by max_tokens
     assert plan.parse('{"response":"a \\u00e') == ("a ", [])  # cut inside an escape
     assert plan.parse('{"tool_calls":[{"na') == ('{"tool_calls":[{"na', [])
+
+
+HERMES_TEMPLATE = """{%- if tools %}<|im_start|>system
+# Tools
+<tools>
+{%- for tool in tools %}
+{{ tool | tojson }}
+{%- endfor %}
+</tools>
+For each call, return <tool_call>
+{"name": <function-name>, "arguments": <args-json-object>}
+</tool_call><|im_end|>
+{% endif %}
+{%- for message in messages %}
+{%- if message.role == "assistant" and message.tool_calls %}<|im_start|>assistant
+{%- for tc in message.tool_calls %}
+<tool_call>
+{"name": "{{ tc.function.name }}", "arguments": {{ tc.function.arguments | tojson }}}
+</tool_call>
+{%- endfor %}<|im_end|>
+{% elif message.role == "tool" %}<|im_start|>user
+<tool_response>
+{{ message.content }}
+</tool_response><|im_end|>
+{% else %}<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+
+@pytest.fixture(scope="module")
+def hermes_server(tmp_path_factory):
+    """A tiny model whose chat template renders tools itself and writes calls as <tool_call> blocks."""
+    model_dir = make_tiny_llama(tmp_path_factory.mktemp("tiny-hermes"), max_position_embeddings=2048)
+    (model_dir / "chat_template.jinja").write_text(HERMES_TEMPLATE)
+    with ServerThread(create_app(make_server_config(model_dir, max_model_len=2048))) as srv:
+        yield srv
+
+
+def test_a_template_with_its_own_tool_format_gets_hermes_blocks(hermes_server):
+    from server.state import state_of
+
+    assert state_of(hermes_server.app).engine.tokenizer.tool_call_format == "hermes"
+    for seed in range(3):
+        response = chat(hermes_server, tool_choice="required", temperature=1.0, seed=seed, max_tokens=600)
+        choice = response.json()["choices"][0]
+        assert choice["finish_reason"] == "tool_calls", choice
+        for call in choice["message"]["tool_calls"]:
+            _check_call(call)
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    calls = chat(hermes_server, tool_choice=named, seed=5).json()["choices"][0]["message"]["tool_calls"]
+    assert len(calls) == 1
+    _check_call(calls[0], names=("get_weather",))
+    free = chat(hermes_server, tool_choice="auto", max_tokens=8).json()["choices"][0]
+    assert free["finish_reason"] in ("stop", "length", "tool_calls")
+
+
+def test_hermes_prompts_carry_the_tools_and_the_earlier_calls(hermes_server):
+    from server.prompts import chat_prompt_ids
+    from server.protocol.chat import ChatCompletionRequest
+    from server.state import state_of
+    from server.tools import plan_tools
+
+    tokenizer = state_of(hermes_server.app).engine.tokenizer
+    history = [
+        *ASK,
+        {
+            "role": "assistant",
+            "tool_calls": [
+                {"id": "c1", "function": {"name": "get_weather", "arguments": '{"city":"Oslo","unit":"C"}'}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "cold"},
+    ]
+    body = ChatCompletionRequest(model=MODEL, messages=history, tools=[WEATHER], tool_choice="auto")
+    plan = plan_tools(body, tokenizer.tool_call_format)
+    text = tokenizer.decode(chat_prompt_ids(tokenizer, body.messages, True, plan), skip_special_tokens=False)
+    assert '"name": "get_weather"' in text.split("</tools>")[0]  # the definitions, rendered by the template
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "C"}}\n</tool_call>' in text
+    assert "<tool_response>\ncold\n</tool_response>" in text
+
+
+def test_hermes_replies_are_read_back():
+    from server.tools import ToolPlan
+
+    plan = ToolPlan(style="hermes", spec=None, instructions="", definitions=())
+    text = (
+        'Let me check.\n<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "g", "arguments": {}}\n</tool_call>'
+    )
+    content, calls = plan.parse(text)
+    assert content == "Let me check." and [c.function.name for c in calls] == ["f", "g"]
+    assert json.loads(calls[0].function.arguments) == {"a": 1}
+    assert plan.parse("no calls here") == ("no calls here", [])
+    assert plan.parse("<tool_call>\n{broken\n</tool_call>")[1] == []
