@@ -19,7 +19,8 @@ Two formats, chosen by the chat template (`Tokenizer.tool_call_format`):
   Earlier assistant `tool_calls` are rendered as that JSON, `tool` turns as "tool" turns.
 
 "required" needs at least one call, a named function exactly one call of it, and with
-`parallel_tool_calls` false at most one call is allowed.
+`parallel_tool_calls` false at most one call is allowed. Objects in a tool's parameters that list
+their properties and say nothing of `additionalProperties` are closed (OpenAI's strict mode).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ RULE_REQUIRED = "Call at least one tool."
 RULE_NAMED = "Call the tool {name}."
 _HERMES_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 _COMPACT = {"whitespace_flexible": False}
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 
 
 @dataclass(frozen=True)
@@ -158,13 +160,32 @@ def _call_schemas(tools: list[Tool]) -> list[dict[str, Any]]:
             "type": "object",
             "properties": {
                 "name": {"const": tool.function.name},
-                "arguments": tool.function.parameters or {"type": "object"},
+                "arguments": _closed(tool.function.parameters or {"type": "object"}),
             },
             "required": ["name", "arguments"],
             "additionalProperties": False,
         }
         for tool in tools
     ]
+
+
+def _closed(schema: Any) -> Any:
+    """The schema with every object that lists its properties closed to others, unless it says
+    otherwise (as OpenAI's strict function calling requires): left open, a small model keeps
+    inventing keys and the arguments never end."""
+    if isinstance(schema, list):
+        return [_closed(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    closed = {}
+    for key, value in schema.items():
+        if key in _SCHEMA_MAPS and isinstance(value, dict):  # names -> schemas, not a schema itself
+            closed[key] = {name: _closed(item) for name, item in value.items()}
+        else:
+            closed[key] = _closed(value)
+    if "properties" in closed and "additionalProperties" not in closed:
+        closed["additionalProperties"] = False
+    return closed
 
 
 def _generic_schema(tools: list[Tool], max_calls: int | None, may_answer: bool) -> dict[str, Any]:

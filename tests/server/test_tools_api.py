@@ -207,6 +207,7 @@ def test_smollm2_required_round_trip_streamed_and_not():
                 assert message.tool_calls[0].function.name == "get_weather"
             else:  # a text answer, even when max_tokens cut it short
                 assert message.content and not message.content.startswith('{"response"')
+        _langchain_structured_output(srv.base_url, model)
     finally:
         srv.stop()
 
@@ -323,3 +324,41 @@ def test_hermes_replies_are_read_back():
     assert json.loads(calls[0].function.arguments) == {"a": 1}
     assert plan.parse("no calls here") == ("no calls here", [])
     assert plan.parse("<tool_call>\n{broken\n</tool_call>")[1] == []
+
+
+def _langchain_structured_output(base_url: str, model: str) -> None:
+    """LangChain's with_structured_output on the real model, by JSON schema and by function calling."""
+    from typing import Literal
+
+    from pydantic import BaseModel, Field
+
+    langchain_openai = pytest.importorskip("langchain_openai")
+
+    class City(BaseModel):
+        """A city and the country it is in."""
+
+        name: str = Field(max_length=30)
+        country: Literal["France", "Germany", "Japan", "Other"]
+        population_millions: int = Field(ge=0, le=100)
+
+    chat_model = langchain_openai.ChatOpenAI(
+        model=model, base_url=f"{base_url}/v1", api_key="unused", temperature=0, max_tokens=300, max_retries=0
+    )
+    for method in ("json_schema", "function_calling"):
+        city = chat_model.with_structured_output(City, method=method).invoke("Tell me about Paris.")
+        assert isinstance(city, City), method
+
+
+def test_tool_parameters_are_closed_unless_they_say_otherwise():
+    from server.tools import _closed
+
+    schema = {
+        "type": "object",
+        "properties": {"properties": {"type": "object", "properties": {"a": {"type": "integer"}}}},
+        "$defs": {"Open": {"type": "object", "properties": {}, "additionalProperties": True}},
+    }
+    closed = _closed(schema)
+    assert closed["additionalProperties"] is False
+    assert closed["properties"]["properties"]["additionalProperties"] is False
+    assert set(closed["properties"]) == {"properties"}  # a property named "properties" stays a property
+    assert closed["$defs"]["Open"]["additionalProperties"] is True
