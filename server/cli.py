@@ -189,7 +189,8 @@ FLAGS: tuple[Flag, ...] = (
         "server",
         _optional(int),
         "most tokens one completions or chat request may hold: prompts x n x (prompt tokens + max_tokens, "
-        "at most the context length); above it: 400 request_too_large (default: the KV cache's capacity)",
+        "at most the context length); above it: 400 request_too_large "
+        "(default: the KV cache's capacity, at least 8 contexts)",
     ),
     _flag(
         "embedding_max_batch_tokens",

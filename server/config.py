@@ -81,8 +81,8 @@ class ServerConfig:
         and its connection closed (bounds slowloris-style headers).
     max_request_cost: most tokens one completions or chat request may hold: prompts x n x
         (prompt tokens + max_tokens), see server/params.py; above it, 400 request_too_large.
-        None: the KV cache's capacity in tokens (a request that alone could fill the cache
-        would evict or hold back every other request until it ends).
+        None: the KV cache's capacity in tokens, but at least 8 x max_model_len (a request that
+        alone could fill the cache would evict or hold back every other request until it ends).
     """
 
     engine: EngineConfig = field(default_factory=default_engine_config)

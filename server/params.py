@@ -32,6 +32,9 @@ def check_batch_size(config: ServerConfig, num_items: int, param: str) -> None:
         )
 
 
+DEFAULT_COST_CONTEXTS = 8
+
+
 def check_admissible(
     config: ServerConfig,
     prompt_lengths: list[int],
@@ -45,8 +48,9 @@ def check_admissible(
     admitted (a 429 would invite retries that cannot succeed). The request's cost is the tokens
     its samples may hold: the sum over its prompts of n x (prompt tokens + max_tokens), each
     sample capped at the context length (max_tokens unset: the whole context). Above
-    --max-request-cost (default: `kv_cache_tokens`, the KV cache's capacity) the request would
-    hold the engine long enough to starve everyone else.
+    --max-request-cost the request would hold the engine long enough to starve everyone else. Its
+    default is what the KV cache holds (`kv_cache_tokens`), but at least DEFAULT_COST_CONTEXTS full
+    contexts: a few samples without max_tokens must always be admissible.
     """
     num_prompts = len(prompt_lengths)
     if num_prompts > config.max_queued_requests:
@@ -60,7 +64,9 @@ def check_admissible(
         )
     max_tokens = params.max_tokens if params.max_tokens is not None else max_model_len
     cost = sum(params.n * min(max_model_len, length + max_tokens) for length in prompt_lengths)
-    limit = config.max_request_cost if config.max_request_cost is not None else kv_cache_tokens
+    limit = config.max_request_cost
+    if limit is None:
+        limit = max(kv_cache_tokens, DEFAULT_COST_CONTEXTS * max_model_len)
     if cost > limit:
         raise APIError(
             400,

@@ -74,7 +74,7 @@ class Tokenizer:
 
     @property
     def tool_call_format(self) -> str | None:
-        """"hermes" when the chat template renders tool definitions and writes calls as `<tool_call>`
+        """ "hermes" when the chat template renders tool definitions and writes calls as `<tool_call>`
         blocks (Qwen2.5, Hermes and their kin); None when it has no tool support of its own."""
         template = getattr(self._tok, "chat_template", None)
         if isinstance(template, str) and "tools" in template and "<tool_call>" in template:

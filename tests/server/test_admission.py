@@ -11,6 +11,7 @@ from engine.errors import InvalidRequestError
 from engine.params import MAX_CACHE_SALT_CHARS, SamplingParams
 from server.app import create_app
 from server.config import ServerConfig
+from server.params import DEFAULT_COST_CONTEXTS
 from server.state import state_of
 from tests.support.server_harness import ServerThread, make_server_config
 from tests.support.tiny_models import make_tiny_llama
@@ -92,7 +93,8 @@ def test_by_default_no_request_may_hold_more_tokens_than_the_kv_cache(tmp_path):
     config = make_server_config(make_tiny_llama(tmp_path), max_num_seqs=64)
     assert config.max_request_cost is None
     with ServerThread(create_app(config)) as srv:
-        capacity = state_of(srv.app).engine.kv_cache_tokens
+        engine = state_of(srv.app).engine
+        capacity = max(engine.kv_cache_tokens, DEFAULT_COST_CONTEXTS * engine.max_model_len)
         assert 0 < capacity < 64 * 128 * 16
         body = {"model": MODEL, "prompt": ["Hello there"] * 64, "n": 128, "max_tokens": 16}
         response = httpx.post(f"{srv.base_url}/v1/completions", json=body, timeout=60)
@@ -101,6 +103,10 @@ def test_by_default_no_request_may_hold_more_tokens_than_the_kv_cache(tmp_path):
         assert error["code"] == "request_too_large" and str(capacity) in error["message"]
         small = httpx.post(f"{srv.base_url}/v1/completions", json={**body, "prompt": "Hi", "n": 2}, timeout=60)
         assert small.status_code == 200, small.text
+        # A few samples that may each fill the context (no max_tokens) are always admissible.
+        whole = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "n": 4, "max_tokens": None}
+        response = httpx.post(f"{srv.base_url}/v1/chat/completions", json={**whole, "max_tokens": 1}, timeout=60)
+        assert response.status_code == 200, response.text
 
 
 def test_max_request_cost_defaults_to_a_bound_and_must_be_positive():
