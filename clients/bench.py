@@ -44,6 +44,10 @@ _WORDS_TEXT = """the of and to in is was for that on as with by he it at from hi
     village island forest mountain valley bridge station church castle museum library kitchen bottle coffee
     bread apple orange silver golden quiet happy strong young ancient modern public private central common"""
 WORDS: tuple[str, ...] = tuple(_WORDS_TEXT.split())
+# The structured workload's schema: one free string, so an output can be as long as an unconstrained one.
+STRUCTURED_SCHEMA = json.dumps(
+    {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"], "additionalProperties": False}
+)
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,7 @@ class Workload:
     temperature: float = 0.0
     seed: int = 0
     warmup_requests: int = 1
+    json_schema: str | None = None  # JSON text: every request's output must match it (`structured_outputs`)
 
     def __post_init__(self) -> None:
         if self.num_requests < 1 or self.concurrency < 1:
@@ -329,7 +334,7 @@ def _root_url(base_url: str) -> str:
 
 
 def completion_body(model: str, spec: RequestSpec, workload: Workload) -> dict[str, Any]:
-    return {
+    body = {
         "model": model,
         "prompt": spec.prompt,
         "max_tokens": spec.max_tokens,
@@ -339,6 +344,9 @@ def completion_body(model: str, spec: RequestSpec, workload: Workload) -> dict[s
         # vLLM, llama.cpp and kvserve all spell it `ignore_eos` (llama.cpp: tools/server/server-schema.cpp).
         "ignore_eos": workload.ignore_eos,
     }
+    if workload.json_schema is not None:  # vLLM's and kvserve's spelling
+        body["structured_outputs"] = {"json": json.loads(workload.json_schema)}
+    return body
 
 
 async def stream_one(client: httpx.AsyncClient, body: dict[str, Any], t0: float) -> RequestRecord:
@@ -583,6 +591,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--warmup", type=int, default=1, help="warm-up requests before timing")
+    parser.add_argument(
+        "--json-schema",
+        nargs="?",
+        const=STRUCTURED_SCHEMA,
+        default=None,
+        help="every output must match this JSON schema (JSON text; without a value: an object holding one "
+        "free string, so outputs can run to --output-len)",
+    )
     parser.add_argument("--server-pid", type=int, default=None, help="server PID for peak-memory sampling")
     parser.add_argument("--json", type=Path, default=None, help="write the result as JSON here")
     parser.add_argument("--markdown", type=Path, default=None, help="write the Markdown table here")
@@ -593,7 +609,8 @@ def workload_from_args(args: argparse.Namespace) -> Workload:
     prompt_len, prompt_max = _length_range(args.prompt_len)
     output_len, output_max = _length_range(args.output_len)
     return Workload(
-        name=f"n{args.num_requests}-c{args.concurrency}-p{args.prompt_len}-o{args.output_len}",
+        name=f"n{args.num_requests}-c{args.concurrency}-p{args.prompt_len}-o{args.output_len}"
+        + ("-json" if args.json_schema else ""),
         num_requests=args.num_requests,
         concurrency=args.concurrency,
         prompt_len=prompt_len,
@@ -604,6 +621,7 @@ def workload_from_args(args: argparse.Namespace) -> Workload:
         temperature=args.temperature,
         seed=args.seed,
         warmup_requests=args.warmup,
+        json_schema=args.json_schema,
     )
 
 

@@ -341,3 +341,18 @@ def test_kvserve_bench_runs_the_bench_program(fake_server: tuple[str, object], t
         cwd=repo_root,
     )
     assert bad.returncode == 2 and "bad workload" in bad.stderr
+
+
+def test_the_structured_workload_asks_for_the_schema_and_runs_on_kvserve(tmp_path: Path) -> None:
+    from clients.bench import STRUCTURED_SCHEMA, RequestSpec, Workload, completion_body, run_benchmark
+    from server.app import create_app
+    from tests.support.server_harness import ServerThread, make_server_config
+    from tests.support.tiny_models import make_tiny_llama
+
+    workload = Workload(num_requests=4, concurrency=2, prompt_len=8, output_len=12, json_schema=STRUCTURED_SCHEMA)
+    body = completion_body("m", RequestSpec("hi", 1, 12), workload)
+    assert body["structured_outputs"] == {"json": json.loads(STRUCTURED_SCHEMA)}
+    assert "structured_outputs" not in completion_body("m", RequestSpec("hi", 1, 12), Workload())
+    with ServerThread(create_app(make_server_config(make_tiny_llama(tmp_path)))) as srv:
+        result = asyncio.run(run_benchmark(srv.base_url, "tiny-llama", workload, progress=False))
+    assert result.num_failed == 0 and result.total_output_tokens > 0
