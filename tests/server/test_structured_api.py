@@ -109,6 +109,8 @@ def test_json_object_response_format_starts_an_object(server):
         ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice", "only one"),
         ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "exactly one"),
         ({"guided_choice": []}, "guided_choice", "non-empty"),
+        ({"guided_json": {"type": "array", "uniqueItems": True}}, "guided_json", "uniqueItems"),  # not enforceable
+        ({"structured_outputs": {"json": {"not": {"type": "string"}}}}, "structured_outputs", '["not"]'),
     ],
 )
 def test_bad_specs_are_a_400_naming_the_field(server, fields, param, words):
