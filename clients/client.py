@@ -89,11 +89,24 @@ class Usage:
 
 
 @dataclass(frozen=True)
+class ToolCall:
+    """A call the model made (chat with `tools`): `arguments` is JSON text, as OpenAI sends it."""
+
+    id: str
+    name: str
+    arguments: str
+
+    def parsed_arguments(self) -> Any:
+        return json.loads(self.arguments)
+
+
+@dataclass(frozen=True)
 class Choice:
     index: int
     text: str
     finish_reason: str | None
     logprobs: Any = None
+    tool_calls: tuple[ToolCall, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -113,6 +126,11 @@ class Completion:
     @property
     def finish_reason(self) -> str | None:
         return self.choices[0].finish_reason if self.choices else None
+
+    @property
+    def tool_calls(self) -> tuple[ToolCall, ...]:
+        """The first choice's tool calls (chat with `tools`; empty otherwise)."""
+        return self.choices[0].tool_calls if self.choices else ()
 
 
 @dataclass(frozen=True)
@@ -176,8 +194,13 @@ def _as_messages(messages: str | Sequence[Message]) -> list[Message]:
 def _parse_completion(body: dict, is_chat: bool) -> Completion:
     choices = []
     for i, c in enumerate(body.get("choices") or []):
-        text = ((c.get("message") or {}).get("content") or "") if is_chat else (c.get("text") or "")
-        choices.append(Choice(int(c.get("index", i)), text, c.get("finish_reason"), c.get("logprobs")))
+        message = c.get("message") or {}
+        text = (message.get("content") or "") if is_chat else (c.get("text") or "")
+        calls = tuple(
+            ToolCall(str(call.get("id", "")), call["function"]["name"], call["function"].get("arguments", "{}"))
+            for call in message.get("tool_calls") or []
+        )
+        choices.append(Choice(int(c.get("index", i)), text, c.get("finish_reason"), c.get("logprobs"), calls))
     choices.sort(key=lambda c: c.index)
     return Completion(
         str(body.get("id", "")), str(body.get("model", "")), choices, Usage.from_dict(body.get("usage")), body

@@ -362,3 +362,16 @@ def test_tool_parameters_are_closed_unless_they_say_otherwise():
     assert closed["properties"]["properties"]["additionalProperties"] is False
     assert set(closed["properties"]) == {"properties"}  # a property named "properties" stays a property
     assert closed["$defs"]["Open"]["additionalProperties"] is True
+
+
+def test_the_kvserve_client_reads_tool_calls(server):
+    from clients.client import Client
+
+    with Client(server.base_url) as client:
+        completion = client.chat(ASK, model=MODEL, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False)
+        plain = client.chat(ASK, model=MODEL, max_tokens=4)
+    assert completion.finish_reason == "tool_calls" and completion.text == ""
+    (call,) = completion.tool_calls
+    assert call.name == "get_weather" and call.id.startswith("call_")
+    assert set(call.parsed_arguments()) == {"city", "unit"}
+    assert plain.tool_calls == ()
