@@ -34,6 +34,7 @@ from typing import Any
 from engine.errors import InvalidRequestError
 from engine.structured.spec import StructuredOutput
 from server.protocol.chat import ChatCompletionRequest, ChatMessage, ResponseToolCall, Tool, ToolCallFunction
+from server.tool_stream import GENERIC, GENERIC_CALLS_ONLY, HERMES, Framing
 
 GENERIC_PROMPT = """You can call these tools. Each one's arguments follow its JSON schema.
 {tools}
@@ -57,6 +58,13 @@ class ToolPlan:
     spec: StructuredOutput | None  # what the reply must match (None: free, "hermes" with "auto")
     instructions: str  # "generic": appended to the system prompt
     definitions: tuple[dict[str, Any], ...]  # "hermes": the tool definitions the template renders
+
+    @property
+    def stream_framing(self) -> Framing | None:
+        """How a stream reads the reply as it grows; None for a free reply (read whole)."""
+        if self.style == "hermes":
+            return HERMES if self.spec is not None else None
+        return GENERIC if self.spec is not None and '"response"' in (self.spec.json or "") else GENERIC_CALLS_ONLY
 
     def parse(self, text: str) -> tuple[str | None, list[ResponseToolCall]]:
         """(content, tool calls) from a whole reply; a reply cut short (by max_tokens) is left as content."""

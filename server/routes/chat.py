@@ -28,6 +28,7 @@ from server.serving import Generation
 from server.state import SharedState
 from server.structured import compile_structured, structured_output
 from server.text import text_size
+from server.tool_stream import ToolReplyStream
 from server.tools import ToolPlan, plan_tools
 
 router = APIRouter()
@@ -128,19 +129,30 @@ async def _chunks(
 async def _tool_chunks(
     generation: Generation, body: ChatCompletionRequest, tools: ToolPlan, answer_id: str, model_name: str
 ) -> AsyncIterator[dict]:
-    """A reply that may be a tool call is read whole before it is sent (only then is it known to be
-    one): each choice ends with either its text answer or its tool calls, one delta per call, whole."""
+    """A constrained reply streams as it is generated (server/tool_stream.py): each call's name, then
+    its arguments in fragments, or a text answer as content. A free one (`auto` on a template with
+    its own format) is read whole first: only then is it known whether it holds calls."""
 
     def chunk(choice: ChatChunkChoice) -> dict:
         return ChatCompletionChunk(id=answer_id, model=model_name, choices=[choice]).model_dump()
 
     for index in range(body.n):
         yield chunk(ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content="")))
+    framing = tools.stream_framing
+    streams = {index: ToolReplyStream(framing) for index in range(body.n)} if framing is not None else {}
     texts: dict[int, list[str]] = {}
     async for _, output in generation.outputs():
         for delta in output.outputs:
             texts.setdefault(delta.index, []).append(delta.text)
+            stream = streams.get(delta.index)
+            if stream is not None:
+                for fields in stream.feed(delta.text):
+                    yield chunk(ChatChunkChoice(index=delta.index, delta=ChatDelta(**fields)))
             if delta.finish_reason is None:
+                continue
+            if stream is not None and (stream.made_calls or stream.is_answering):
+                reason = "tool_calls" if stream.made_calls else delta.finish_reason
+                yield chunk(ChatChunkChoice(index=delta.index, delta=ChatDelta(), finish_reason=reason))
                 continue
             content, calls = tools.parse("".join(texts[delta.index]))
             if calls:
@@ -149,8 +161,5 @@ async def _tool_chunks(
                     yield chunk(ChatChunkChoice(index=delta.index, delta=ChatDelta(tool_calls=[tool_delta])))
                 yield chunk(ChatChunkChoice(index=delta.index, delta=ChatDelta(), finish_reason="tool_calls"))
             else:
-                yield chunk(
-                    ChatChunkChoice(
-                        index=delta.index, delta=ChatDelta(content=content), finish_reason=delta.finish_reason
-                    )
-                )
+                answer = ChatDelta(content=content)
+                yield chunk(ChatChunkChoice(index=delta.index, delta=answer, finish_reason=delta.finish_reason))

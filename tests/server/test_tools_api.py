@@ -108,10 +108,25 @@ def test_streamed_tool_calls_arrive_as_deltas(server):
     events = [e for e in parse_sse(response.text) if isinstance(e, dict)]
     assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     deltas = [d for e in events for c in e["choices"] for d in c["delta"].get("tool_calls", [])]
-    assert deltas and [d["index"] for d in deltas] == list(range(len(deltas)))
-    for delta in deltas:
-        _check_call(delta)
+    calls = _assemble(deltas)
+    assert calls and len(deltas) > len(calls)  # the arguments came in fragments
+    for call in calls:
+        _check_call(call)
     assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def _assemble(deltas: list[dict]) -> list[dict]:
+    """Stream deltas -> whole calls, as a client joins them: the first delta of an index opens the call."""
+    calls: dict[int, dict] = {}
+    for delta in deltas:
+        if delta["index"] not in calls:
+            assert delta["id"] and delta["function"]["name"], delta  # the opening delta names the call
+            calls[delta["index"]] = {"id": delta["id"], "type": "function", "function": dict(delta["function"])}
+        else:
+            assert set(delta) == {"index", "function"} and set(delta["function"]) == {"arguments"}, delta
+            calls[delta["index"]]["function"]["arguments"] += delta["function"]["arguments"]
+    assert sorted(calls) == list(range(len(calls)))
+    return [calls[i] for i in sorted(calls)]
 
 
 def test_a_round_trip_through_the_openai_sdk(server):
@@ -139,8 +154,10 @@ def test_a_round_trip_through_the_openai_sdk(server):
         seed=1,
         stream=True,
     )
-    names = [d.function.name for chunk in stream for c in chunk.choices for d in (c.delta.tool_calls or [])]
-    assert names and set(names) == {"get_weather"}
+    deltas = [d for chunk in stream for c in chunk.choices for d in (c.delta.tool_calls or [])]
+    assert {d.function.name for d in deltas if d.function.name} == {"get_weather"}
+    arguments = "".join(d.function.arguments or "" for d in deltas)
+    assert set(json.loads(arguments)) == {"city", "unit"}
 
 
 @pytest.mark.parametrize(
@@ -188,7 +205,7 @@ def test_smollm2_required_round_trip_streamed_and_not():
                     client.chat.completions.create(messages=ASK, tool_choice="required", stream=True, **kwargs)
                 )
                 deltas = [d for chunk in chunks for c in chunk.choices for d in (c.delta.tool_calls or [])]
-                call = {"id": deltas[0].id, "type": "function", "function": deltas[0].function.model_dump()}
+                call = _assemble([d.model_dump(exclude_none=True) for d in deltas])[0]
                 assert chunks[-1].choices[0].finish_reason == "tool_calls"
             else:
                 first = client.chat.completions.create(messages=ASK, tool_choice="required", **kwargs)
