@@ -229,6 +229,12 @@ class AsyncEngine:
         """
         return len(self._not_started)
 
+    def check_admission(self) -> None:
+        """Raise now what `submit` would raise for a full queue or a dead engine: callers check before
+        spending work on a request (tokenizing a long prompt) that could not be admitted anyway."""
+        self._check_alive()
+        self.limits.admit(self.num_queued_requests, "generation")
+
     @property
     def num_active_requests(self) -> int:
         return len(self._queues)

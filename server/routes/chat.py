@@ -44,6 +44,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     reject_unsupported(body.unsupported_fields())
     if body.top_logprobs is not None and not body.logprobs:
         raise InvalidRequestError("top_logprobs: requires logprobs to be true", "top_logprobs")
+    engine.check_admission()  # a full queue answers 429 before the messages are rendered
     tools = plan_tools(body, engine.tokenizer.tool_call_format)
     prompt_ids = await request_text(state).run(
         text_size(body.messages), chat_prompt_ids, body.messages, body.add_generation_prompt, tools

@@ -30,6 +30,7 @@ async def create_completion(body: CompletionRequest, request: Request, state: Sh
     reject_unsupported(body.unsupported_fields())
     if body.echo and body.logprobs is not None:
         raise APIError(400, "echo with logprobs is not supported (no prompt logprobs)", param="echo")
+    engine.check_admission()  # a full queue answers 429 before any prompt is tokenized
     text = request_text(state)
     structured = structured_output(body)
     params = sampling_params(body, body.max_tokens, body.logprobs, engine.vocab_size, body.cache_salt, structured)

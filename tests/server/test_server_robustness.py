@@ -547,8 +547,12 @@ def test_cors_preflight_and_headers(guarded):
     assert "access-control-allow-origin" not in other.headers
 
 
-def test_full_queue_answers_429_with_retry_after(guarded):
+def test_full_queue_answers_429_with_retry_after(guarded, monkeypatch):
     headers = {"Authorization": f"Bearer {API_KEY}"}
+    text_tokenizer = state_of(guarded.app).text.tokenizer
+    encoded: list[str] = []
+    real_encode = text_tokenizer.encode
+    monkeypatch.setattr(text_tokenizer, "encode", lambda text, **kw: encoded.append(text) or real_encode(text, **kw))
     engine = state_of(guarded.app).engine.engine
     engine.step_delay = 0.01
     body = {"model": MODEL, "prompt": "Hello", "max_tokens": 200, "ignore_eos": True, "stream": True}
@@ -561,9 +565,13 @@ def test_full_queue_answers_429_with_retry_after(guarded):
         waiting = waiting_client.send(waiting_client.build_request("POST", "/v1/completions", json=body), stream=True)
         assert waiting.status_code == 200
         wait_until(lambda: gauges(guarded.base_url)["kvserve:num_requests_waiting"] == 1, timeout=5)
-        refused = http.post("/v1/completions", json={**body, "stream": False})
+        num_encoded = len(encoded)
+        refused = http.post("/v1/completions", json={**body, "prompt": "refused early", "stream": False})
         assert_error_shape(refused, 429, type_="rate_limit_error")
         assert int(refused.headers["retry-after"]) >= 1
+        assert len(encoded) == num_encoded  # refused before its prompt was tokenized
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": "refused too"}]}
+        assert_error_shape(http.post("/v1/chat/completions", json=chat), 429, type_="rate_limit_error")
         running.close()
         waiting.close()
         waiting_client.close()
