@@ -31,7 +31,7 @@ import httpx
 from tqdm import tqdm
 
 from clients.bench import WORDS, percentile
-from clients.bench_suite import ROOT, free_port, server_process
+from clients.bench_suite import kvserve_server, split_serve_args
 from clients.sse import SSEDecoder, is_done
 
 logger = logging.getLogger(__name__)
@@ -252,11 +252,7 @@ def format_table(probes: Sequence[Probe]) -> str:
 
 
 def _parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str]]:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    serve_args: list[str] = []
-    if "--" in argv:
-        cut = argv.index("--")
-        argv, serve_args = argv[:cut], argv[cut + 1 :]
+    argv, serve_args = split_serve_args(argv)
     parser = argparse.ArgumentParser(
         prog="python -m clients.bench_fairness",
         description=__doc__.split("\n\n")[0],
@@ -282,13 +278,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.base_url:
         probes = asyncio.run(run(args.base_url, args))
     else:
-        port = free_port()
-        cmd = [sys.executable, "-m", "server", "serve", "--port", str(port), *serve_args]
-        log_path = Path(tempfile.mkdtemp(prefix="kvserve-fairness-")) / "server.log"
-        logger.info("server log: %s", log_path)
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-        with server_process(cmd, port, log_path, env=env):
-            probes = asyncio.run(run(f"http://127.0.0.1:{port}", args))
+        with kvserve_server(serve_args, "kvserve-fairness-") as (base_url, _):
+            probes = asyncio.run(run(base_url, args))
     print(format_table(probes), flush=True)
     return 0
 

@@ -22,6 +22,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -129,6 +130,27 @@ def server_process(
             yield proc
         finally:
             _stop(proc)
+
+
+def split_serve_args(argv: Sequence[str] | None) -> tuple[list[str], list[str]]:
+    """(the program's own flags, the flags after `--` for the `kvserve serve` it starts)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--" not in argv:
+        return argv, []
+    cut = argv.index("--")
+    return argv[:cut], argv[cut + 1 :]
+
+
+@contextlib.contextmanager
+def kvserve_server(serve_args: Sequence[str], log_prefix: str) -> Iterator[tuple[str, int]]:
+    """`python -m server serve SERVE_ARGS` on a free port, this checkout importable; yields (base URL, pid)
+    once /health answers 200, and stops it afterwards. Its log goes to a fresh temp dir (logged)."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "server", "serve", "--port", str(port), *serve_args]
+    log_path = Path(tempfile.mkdtemp(prefix=log_prefix)) / "server.log"
+    logger.info("server log: %s", log_path)
+    with server_process(cmd, port, log_path, env=_python_env()) as proc:
+        yield f"http://127.0.0.1:{port}", proc.pid
 
 
 def _wait_healthy(proc: subprocess.Popen[bytes], url: str, timeout_s: float, log_path: Path) -> None:

@@ -18,10 +18,8 @@ import argparse
 import asyncio
 import json
 import logging
-import os
 import random
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Sequence
@@ -31,7 +29,7 @@ from pathlib import Path
 import httpx
 
 from clients.bench import WORDS
-from clients.bench_suite import ROOT, free_port, server_process
+from clients.bench_suite import kvserve_server, split_serve_args
 from clients.sse import SSEDecoder, is_done
 
 logger = logging.getLogger(__name__)
@@ -372,11 +370,7 @@ def format_report(report: SoakReport) -> str:
 
 
 def _parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str]]:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    serve_args: list[str] = []
-    if "--" in argv:
-        cut = argv.index("--")
-        argv, serve_args = argv[:cut], argv[cut + 1 :]
+    argv, serve_args = split_serve_args(argv)
     defaults = SoakPlan()
     parser = argparse.ArgumentParser(
         prog="python -m clients.soak",
@@ -422,13 +416,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.base_url:
         report = asyncio.run(run_soak(args.base_url, plan, server_pid=args.server_pid, **soak_kwargs))
     else:
-        port = free_port()
-        cmd = [sys.executable, "-m", "server", "serve", "--port", str(port), *serve_args]
-        log_path = Path(tempfile.mkdtemp(prefix="kvserve-soak-")) / "server.log"
-        logger.info("server log: %s", log_path)
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-        with server_process(cmd, port, log_path, env=env) as proc:
-            report = asyncio.run(run_soak(f"http://127.0.0.1:{port}", plan, server_pid=proc.pid, **soak_kwargs))
+        with kvserve_server(serve_args, "kvserve-soak-") as (base_url, pid):
+            report = asyncio.run(run_soak(base_url, plan, server_pid=pid, **soak_kwargs))
     print(format_report(report), flush=True)
     if args.json:
         args.json.write_text(json.dumps(asdict(report), indent=2))
