@@ -146,13 +146,13 @@ class ToolReplyStream:
 
     def _send_answer(self, deltas: list[dict[str, Any]]) -> None:
         raw = self.text[self._pos :]
-        decoded = _decode_prefix(raw)
+        decoded = decode_string_prefix(raw)
         if len(decoded) > self._answer_sent:
             deltas.append({"content": decoded[self._answer_sent :]})
             self._answer_sent = len(decoded)
 
 
-def _decode_prefix(raw: str) -> str:
+def decode_string_prefix(raw: str) -> str:
     """The decoded characters of a JSON string body so far: up to its closing quote, never past a
     cut escape."""
     out_end = len(raw)

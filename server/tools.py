@@ -34,7 +34,7 @@ from typing import Any
 from engine.errors import InvalidRequestError
 from engine.structured.spec import StructuredOutput
 from server.protocol.chat import ChatCompletionRequest, ChatMessage, ResponseToolCall, Tool, ToolCallFunction
-from server.tool_stream import GENERIC, GENERIC_CALLS_ONLY, HERMES, Framing
+from server.tool_stream import GENERIC, GENERIC_CALLS_ONLY, HERMES, Framing, decode_string_prefix
 
 GENERIC_PROMPT = """You can call these tools. Each one's arguments follow its JSON schema.
 {tools}
@@ -254,16 +254,9 @@ def _describe(tool: Tool) -> str:
 
 def _partial_response(text: str) -> str:
     """The text answer of a reply cut short inside its `{"response":"...` string; else the reply as is."""
-    prefix = '{"response":"'
-    if not text.startswith(prefix):
-        return text
-    body = text[len(prefix) :]
-    for end in range(len(body), max(len(body) - 12, -1), -1):  # an escape may be cut: drop its start
-        try:
-            return json.loads(f'"{body[:end]}"')
-        except ValueError:
-            continue
-    return text
+    prefix = GENERIC.answer_open
+    assert prefix is not None
+    return decode_string_prefix(text[len(prefix) :]) if text.startswith(prefix) else text
 
 
 def _arguments(arguments: str) -> Any:

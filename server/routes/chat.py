@@ -53,9 +53,11 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     num_top = body.top_logprobs or 0
     logprobs = num_top if body.logprobs else None
-    structured = (tools.spec if tools is not None else None) or structured_output(body, body.response_format)
-    if tools is not None and structured_output(body) is not None:
-        raise InvalidRequestError("tools: cannot be combined with structured_outputs or guided_*", "tools")
+    structured = structured_output(body, body.response_format)  # plan_tools refused response_format with tools
+    if tools is not None:
+        if structured is not None:
+            raise InvalidRequestError("tools: cannot be combined with structured_outputs or guided_*", "tools")
+        structured = tools.spec
     params = sampling_params(body, max_tokens, logprobs, engine.vocab_size, body.cache_salt, structured)
     await compile_structured(request_text(state), engine, structured)
     check_admissible(state.config, [len(prompt_ids)], params, engine.max_model_len, engine.kv_cache_tokens)
