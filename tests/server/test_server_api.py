@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from server.app import create_app
 from server.state import state_of
-from tests.support.server_harness import ServerThread, make_server_config, parse_sse
+from tests.support.server_harness import ServerThread, make_server_config, parse_sse, smollm2_server
 from tests.support.tiny_models import make_tiny_llama, tokenizer_vocab_size
 
 MODEL = "tiny-llama"
@@ -366,23 +366,7 @@ def test_health_goes_from_503_to_200_during_start_up(model_dir):
 
 def test_smollm2_chat_with_its_own_template():
     """The real default model: its chat template and a sensible greedy answer (skipped if not pulled)."""
-    from engine.hub import models_hub
-
-    if not models_hub.is_cached("smollm2-135m-instruct"):
-        pytest.skip("smollm2-135m-instruct is not in the local cache (kvserve pull smollm2-135m-instruct)")
-    from engine.config import EngineConfig
-    from server.config import ServerConfig, parse_bytes
-
-    engine = EngineConfig(
-        model=models_hub.DEFAULT_GENERATION_MODEL,
-        quantization="auto",
-        max_model_len=512,
-        kv_cache_memory_bytes=parse_bytes("32MiB"),
-    )
-    config = ServerConfig(engine=engine, embedder=None, log_level="warning")
-    srv = ServerThread(create_app(config))
-    try:
-        srv.start(timeout=300)  # ~15 s alone; slower on a busy machine
+    with smollm2_server(max_model_len=512, kv_cache="32MiB") as srv:
         client = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="unused", max_retries=0)
         messages = [{"role": "user", "content": "What is the capital of France?"}]
         result = client.chat.completions.create(
@@ -390,8 +374,6 @@ def test_smollm2_chat_with_its_own_template():
         )
         assert result.usage.prompt_tokens == len(tokenize(srv, messages=messages))
         assert "Paris" in result.choices[0].message.content
-    finally:
-        srv.stop()
 
 
 def test_embedding_model_is_served_alongside(model_dir):

@@ -13,7 +13,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 from server.app import create_app
-from tests.support.server_harness import ServerThread, make_server_config, parse_sse
+from tests.support.server_harness import ServerThread, make_server_config, parse_sse, smollm2_server
 from tests.support.tiny_models import make_tiny_llama
 
 MODEL = "tiny-llama"
@@ -177,21 +177,7 @@ PEOPLE = [
 def test_smollm2_parse_gives_a_valid_object_for_every_prompt():
     """The real default model, 20 prompts (5 people x 4 seeds, sampled), nested objects, enums, arrays
     and numbers: every answer parses into the Pydantic model (skipped if the model is not pulled)."""
-    from engine.config import EngineConfig
-    from engine.hub import models_hub
-    from server.config import ServerConfig, parse_bytes
-
-    if not models_hub.is_cached("smollm2-135m-instruct"):
-        pytest.skip("smollm2-135m-instruct is not in the local cache (kvserve pull smollm2-135m-instruct)")
-    engine = EngineConfig(
-        model=models_hub.DEFAULT_GENERATION_MODEL,
-        quantization="auto",
-        max_model_len=1024,
-        kv_cache_memory_bytes=parse_bytes("64MiB"),
-    )
-    srv = ServerThread(create_app(ServerConfig(engine=engine, embedder=None, log_level="warning")))
-    try:
-        srv.start(timeout=300)
+    with smollm2_server(max_model_len=1024, kv_cache="64MiB") as srv:
         client = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="unused", max_retries=0)
         parsed = []
         for seed in range(4):
@@ -208,8 +194,6 @@ def test_smollm2_parse_gives_a_valid_object_for_every_prompt():
                 assert completion.choices[0].finish_reason == "stop"
                 parsed.append(completion.choices[0].message.parsed)
         assert len(parsed) == 20 and all(isinstance(p, Person) for p in parsed)
-    finally:
-        srv.stop()
 
 
 def test_a_spec_that_takes_too_long_to_compile_is_a_400(server, monkeypatch):

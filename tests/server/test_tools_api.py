@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from server.app import create_app
-from tests.support.server_harness import ServerThread, make_server_config, parse_sse
+from tests.support.server_harness import ServerThread, make_server_config, parse_sse, smollm2_server
 from tests.support.tiny_models import make_tiny_llama
 
 MODEL = "tiny-llama"
@@ -181,21 +181,7 @@ def test_bad_tool_requests_are_a_400_naming_the_field(server, fields, param):
 def test_smollm2_required_round_trip_streamed_and_not():
     """The real default model (no tool support in its own template): call -> tool result -> answer,
     with and without streaming (skipped if the model is not pulled)."""
-    from engine.config import EngineConfig
-    from engine.hub import models_hub
-    from server.config import ServerConfig, parse_bytes
-
-    if not models_hub.is_cached("smollm2-135m-instruct"):
-        pytest.skip("smollm2-135m-instruct is not in the local cache (kvserve pull smollm2-135m-instruct)")
-    engine = EngineConfig(
-        model=models_hub.DEFAULT_GENERATION_MODEL,
-        quantization="auto",
-        max_model_len=2048,
-        kv_cache_memory_bytes=parse_bytes("64MiB"),
-    )
-    srv = ServerThread(create_app(ServerConfig(engine=engine, embedder=None, log_level="warning")))
-    try:
-        srv.start(timeout=300)
+    with smollm2_server(max_model_len=2048, kv_cache="64MiB") as srv:
         client = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="unused", max_retries=0)
         model = "smollm2-135m-instruct"
         for stream in (False, True):
@@ -225,8 +211,6 @@ def test_smollm2_required_round_trip_streamed_and_not():
             else:  # a text answer, even when max_tokens cut it short
                 assert message.content and not message.content.startswith('{"response"')
         _langchain_structured_output(srv.base_url, model)
-    finally:
-        srv.stop()
 
 
 def test_replies_are_read_back_whole_or_cut_short():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -188,3 +190,30 @@ def send_and_hang_up(base_url: str, path: str, body: dict, linger: float) -> Non
     with socket.create_connection((host, int(port))) as sock:
         sock.sendall(head + payload)
         time.sleep(linger)
+
+
+@contextlib.contextmanager
+def smollm2_server(max_model_len: int, kv_cache: str) -> Iterator[ServerThread]:
+    """The real default generation model (int8, as `kvserve serve` loads it, no embedder) served in a
+    thread; skips the test when the model is not in the local cache."""
+    import pytest
+
+    from engine.config import EngineConfig
+    from engine.hub import models_hub
+    from server.app import create_app
+    from server.config import ServerConfig, parse_bytes
+
+    if not models_hub.is_cached(models_hub.DEFAULT_GENERATION_MODEL):
+        pytest.skip(f"{models_hub.DEFAULT_GENERATION_MODEL} is not in the local cache (kvserve pull)")
+    engine = EngineConfig(
+        model=models_hub.DEFAULT_GENERATION_MODEL,
+        quantization="auto",
+        max_model_len=max_model_len,
+        kv_cache_memory_bytes=parse_bytes(kv_cache),
+    )
+    srv = ServerThread(create_app(ServerConfig(engine=engine, embedder=None, log_level="warning")))
+    try:
+        srv.start(timeout=300)  # ~15 s alone; slower on a busy machine
+        yield srv
+    finally:
+        srv.stop()
