@@ -2,35 +2,19 @@
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
 from engine.config import EngineConfig
 from engine.llm import LLM
 from engine.params import SamplingParams
-
-WORDS = "the quick brown fox jumps over lazy dog hello world paged cache blocks keys values".split()
-
-
-def _prompts(engine: LLM, count: int, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [engine.tokenizer.encode(" ".join(rng.choices(WORDS, k=rng.randint(2, 40)))) for _ in range(count)]
-
-
-def _params(i: int, seeded: bool) -> SamplingParams:
-    if seeded:
-        return SamplingParams(
-            temperature=0.9, top_p=0.95, top_k=50, seed=1000 + i, max_tokens=12 + i % 5, ignore_eos=True
-        )
-    return SamplingParams(temperature=0, max_tokens=12 + i % 5, ignore_eos=True)
+from tests.support.workloads import mixed_params, random_prompts
 
 
 @pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded"])
 def test_sixteen_requests_together_equal_each_alone(tiny_llama_dir, seeded):
     engine = LLM.from_config(EngineConfig(model=tiny_llama_dir, block_size=8, max_num_batched_tokens=64))
-    prompts = _prompts(engine, 16)
-    params = [_params(i, seeded) for i in range(16)]
+    prompts = random_prompts(engine, 16)
+    params = [mixed_params(i, seeded) for i in range(16)]
     together = engine.generate(prompts, params)
     alone = [engine.generate([p], [sp])[0] for p, sp in zip(prompts, params)]
     for t, a in zip(together, alone):
@@ -40,9 +24,9 @@ def test_sixteen_requests_together_equal_each_alone(tiny_llama_dir, seeded):
 
 
 def test_small_pool_preempts_and_still_matches(tiny_llama_dir):
-    params = [_params(i, seeded=True) for i in range(12)]
+    params = [mixed_params(i, seeded=True) for i in range(12)]
     big = LLM.from_config(EngineConfig(model=tiny_llama_dir, block_size=4))
-    prompts = _prompts(big, 12, seed=1)
+    prompts = random_prompts(big, 12, seed=1)
     expected = big.generate(prompts, params)
     # 30 usable blocks of 4 tokens cannot hold 12 sequences of up to ~60 tokens at once.
     small = LLM.from_config(EngineConfig(model=tiny_llama_dir, block_size=4, num_blocks=31))

@@ -9,7 +9,6 @@ on with exactly the tokens they give alone, and the culprit must end with an err
 from __future__ import annotations
 
 import asyncio
-import random
 
 import pytest
 
@@ -20,23 +19,10 @@ from engine.llm import LLM
 from engine.outputs import FINISH_ERROR
 from engine.params import SamplingParams
 from engine.serving.async_engine import AsyncEngine
+from tests.support.workloads import mixed_params, random_prompts
 
-WORDS = "the quick brown fox jumps over lazy dog hello world paged cache blocks keys values".split()
 POISON_SEED = 4242
 POISON_AFTER = 3  # the poisoned request's rows raise once it has generated this many tokens
-
-
-def _prompts(llm: LLM, count: int) -> list[list[int]]:
-    rng = random.Random(0)
-    return [llm.tokenizer.encode(" ".join(rng.choices(WORDS, k=rng.randint(2, 40)))) for _ in range(count)]
-
-
-def _params(i: int, seeded: bool) -> SamplingParams:
-    if seeded:
-        return SamplingParams(
-            temperature=0.9, top_p=0.95, top_k=50, seed=1000 + i, max_tokens=12 + i % 5, ignore_eos=True
-        )
-    return SamplingParams(temperature=0, max_tokens=12 + i % 5, ignore_eos=True)
 
 
 def _poison_params() -> SamplingParams:
@@ -66,8 +52,8 @@ def test_failing_requests_fail_alone_and_the_others_match_their_runs_alone(
     tiny_llama_dir, monkeypatch, seeded, culprits
 ):
     llm = _llm(tiny_llama_dir)
-    prompts = _prompts(llm, 8)
-    params = [_poison_params() if i in culprits else _params(i, seeded) for i in range(8)]
+    prompts = random_prompts(llm, 8)
+    params = [_poison_params() if i in culprits else mixed_params(i, seeded) for i in range(8)]
     alone = {i: llm.generate([prompts[i]], params[i])[0][0].token_ids for i in range(8) if i not in culprits}
     _poison_the_sampler(monkeypatch)
 
@@ -87,8 +73,8 @@ def test_failing_requests_fail_alone_and_the_others_match_their_runs_alone(
 
 def test_the_failed_request_output_carries_the_error(tiny_llama_dir, monkeypatch):
     llm = _llm(tiny_llama_dir)
-    prompts = _prompts(llm, 2)
-    llm.engine.add_request(prompts[0], _params(0, seeded=False))
+    prompts = random_prompts(llm, 2)
+    llm.engine.add_request(prompts[0], mixed_params(0, seeded=False))
     bad = llm.engine.add_request(prompts[1], _poison_params())
     _poison_the_sampler(monkeypatch)
     failed = []
@@ -153,8 +139,8 @@ async def _tokens(engine: AsyncEngine, prompt: list[int], params: SamplingParams
 
 def test_only_the_culprits_stream_raises(tiny_llama_dir, monkeypatch):
     llm = _llm(tiny_llama_dir)
-    prompts = _prompts(llm, 6)
-    params = [_params(i, seeded=True) for i in range(6)]
+    prompts = random_prompts(llm, 6)
+    params = [mixed_params(i, seeded=True) for i in range(6)]
     params[2] = _poison_params()
     expected = [llm.generate([p], sp)[0][0].token_ids for p, sp in zip(prompts, params)]
     _poison_the_sampler(monkeypatch)
