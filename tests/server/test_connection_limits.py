@@ -95,6 +95,12 @@ def _still_serves(server: ServerProcess) -> None:
     assert response.json()["usage"]["completion_tokens"] == 3
 
 
+def _assert_cut_by_the_head_timeout(server: ServerProcess, answer: bytes, waited_s: float) -> None:
+    assert _is_408_or_nothing(answer), answer[:200]
+    assert waited_s >= HEAD_TIMEOUT_S * 0.5, waited_s  # the head timeout closed it, not something sooner
+    _still_serves(server)
+
+
 def test_a_request_head_over_the_limit_gets_400_and_its_connection_closed(server: ServerProcess) -> None:
     sock = _connect(server)
     try:
@@ -169,9 +175,7 @@ def test_a_request_head_that_never_completes_is_closed(server: ServerProcess) ->
         answer, waited_s = _closed_by_server(sock)
     finally:
         sock.close()
-    assert _is_408_or_nothing(answer), answer[:200]
-    assert waited_s >= HEAD_TIMEOUT_S * 0.5, waited_s  # the head timeout closed it, not something sooner
-    _still_serves(server)
+    _assert_cut_by_the_head_timeout(server, answer, waited_s)
 
 
 def test_a_connection_that_sends_nothing_is_closed(server: ServerProcess) -> None:
@@ -180,9 +184,7 @@ def test_a_connection_that_sends_nothing_is_closed(server: ServerProcess) -> Non
         answer, waited_s = _closed_by_server(sock)
     finally:
         sock.close()
-    assert _is_408_or_nothing(answer), answer[:200]
-    assert waited_s >= HEAD_TIMEOUT_S * 0.5, waited_s
-    _still_serves(server)
+    _assert_cut_by_the_head_timeout(server, answer, waited_s)
 
 
 def test_a_slow_body_after_a_timely_head_is_served(server: ServerProcess) -> None:
@@ -212,9 +214,7 @@ def test_a_kept_alive_connection_that_begins_a_head_and_stalls_is_closed(server:
         answer, waited_s = _closed_by_server(sock)
     finally:
         sock.close()
-    assert _is_408_or_nothing(answer), answer[:200]
-    assert waited_s >= HEAD_TIMEOUT_S * 0.5, waited_s
-    _still_serves(server)
+    _assert_cut_by_the_head_timeout(server, answer, waited_s)
 
 
 def test_the_request_head_timeout_must_be_positive() -> None:

@@ -6,10 +6,12 @@ model load slowed down, so a request's length in time does not depend on the mac
 
 from __future__ import annotations
 
+import contextlib
 import re
 import signal
 import threading
 import time
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -27,7 +29,11 @@ def model_dir(tmp_path_factory):
     return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
-def _start(model_dir, tmp_path, *, grace: float, step_delay=0.0, load_delay=0.0, app_delay=0.0) -> ServerProcess:
+@contextlib.contextmanager
+def _server(
+    model_dir, tmp_path, *, grace: float, ready=True, step_delay=0.0, load_delay=0.0, app_delay=0.0
+) -> Iterator[ServerProcess]:
+    """The server in a subprocess (slowed as asked), ready to serve unless `ready` is false; killed after."""
     args = ["--model", str(model_dir), "--embedding-model", "none", "--max-model-len", "256"]
     args += ["--kv-cache-memory", "16MiB", "--shutdown-timeout", str(grace), "--log-level", "info"]
     env = {
@@ -35,7 +41,13 @@ def _start(model_dir, tmp_path, *, grace: float, step_delay=0.0, load_delay=0.0,
         "SLOW_SERVE_LOAD_DELAY": str(load_delay),
         "SLOW_SERVE_APP_DELAY": str(app_delay),
     }
-    return ServerProcess(args, tmp_path / "server.log", env=env, program=SLOW_SERVE)
+    proc = ServerProcess(args, tmp_path / "server.log", env=env, program=SLOW_SERVE)
+    try:
+        if ready:
+            proc.wait_ready(timeout=180)
+        yield proc
+    finally:
+        proc.kill()
 
 
 def _wait_for_health(proc: ServerProcess, status: int, timeout: float = 180.0) -> httpx.Response:
@@ -74,9 +86,7 @@ def _assert_shutting_down(response: httpx.Response) -> None:
 
 
 def test_draining_refuses_new_requests_while_the_stream_in_flight_finishes(model_dir, tmp_path):
-    proc = _start(model_dir, tmp_path, grace=60, step_delay=0.01)  # 200 tokens: 2 s at the very least
-    try:
-        proc.wait_ready(timeout=180)
+    with _server(model_dir, tmp_path, grace=60, step_delay=0.01) as proc:  # 200 tokens: 2 s at the very least
         url = f"{proc.base_url}/v1/completions"
         with httpx.stream("POST", url, json={**STREAM, "max_tokens": 200}, timeout=60) as response:
             chunks = response.iter_text()
@@ -95,15 +105,11 @@ def test_draining_refuses_new_requests_while_the_stream_in_flight_finishes(model
         # It exits once nothing is in flight, not at the end of the 60 s grace.
         assert time.monotonic() - stream_ended < 5
         _assert_clean_log(proc)
-    finally:
-        proc.kill()
 
 
 def test_requests_outliving_the_grace_end_with_503_shutting_down(model_dir, tmp_path):
     grace = 1.0
-    proc = _start(model_dir, tmp_path, grace=grace, step_delay=0.02)  # 240 tokens: 4.8 s at the very least
-    try:
-        proc.wait_ready(timeout=180)
+    with _server(model_dir, tmp_path, grace=grace, step_delay=0.02) as proc:  # 240 tokens: 4.8 s at the very least
         url = f"{proc.base_url}/v1/completions"
         answered: dict = {}
 
@@ -135,14 +141,10 @@ def test_requests_outliving_the_grace_end_with_503_shutting_down(model_dir, tmp_
         assert proc.wait(timeout=30) == 0
         assert time.monotonic() - stopped < grace + 5
         _assert_clean_log(proc)
-    finally:
-        proc.kill()
 
 
 def test_a_second_signal_cuts_the_drain_short(model_dir, tmp_path):
-    proc = _start(model_dir, tmp_path, grace=30, step_delay=0.02)  # 240 tokens: 4.8 s at the very least
-    try:
-        proc.wait_ready(timeout=180)
+    with _server(model_dir, tmp_path, grace=30, step_delay=0.02) as proc:  # 240 tokens: 4.8 s at the very least
         url = f"{proc.base_url}/v1/completions"
         with httpx.stream("POST", url, json={**STREAM, "max_tokens": 240}, timeout=60) as response:
             chunks = response.iter_text()
@@ -158,26 +160,20 @@ def test_a_second_signal_cuts_the_drain_short(model_dir, tmp_path):
         assert proc.wait(timeout=30) == 0
         assert time.monotonic() - second < 5
         _assert_clean_log(proc)
-    finally:
-        proc.kill()
 
 
 def test_a_stop_while_the_models_load_exits_at_once(model_dir, tmp_path):
-    proc = _start(model_dir, tmp_path, grace=30, load_delay=600)  # a load nothing can interrupt
-    try:
+    with _server(model_dir, tmp_path, grace=30, load_delay=600, ready=False) as proc:  # a load nothing can interrupt
         assert _wait_for_health(proc, 503).json() == {"status": "loading"}
         proc.terminate()
         stopped = time.monotonic()
         assert proc.wait(timeout=30) == 0
         assert time.monotonic() - stopped < 3
         _assert_clean_log(proc)
-    finally:
-        proc.kill()
 
 
 def test_a_stop_before_the_server_runs_exits_at_once(model_dir, tmp_path):
-    proc = _start(model_dir, tmp_path, grace=30, app_delay=600)
-    try:
+    with _server(model_dir, tmp_path, grace=30, app_delay=600, ready=False) as proc:
         deadline = time.monotonic() + 120
         while APP_DELAY_MARKER not in proc.log():
             assert proc.process.poll() is None and time.monotonic() < deadline, proc.log()
@@ -187,5 +183,3 @@ def test_a_stop_before_the_server_runs_exits_at_once(model_dir, tmp_path):
         assert proc.wait(timeout=30) == 0
         assert time.monotonic() - stopped < 3
         _assert_clean_log(proc)
-    finally:
-        proc.kill()
