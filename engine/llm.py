@@ -81,11 +81,14 @@ class LLM:
             processor.add_request(request_id, prompt_ids, sampling)
             request_ids.append(request_id)
         results: dict[str, dict[int, GenerationResult]] = {rid: {} for rid in request_ids}
+        prompt_logprobs: dict[str, list] = {}
         while self.engine.has_unfinished_requests():
             processed = processor.process(self.engine.step())
             for stopped in processed.stopped_samples:
                 self.engine.stop_sample(stopped.request_id, stopped.index, stopped.stop_string)
             for out in processed.request_outputs:
+                if out.prompt_logprobs is not None:
+                    prompt_logprobs[out.request_id] = out.prompt_logprobs
                 for completion in out.outputs:
                     slot = results[out.request_id].setdefault(
                         completion.index,
@@ -97,4 +100,7 @@ class LLM:
                         slot.logprobs = (slot.logprobs or []) + completion.logprobs
                     if completion.finish_reason:
                         slot.finish_reason = completion.finish_reason
+        for rid, scored in prompt_logprobs.items():
+            for result in results[rid].values():
+                result.prompt_logprobs = scored
         return [[results[rid][i] for i in sorted(results[rid])] for rid in request_ids]

@@ -12,11 +12,15 @@ FINISH_ERROR = "error"  # computing the request raised; RequestOutput.error says
 
 @dataclass
 class TokenLogprob:
-    """Logprob of one generated token and its `top` alternatives (token_id, logprob), best first."""
+    """Logprob of one token and its `top` alternatives (token_id, logprob), best first.
+
+    rank: 1 + how many tokens the model found likelier (set for prompt tokens, None for sampled ones).
+    """
 
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)
+    rank: int | None = None
 
 
 @dataclass
@@ -49,6 +53,9 @@ class RequestOutput:
     # Set when the engine finished the request because computing it raised (the other
     # requests of that step went on); the request is over and `finished` is True.
     error: str | None = None
+    # When the request asked for prompt logprobs: one per prompt token, None for the first; sent
+    # once, with the first output after the whole prompt is computed.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -66,11 +73,20 @@ class GenerationResult:
     text: str
     finish_reason: str
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass
 class EngineStats:
-    """A snapshot of engine counters for /metrics."""
+    """A snapshot of engine counters for /metrics.
+
+    Prompt tokens are counted three ways. num_prompt_tokens: every prompt token of every request,
+    once, when its prompt is first fully computed (its first sampled token), cached tokens
+    included; a request's n samples share one prompt, a recomputed (preempted) prompt is not
+    counted again. num_cached_prompt_tokens: of those, the ones its first scheduling found in the
+    prefix cache. num_computed_prompt_tokens: prompt tokens the model actually computed, each
+    recomputation included; it grows with every step that prefills (the step loop's progress check).
+    """
 
     num_running: int
     num_waiting: int
@@ -81,6 +97,8 @@ class EngineStats:
     num_preemptions: int
     num_prompt_tokens: int
     num_generation_tokens: int
+    num_cached_prompt_tokens: int = 0
+    num_computed_prompt_tokens: int = 0
 
     @property
     def kv_cache_usage(self) -> float:

@@ -59,6 +59,8 @@ class SamplingParams:
     `max_tokens=None` means "until max_model_len". `top_k <= 0` disables top-k.
     `logprobs=None` returns no logprobs; `logprobs=k` returns the sampled token's
     logprob plus the k most likely alternatives (k may be 0).
+    `prompt_logprobs=k`: the same for every prompt token after the first (the first has no
+    context to be scored in), under the raw model distribution; computed during prefill.
     `cache_salt`: requests with different salts never share a prefix-cache block; requests
     with the same salt, or none, share as usual (tenant isolation).
     `structured`: what the output must match (a JSON schema, regex, choice or grammar), enforced
@@ -82,6 +84,7 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     cache_salt: str | None = None
     structured: StructuredOutput | None = None
@@ -134,6 +137,8 @@ class SamplingParams:
         )
         if self.logprobs is not None:
             _require_int(self.logprobs, "logprobs", 0, MAX_TOP_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            _require_int(self.prompt_logprobs, "prompt_logprobs", 0, MAX_TOP_LOGPROBS)
         if self.seed is not None:
             _require_int(self.seed, "seed", 0, MAX_SEED)
         if self.cache_salt is not None:

@@ -26,7 +26,15 @@ from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.scheduler import ScheduledBatch, Scheduler
 from engine.core.sequence import Sequence
 from engine.errors import InvalidRequestError, PromptTooLongError
-from engine.outputs import FINISH_ABORT, FINISH_ERROR, FINISH_STOP, CompletionOutput, EngineStats, RequestOutput
+from engine.outputs import (
+    FINISH_ABORT,
+    FINISH_ERROR,
+    FINISH_STOP,
+    CompletionOutput,
+    EngineStats,
+    RequestOutput,
+    TokenLogprob,
+)
 from engine.params import SamplingParams
 from engine.runner.model_runner import ModelRunner, kv_bytes_per_block
 from engine.structured.grammar import GrammarCompiler
@@ -43,10 +51,22 @@ class _Request:
     prompt_token_ids: list[int]
     seqs: list[Sequence]
     arrival_time: float
+    prompt_logprobs_sent: bool = False
+    # Prompt tokens sample 0's first scheduling found in the prefix cache (None: not scheduled yet);
+    # a rescheduling after a preemption finds more (its own blocks) and must not count.
+    num_cached_prompt_tokens: int | None = None
 
     @property
     def is_finished(self) -> bool:
         return all(s.is_finished for s in self.seqs)
+
+    def take_prompt_logprobs(self) -> list[TokenLogprob | None] | None:
+        """The prompt's logprobs once they are all computed, the first time only (None otherwise)."""
+        first = self.seqs[0]
+        if self.prompt_logprobs_sent or first.params.prompt_logprobs is None or first.needs_prompt_logprobs:
+            return None
+        self.prompt_logprobs_sent = True
+        return [None, *first.prompt_logprobs]
 
 
 class LLMEngine:
@@ -97,7 +117,10 @@ class LLMEngine:
         self._requests: dict[str, _Request] = {}
         self._seq_ids = itertools.count()
         self._pending_outputs: list[RequestOutput] = []
+        # Token counters for /metrics (EngineStats says how each counts).
         self.num_prompt_tokens_total = 0
+        self.num_cached_prompt_tokens_total = 0
+        self.num_computed_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
 
     def _derive_max_model_len(self) -> int:
@@ -231,8 +254,10 @@ class LLMEngine:
             raise
         for request_id, error in run.failed.items():
             outputs.extend(self._fail_request(request_id, error))
-        sampled_seqs = self.scheduler.update(run.batch, run.sampled.token_ids, run.sampled.logprobs)
-        self.num_prompt_tokens_total += self._count_prompt_tokens(run.batch)
+        sampled_seqs = self.scheduler.update(
+            run.batch, run.sampled.token_ids, run.sampled.logprobs, run.prompt_logprobs
+        )
+        self._count_prompt_tokens(run.batch, sampled_seqs)
         self.num_generation_tokens_total += len(sampled_seqs)
         outputs.extend(self._collect_outputs(sampled_seqs))
         return outputs
@@ -247,7 +272,13 @@ class LLMEngine:
         """
         if self._requests:
             raise RuntimeError("probe() needs an engine with no request in it")
-        saved = (self._pending_outputs, self.num_prompt_tokens_total, self.num_generation_tokens_total)
+        saved = (
+            self._pending_outputs,
+            self.num_prompt_tokens_total,
+            self.num_cached_prompt_tokens_total,
+            self.num_computed_prompt_tokens_total,
+            self.num_generation_tokens_total,
+        )
         cache_stats = dataclasses.replace(self.pool.cache_stats)
         self._pending_outputs = []
         request_id = f"kvserve-probe-{uuid.uuid4().hex}"
@@ -260,7 +291,13 @@ class LLMEngine:
             raise RuntimeError(f"the probe request did not finish within {_PROBE_MAX_STEPS} steps")
         finally:
             self.abort(request_id)
-            self._pending_outputs, self.num_prompt_tokens_total, self.num_generation_tokens_total = saved
+            (
+                self._pending_outputs,
+                self.num_prompt_tokens_total,
+                self.num_cached_prompt_tokens_total,
+                self.num_computed_prompt_tokens_total,
+                self.num_generation_tokens_total,
+            ) = saved
             self.pool.cache_stats = cache_stats
 
     def _fail_request(self, request_id: str, error: Exception) -> list[RequestOutput]:
@@ -275,13 +312,27 @@ class LLMEngine:
         output = self._request_output(request, request.seqs, num_new_tokens=0)
         return [dataclasses.replace(output, error=f"internal error while generating: {error!r}")]
 
-    def _count_prompt_tokens(self, batch: ScheduledBatch) -> int:
-        """Prompt tokens computed this step (for the prompt_tokens_total counter); after update."""
-        total = 0
+    def _count_prompt_tokens(self, batch: ScheduledBatch, sampled_seqs: list[Sequence]) -> None:
+        """Advance the prompt-token counters by this step (EngineStats says what each counts); after update.
+
+        A request's prompt counts once, whole, when sample 0 samples its first token: the prompt is
+        then fully computed, and a preempted sample recomputing it has generated tokens already.
+        Its cached part is what sample 0 found in the prefix cache when first scheduled.
+        """
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             start = seq.num_computed_tokens - n
-            total += max(0, min(seq.num_computed_tokens, seq.num_prompt_tokens) - start)
-        return total
+            self.num_computed_prompt_tokens_total += max(0, min(seq.num_computed_tokens, seq.num_prompt_tokens) - start)
+            if seq.index == 0:
+                request = self._requests.get(seq.request_id)
+                if request is not None and request.num_cached_prompt_tokens is None:
+                    # Its first step began where its first scheduling's prefix-cache lookup left it.
+                    request.num_cached_prompt_tokens = min(start, seq.num_prompt_tokens)
+        for seq in sampled_seqs:
+            if seq.index == 0 and seq.num_generated_tokens == 1:
+                request = self._requests.get(seq.request_id)
+                self.num_prompt_tokens_total += seq.num_prompt_tokens
+                if request is not None and request.num_cached_prompt_tokens:
+                    self.num_cached_prompt_tokens_total += request.num_cached_prompt_tokens
 
     def _collect_outputs(self, sampled_seqs: list[Sequence]) -> list[RequestOutput]:
         by_request: dict[str, list[Sequence]] = {}
@@ -324,6 +375,7 @@ class LLMEngine:
             finished=request.is_finished,
             arrival_time=request.arrival_time,
             first_scheduled_time=min(scheduled) if scheduled else None,
+            prompt_logprobs=request.take_prompt_logprobs(),
         )
 
     # -------------------------------------------------------------------- misc
@@ -339,4 +391,6 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             num_prompt_tokens=self.num_prompt_tokens_total,
             num_generation_tokens=self.num_generation_tokens_total,
+            num_cached_prompt_tokens=self.num_cached_prompt_tokens_total,
+            num_computed_prompt_tokens=self.num_computed_prompt_tokens_total,
         )

@@ -131,7 +131,9 @@ class Scheduler:
             if self._is_blocked_on_parent(seq):
                 skipped.append(self.waiting.popleft())
                 continue
-            if not seq.block_table:
+            if not seq.block_table and not seq.needs_prompt_logprobs:
+                # A cached prefix has no logits left to score its tokens with: a sequence that still
+                # owes prompt logprobs computes its whole prompt (its blocks are then cached for others).
                 seq.num_computed_tokens = bm.take_cached_prefix(seq)
             bm.release_out_of_window(seq)
             num_new = min(seq.num_uncomputed_tokens, budget)
@@ -161,16 +163,23 @@ class Scheduler:
         return batch
 
     def update(
-        self, batch: ScheduledBatch, token_ids: list[int], logprobs: list[TokenLogprob | None]
+        self,
+        batch: ScheduledBatch,
+        token_ids: list[int],
+        logprobs: list[TokenLogprob | None],
+        prompt_logprobs: dict[Sequence, list[TokenLogprob]] | None = None,
     ) -> list[Sequence]:
         """Advance every sequence of the batch; append one sampled token to each that sampled.
 
         token_ids / logprobs: one per sampling sequence, in batch order. Returns those sequences.
+        prompt_logprobs: the prompt tokens this step scored, per sequence that owes them, in order.
         """
         sampled: list[Sequence] = []
         for i, (seq, num_new) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             is_sampling = batch.samples(i)
             seq.num_computed_tokens += num_new
+            if prompt_logprobs and seq in prompt_logprobs:
+                seq.prompt_logprobs.extend(prompt_logprobs[seq])
             self.kv_manager.register_computed_blocks(seq)
             if is_sampling:
                 sampled.append(seq)

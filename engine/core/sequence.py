@@ -3,8 +3,8 @@
 A request with n samples owns n Sequences. Each field has one writer:
 - the engine fills the identity fields once (seq_id ... parent);
 - the scheduler writes status, num_computed_tokens, first_scheduled_time, and
-  appends sampled tokens (token_ids, logprobs) and the finish (finish_reason,
-  stop_reason) in `Scheduler.update`;
+  appends sampled tokens (token_ids, logprobs), the prompt's logprobs (prompt_logprobs) and
+  the finish (finish_reason, stop_reason) in `Scheduler.update`;
 - the KV cache manager writes block_table, block_hashes and num_registered_blocks;
 - the engine creates the matcher (structured output), and `Scheduler.update` advances it with
   each sampled token. A preempted sequence keeps it: recomputing its KV changes no token.
@@ -48,6 +48,8 @@ class Sequence:
     parent: Sequence | None = None  # sample 0 of the request, for n > 1 prefix sharing
     first_scheduled_time: float | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)  # of generated tokens, when asked
+    # Entry j scores prompt token j + 1 (computed at position j); sample 0 of a request only.
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     matcher: Any = None  # the grammar matcher of a structured request (llguidance), at its output so far
 
     def __post_init__(self) -> None:
@@ -65,6 +67,12 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Its prompt still has tokens to score. Only sample 0 scores the prompt (the n samples share it)."""
+        wanted = self.params.prompt_logprobs is not None and self.parent is None
+        return wanted and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
 
     @property
     def is_finished(self) -> bool:

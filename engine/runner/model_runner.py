@@ -25,6 +25,7 @@ from engine.ops.llama_decode import FusedLlamaDecode
 from engine.outputs import TokenLogprob
 from engine.runner.attention import AttentionMetadata, build_attention_metadata
 from engine.runner.decode_path import DecodePath, choose_decode_path
+from engine.runner.prompt_logprobs import prompt_rows, score_prompt_tokens
 from engine.runner.sampler import SamplerOutput, SamplingRow, sample
 from engine.structured.masks import apply_grammar_masks
 
@@ -39,11 +40,23 @@ _MODEL_CLASSES = {
 
 
 @dataclass
+class StepResult:
+    """What one forward of a batch gives."""
+
+    sampled: SamplerOutput  # one row per sequence that samples, in batch order
+    prompt_logprobs: dict[Sequence, list[TokenLogprob]]  # the prompt tokens scored this step, per sequence
+
+    def parts(self) -> tuple[SamplerOutput, dict[Sequence, list[TokenLogprob]]]:
+        return self.sampled, self.prompt_logprobs
+
+
+@dataclass
 class IsolatedExecution:
     """A batch's results once the requests that make it fail are taken out of it."""
 
     batch: ScheduledBatch  # the sequences whose results are used, in batch order
     sampled: SamplerOutput  # one row per sequence of `batch` that samples, in order
+    prompt_logprobs: dict[Sequence, list[TokenLogprob]] = field(default_factory=dict)  # see StepResult
     failed: dict[str, Exception] = field(default_factory=dict)  # request id -> what its part raised
 
 
@@ -115,12 +128,18 @@ class ModelRunner:
         return self.model(input_ids, positions, self.kv_caches, meta)
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> SamplerOutput:
-        """Forward the batch and sample: one token id (and logprobs) per sequence that samples this step."""
-        logits = self.compute_logits(batch)
+    def execute(self, batch: ScheduledBatch) -> StepResult:
+        """Forward the batch and sample: one token id (and logprobs) per sequence that samples this step,
+        and the prompt tokens this step scores for the sequences that asked for prompt logprobs."""
+        hidden = self.run_model(batch)
+        scored_prompts = {}
+        wanted_prompt_rows = prompt_rows(batch)
+        if wanted_prompt_rows:
+            scored_prompts = score_prompt_tokens(hidden, wanted_prompt_rows, self.model.compute_logits)
+        logits = self._sampling_logits(batch, hidden)
         sampling_seqs = [seq for i, seq in enumerate(batch.seqs) if batch.samples(i)]
         if not sampling_seqs:
-            return SamplerOutput(token_ids=[], logprobs=[])
+            return StepResult(SamplerOutput(token_ids=[], logprobs=[]), scored_prompts)
         rows = [
             SamplingRow(s.params, s.token_ids, s.num_prompt_tokens, self.eos_token_ids, s.generator)
             for s in sampling_seqs
@@ -128,7 +147,7 @@ class ModelRunner:
         matchers = [s.matcher for s in sampling_seqs]
         if any(m is not None for m in matchers):
             apply_grammar_masks(logits, matchers, self.eos_token_ids)
-        return sample(logits, rows)
+        return StepResult(sample(logits, rows), scored_prompts)
 
     def execute_isolating_failures(self, batch: ScheduledBatch) -> IsolatedExecution:
         """`execute`, except that a failure pinned to some requests fails only those.
@@ -144,16 +163,17 @@ class ModelRunner:
         """
         request_ids = list(dict.fromkeys(seq.request_id for seq in batch.seqs))
         if len(request_ids) == 1:  # a re-run alone is the same batch
-            return IsolatedExecution(batch, self.execute(batch))
+            return IsolatedExecution(batch, *self.execute(batch).parts())
         generator_states = _generator_states(batch.seqs)
         try:
-            return IsolatedExecution(batch, self.execute(batch))
+            return IsolatedExecution(batch, *self.execute(batch).parts())
         except Exception as exc:  # noqa: BLE001 - re-run below, raised again if no request explains it
             first_error = _without_locals(exc)
         logger.warning(
             "a batch of %d requests raised %r; running it again split by request", len(request_ids), first_error
         )
         sampled: dict[Sequence, tuple[int, TokenLogprob | None]] = {}
+        scored_prompts: dict[Sequence, list[TokenLogprob]] = {}
         succeeded: set[str] = set()
         failed: dict[str, Exception] = {}
         parts = _halves(request_ids)
@@ -164,7 +184,7 @@ class ModelRunner:
                 if seq in generator_states:
                     seq.generator.set_state(generator_states[seq])
             try:
-                output = self.execute(part)
+                output, part_prompts = self.execute(part).parts()
             except Exception as exc:  # noqa: BLE001 - pinned below, or split further
                 if len(part_ids) == 1:
                     failed[part_ids[0]] = _without_locals(exc)
@@ -172,6 +192,7 @@ class ModelRunner:
                     parts.extend(_halves(part_ids))
                 continue
             succeeded.update(part_ids)
+            scored_prompts.update(part_prompts)
             sampling_seqs = [seq for i, seq in enumerate(part.seqs) if part.samples(i)]
             sampled.update(zip(sampling_seqs, zip(output.token_ids, output.logprobs, strict=True), strict=True))
         if not succeeded:
@@ -179,20 +200,28 @@ class ModelRunner:
         survivors = batch.only(succeeded)
         rows = [sampled[seq] for i, seq in enumerate(survivors.seqs) if survivors.samples(i)]
         output = SamplerOutput(token_ids=[t for t, _ in rows], logprobs=[lp for _, lp in rows])
-        return IsolatedExecution(survivors, output, failed)
+        return IsolatedExecution(survivors, output, scored_prompts, failed)
+
+    def run_model(self, batch: ScheduledBatch) -> torch.Tensor:
+        """The batch's final hidden states [T, hidden], one row per new token in batch order."""
+        input_ids, positions, meta = self.build_inputs(batch)
+        return self.forward(input_ids, positions, meta)
+
+    def _sampling_logits(self, batch: ScheduledBatch, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits [R, vocab]: one row per sequence that samples this step."""
+        ends = np.cumsum(batch.num_new_tokens) - 1
+        rows = [int(ends[i]) for i in range(len(batch.seqs)) if batch.samples(i)]
+        if not rows:
+            return hidden.new_empty(0, self.model_config.vocab_size, dtype=torch.float32)
+        return self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
 
     @torch.inference_mode()
     def compute_logits(self, batch: ScheduledBatch, all_positions: bool = False) -> torch.Tensor:
         """float32 logits: one row per sequence that samples this step (or one per token if all_positions)."""
-        input_ids, positions, meta = self.build_inputs(batch)
-        hidden = self.forward(input_ids, positions, meta)
-        if not all_positions:
-            ends = np.cumsum(batch.num_new_tokens) - 1
-            rows = [int(ends[i]) for i in range(len(batch.seqs)) if batch.samples(i)]
-            if not rows:
-                return hidden.new_empty(0, self.model_config.vocab_size, dtype=torch.float32)
-            hidden = hidden[torch.tensor(rows, device=self.device)]
-        return self.model.compute_logits(hidden)
+        hidden = self.run_model(batch)
+        if all_positions:
+            return self.model.compute_logits(hidden)
+        return self._sampling_logits(batch, hidden)
 
 
 def _halves(items: list[str]) -> list[list[str]]:

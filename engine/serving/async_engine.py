@@ -513,4 +513,4 @@ class AsyncEngine:
 
 def _tokens_computed(stats: EngineStats) -> int:
     """Prompt and generated tokens the engine has computed, ever: it grows with every step that computes."""
-    return stats.num_prompt_tokens + stats.num_generation_tokens
+    return stats.num_computed_prompt_tokens + stats.num_generation_tokens

@@ -34,6 +34,9 @@ def test_small_pool_preempts_and_still_matches(tiny_llama_dir):
     assert [g[0].token_ids for g in got] == [e[0].token_ids for e in expected]
     stats = small.engine.stats()
     assert stats.num_preemptions > 0
+    # A preempted prompt is recomputed, but counted once.
+    assert stats.num_prompt_tokens == big.engine.stats().num_prompt_tokens == sum(len(p) for p in prompts)
+    assert stats.num_computed_prompt_tokens >= stats.num_prompt_tokens - stats.num_cached_prompt_tokens
     assert stats.num_used_blocks == 0
     assert small.engine.pool.num_free_blocks == 30
 
@@ -53,8 +56,12 @@ def test_prefix_caching_hits_and_matches_caching_off(tiny_llama_dir):
     assert cached == plain
     stats = cached_engine.engine.stats()
     assert stats.prefix_cache_hits > 0
-    # Later requests computed fewer prompt tokens than they had.
-    assert stats.num_prompt_tokens < plain_engine.engine.stats().num_prompt_tokens
+    plain_stats = plain_engine.engine.stats()
+    # Both count every prompt token once; later requests computed fewer of them than they had.
+    assert stats.num_prompt_tokens == plain_stats.num_prompt_tokens
+    assert stats.num_cached_prompt_tokens > 0 and plain_stats.num_cached_prompt_tokens == 0
+    assert stats.num_computed_prompt_tokens == stats.num_prompt_tokens - stats.num_cached_prompt_tokens
+    assert plain_stats.num_computed_prompt_tokens == plain_stats.num_prompt_tokens
     assert stats.num_used_blocks == 0
 
 
@@ -66,6 +73,8 @@ def test_n_samples_share_prompt_blocks(tiny_llama_dir):
     assert [r.index for r in results] == [0, 1, 2]
     assert len({tuple(r.token_ids) for r in results}) > 1  # different samples
     assert engine.engine.stats().prefix_cache_hits == 2 * ((len(prompt) - 1) // 4 * 4)
+    # The n samples share one prompt: it counts once, and sample 0 found none of it cached.
+    assert (engine.engine.stats().num_prompt_tokens, engine.engine.stats().num_cached_prompt_tokens) == (len(prompt), 0)
     # Each sample equals the same seed run alone as a single sample.
     for r in results:
         single = SamplingParams(temperature=1.0, seed=7 + r.index, max_tokens=8, ignore_eos=True)

@@ -99,13 +99,13 @@ def test_a_failure_no_request_explains_is_raised_and_nothing_advances(tiny_llama
 
     calls = []
 
-    def broken(batch, all_positions=False):
+    def broken(batch):
         calls.append(len(batch.seqs))
         raise RuntimeError("the model is broken")
 
     seqs = [s for rid in (first, second) for s in llm.engine._requests[rid].seqs]
     before = [(s.num_computed_tokens, list(s.token_ids)) for s in seqs]
-    monkeypatch.setattr(llm.engine.runner, "compute_logits", broken)
+    monkeypatch.setattr(llm.engine.runner, "run_model", broken)
     with pytest.raises(RuntimeError, match="broken"):
         llm.engine.step()
     assert calls == [2, 1, 1]  # the batch, then each request alone: none explains it
@@ -163,10 +163,10 @@ def test_only_the_culprits_stream_raises(tiny_llama_dir, monkeypatch):
 
 
 def _break_the_model(monkeypatch, llm: LLM) -> None:
-    def broken(batch, all_positions=False):
+    def broken(batch):
         raise RuntimeError("the model is broken")
 
-    monkeypatch.setattr(llm.engine.runner, "compute_logits", broken)
+    monkeypatch.setattr(llm.engine.runner, "run_model", broken)
 
 
 def test_a_broken_model_trips_the_dead_engine_switch(tiny_llama_dir, monkeypatch):
