@@ -1,7 +1,7 @@
 """Frozen configuration, each validated once in its own __post_init__.
 
-`EngineConfig` and `EmbedderConfig` are what a user sets for the generation and the
-embedding model (server/cli.py builds them from `kvserve serve` flags).
+`EngineConfig`, `EmbedderConfig` and `RerankerConfig` are what a user sets for the generation,
+the embedding and the rerank model (server/cli.py builds them from `kvserve serve` flags).
 `ModelConfig` is what the model's own files say, resolved at load time.
 """
 
@@ -86,6 +86,18 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
 
 
+TOKEN_ID_INPUT_MODES = ("check", "accept", "reject")
+
+
+def _check_encoder_fields(model: str, dtype: str, device: str, max_batch_tokens: int) -> None:
+    """The rules the encoder models' configs (embedder, reranker) share."""
+    if not model:
+        raise ValueError("model must be set")
+    check_dtype(dtype, device)
+    if max_batch_tokens < 1:
+        raise ValueError(f"max_batch_tokens must be positive, got {max_batch_tokens}")
+
+
 @dataclass(frozen=True)
 class EmbedderConfig:
     """Everything needed to build an Embedder (engine/embedder.py).
@@ -97,6 +109,10 @@ class EmbedderConfig:
     normalize: default for requests that do not say; None = from the model's files (a Normalize
         module in modules.json), True when the model has no sentence-transformers files.
     max_model_len: None = the position table's limit; a smaller value lowers it.
+    token_ids: what token-id inputs may be (TOKEN_ID_INPUT_MODES): "check" (default) takes ids only
+        where decoding and encoding them again with the model's tokenizer gives them back (ids made
+        by another tokenizer mostly do not: they are refused, not embedded as a wrong vector),
+        "accept" takes any id in the vocabulary, "reject" refuses token-id input altogether.
     """
 
     model: str
@@ -106,17 +122,40 @@ class EmbedderConfig:
     pooling: str | None = None
     normalize: bool | None = None
     max_model_len: int | None = None
+    token_ids: str = "check"
 
     def __post_init__(self) -> None:
-        if not self.model:
-            raise ValueError("model must be set")
-        check_dtype(self.dtype, self.device)
-        if self.max_batch_tokens < 1:
-            raise ValueError(f"max_batch_tokens must be positive, got {self.max_batch_tokens}")
+        _check_encoder_fields(self.model, self.dtype, self.device, self.max_batch_tokens)
         if self.pooling is not None and self.pooling not in POOLING_MODES:
             raise ValueError(f"pooling must be one of {POOLING_MODES}, got {self.pooling!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
+        if self.token_ids not in TOKEN_ID_INPUT_MODES:
+            raise ValueError(f"token_ids must be one of {TOKEN_ID_INPUT_MODES}, got {self.token_ids!r}")
+
+
+@dataclass(frozen=True)
+class RerankerConfig:
+    """Everything needed to build a Reranker (engine/reranker.py), a cross-encoder scoring (query, document) pairs.
+
+    model: a local Hugging Face directory of a `BertForSequenceClassification`,
+        `RobertaForSequenceClassification` or `XLMRobertaForSequenceClassification` checkpoint, or a Hub id.
+    max_batch_tokens: token budget of one encoder forward (real tokens of whole pairs, packed).
+    max_model_len: longest pair, special tokens included; None = the position table's limit.
+    """
+
+    model: str
+    dtype: str = "float32"
+    device: str = "cpu"
+    max_batch_tokens: int = 8192
+    max_model_len: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_encoder_fields(self.model, self.dtype, self.device, self.max_batch_tokens)
+        if self.max_model_len is not None and self.max_model_len < 8:
+            # room for a pair's special tokens (<s> q </s></s> d </s> in XLM-R) and a token of each text,
+            # so truncation can always fit a pair
+            raise ValueError(f"max_model_len must be at least 8, got {self.max_model_len}")
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import TORCH_DTYPES, EmbedderConfig
-from engine.errors import InvalidRequestError, ModelLoadError
+from engine.errors import ForeignTokenIdsError, InvalidRequestError, ModelLoadError
 from engine.hub.models_hub import resolve_or_download
 from engine.models.bert import BertModel, EncoderBatch, load_bert
 
@@ -48,6 +48,10 @@ _ST_POOLING_FLAGS = {
 }
 
 EmbedInputs = Sequence[str] | Sequence[Sequence[int]]
+# Token-id input checked against the tokenizer (EmbedderConfig.token_ids == "check"): a left-truncated
+# input may start inside a word; long inputs may skip this many leading tokens to find a clean start.
+_MAX_SKIPPED_LEADING_TOKENS = 2
+_MIN_TOKENS_TO_SKIP_LEADING = 16
 
 
 @dataclass(frozen=True)
@@ -198,6 +202,8 @@ class Embedder:
         self.hidden_size: int = self.model.config.hidden_size
         self.vocab_size: int = self.model.config.vocab_size
         self._tokenizers = load_tokenizers(encoder_dir, self.max_model_len)
+        added = self._tokenizers[None].get_added_tokens_decoder()
+        self._special_ids = frozenset(token_id for token_id, token in added.items() if token.special)
         logger.info(
             "embedder %s: pooling=%s normalize=%s max_model_len=%d dims=%d",
             self.model_name,
@@ -255,16 +261,55 @@ class Embedder:
         return text.lower() if self.st.do_lower_case else text
 
     def _check_token_ids(self, index: int, ids: Sequence[int]) -> list[int]:
+        mode = self.config.token_ids
+        if mode == "reject":
+            raise ForeignTokenIdsError(
+                "this server embeds text only, not token ids (--embedding-token-ids reject); send the text "
+                "(LangChain's OpenAIEmbeddings: check_embedding_ctx_length=False)",
+                param="input",
+            )
         ids = list(ids)
         if not ids:
             raise InvalidRequestError(f"input {index} is an empty token list", param="input")
         for t in ids:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
-                raise InvalidRequestError(
+                raise ForeignTokenIdsError(
                     f"input {index} has token id {t!r}, outside this model's vocabulary [0, {self.vocab_size})",
                     param="input",
                 )
+        if mode == "check" and not self._is_own_tokenization(ids):
+            raise ForeignTokenIdsError(
+                f"input {index}: these token ids are not what this model's tokenizer makes of their text, so they "
+                "were likely made by another tokenizer (e.g. tiktoken) and would embed as a wrong vector; send the "
+                "text instead (LangChain's OpenAIEmbeddings: check_embedding_ctx_length=False), or start the "
+                "server with --embedding-token-ids accept",
+                param="input",
+            )
         return ids
+
+    def _is_own_tokenization(self, ids: list[int]) -> bool:
+        """Decoding the ids and encoding the text again gives them back.
+
+        The model's special tokens at either end are set aside. An input cut on its left (truncated
+        from the start) may begin with the tail of a word, which re-encodes otherwise: from 16 tokens
+        on, up to two leading tokens may be skipped to find a start that round-trips. Ids from
+        another tokenizer mostly decode to text this tokenizer splits differently. What passes
+        undetected: ids that happen to be whole tokens here too and re-encode the same (a short
+        input can), which no check on the ids alone can tell from the real thing.
+        """
+        start, end = 0, len(ids)
+        while start < end and ids[start] in self._special_ids:
+            start += 1
+        while end > start and ids[end - 1] in self._special_ids:
+            end -= 1
+        inner = ids[start:end]
+        skippable = _MAX_SKIPPED_LEADING_TOKENS if len(inner) >= _MIN_TOKENS_TO_SKIP_LEADING else 0
+        return any(self._round_trips(inner[skip:]) for skip in range(skippable + 1))
+
+    def _round_trips(self, ids: list[int]) -> bool:
+        tokenizer = self._tokenizers[None]
+        text = tokenizer.decode(ids, skip_special_tokens=False)
+        return tokenizer.encode(text, add_special_tokens=False).ids == ids
 
     # ---------------------------------------------------------------- forward
 

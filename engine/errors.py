@@ -16,8 +16,11 @@ class KVServeError(Exception):
 class InvalidRequestError(KVServeError, ValueError):
     """A request the engine refuses: the HTTP layer maps it to 400.
 
-    `param` names the offending field when there is one (OpenAI's error shape).
+    `param` names the offending field when there is one (OpenAI's error shape); `code` is the
+    error's name in the server's one vocabulary of error codes.
     """
+
+    code = "invalid_request"
 
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
@@ -27,6 +30,14 @@ class InvalidRequestError(KVServeError, ValueError):
 
 class PromptTooLongError(InvalidRequestError):
     """Prompt (plus requested output) does not fit in max_model_len."""
+
+    code = "context_length_exceeded"  # OpenAI's code for the same refusal
+
+
+class ForeignTokenIdsError(InvalidRequestError):
+    """Token-id input the model's own tokenizer did not make (or token ids where the server takes none)."""
+
+    code = "invalid_token_ids"
 
 
 class ModelLoadError(KVServeError):

@@ -319,22 +319,45 @@ def _strip_prefix(name: str) -> str:
     return name
 
 
-def load_bert(model_dir: Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> BertModel:
-    """Build a BertModel from a Hugging Face directory (config.json + *.safetensors)."""
+def read_weights(model_dir: Path) -> dict[str, torch.Tensor]:
+    """Every float tensor of a Hugging Face folder, as float32 on the CPU: its *.safetensors files, or
+    else its pytorch_model.bin (read with weights_only, so no pickled code runs)."""
     from safetensors.torch import load_file
 
     model_dir = Path(model_dir)
-    config = BertConfig.from_file(model_dir / "config.json")
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise ModelLoadError(f"no .safetensors weights in {model_dir}")
     weights: dict[str, torch.Tensor] = {}
+    files = sorted(model_dir.glob("*.safetensors"))
     for file in files:
         weights.update(load_file(str(file)))
+    if not files:
+        bin_file = model_dir / "pytorch_model.bin"
+        if not bin_file.exists():
+            raise ModelLoadError(f"no .safetensors weights (nor pytorch_model.bin) in {model_dir}")
+        try:
+            weights = torch.load(bin_file, map_location="cpu", weights_only=True)
+        except Exception as exc:
+            raise ModelLoadError(f"cannot read {bin_file}: {exc}") from exc
+    return {k: v.float() for k, v in weights.items() if v.is_floating_point()}
+
+
+def load_bert(
+    model_dir: Path,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    weights: dict[str, torch.Tensor] | None = None,
+) -> BertModel:
+    """Build a BertModel from a Hugging Face directory (config.json + weights).
+
+    weights: the folder's tensors when the caller has read them already (`read_weights`), e.g. to
+    load a task head from the same files."""
+    model_dir = Path(model_dir)
+    config = BertConfig.from_file(model_dir / "config.json")
+    if weights is None:
+        weights = read_weights(model_dir)
     with torch.device("meta"):
         model = BertModel(config)
     model = model.to_empty(device="cpu")
-    model.load_weights({k: v.float() for k, v in weights.items() if v.is_floating_point()})
+    model.load_weights(weights)
     model = model.to(device=device, dtype=dtype).eval()
     model.requires_grad_(False)
     logger.info(

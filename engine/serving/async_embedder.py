@@ -33,6 +33,9 @@ unanswered at its deadline -> RequestTimeoutError, and its queued inputs are
 dropped; the caller's task cancelled (client gone) -> its queued inputs are
 dropped; a failed forward -> EngineStepError for the requests in that batch
 only; the batching task or the worker dead -> EngineDeadError.
+
+It drives a `Reranker` (engine/reranker.py) the same way: its inputs are (query, document)
+pairs, its `forward_pooled` answers one logit row per pair, and `what` names it in errors.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ import asyncio
 import collections
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -48,6 +52,7 @@ import torch
 
 from engine.embedder import Embedder, EmbedInputs, EmbedResult, finalize
 from engine.errors import EngineDeadError, EngineStepError, RequestTimeoutError
+from engine.reranker import Reranker, TextPair
 from engine.serving.forward_cost import ForwardCost
 from engine.serving.text_worker import TextWorker
 from engine.serving.torch_worker import EMBEDDING_TURN, GENERATION_TURN, RequestLimits, TorchWorker, wait_until
@@ -81,12 +86,18 @@ class _Item:
 
 
 class AsyncEmbedder:
-    """Dynamic batching over an `Embedder`; all public methods run on the event loop."""
+    """Dynamic batching over an `Embedder` (or a `Reranker`); all public methods run on the event loop."""
 
     def __init__(
-        self, embedder: Embedder, *, limits: RequestLimits | None = None, embedding_share: float = 1 / 3
+        self,
+        embedder: Embedder | Reranker,
+        *,
+        limits: RequestLimits | None = None,
+        embedding_share: float = 1 / 3,
+        what: str = "embedding",
     ) -> None:
         self.embedder = embedder
+        self.what = what  # the model's task, as errors name it: "embedding", "rerank"
         self.limits = limits or RequestLimits()
         self.max_batch_tokens = embedder.config.max_batch_tokens
         if not 0 < embedding_share <= 1:
@@ -149,7 +160,7 @@ class AsyncEmbedder:
         if task is not None:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-        self._fail_queued(EngineDeadError("the embedding model is shutting down"))
+        self._fail_queued(EngineDeadError(f"the {self.what} model is shutting down"))
         if self._owns_worker and self._worker is not None:
             await self._worker.stop()
         if self._owns_text_worker and self._text_worker is not None:
@@ -159,7 +170,7 @@ class AsyncEmbedder:
 
     async def embed(
         self,
-        inputs: EmbedInputs,
+        inputs: EmbedInputs | Sequence[TextPair],
         *,
         normalize: bool | None = None,
         truncate: bool = False,
@@ -172,18 +183,19 @@ class AsyncEmbedder:
         RequestTimeoutError, EngineStepError, EngineDeadError.
         """
         if not self.is_healthy:
-            raise EngineDeadError("the embedding model is not running")
-        deadline = self.limits.admit(self.num_queued_requests, "embedding")
+            raise EngineDeadError(f"the {self.what} model is not running")
+        deadline = self.limits.admit(self.num_queued_requests, self.what)
         self.embedder.check_dimensions(dimensions)
         assert self._text_worker is not None
-        size = sum(len(x) for x in inputs)  # characters, or token ids
+        # characters, or token ids; both texts of a pair
+        size = sum(sum(map(len, x)) if isinstance(x, tuple) else len(x) for x in inputs)
         self._num_tokenizing += 1  # it holds its place in the queue bound while it waits for the text worker
         try:
             token_ids = await wait_until(
                 self._text_worker.run(size, self.embedder.tokenize, inputs, truncate, truncation_direction), deadline
             )
         except TimeoutError:
-            raise RequestTimeoutError("the embedding request timed out while its inputs were tokenized") from None
+            raise RequestTimeoutError(f"the {self.what} request timed out while its inputs were tokenized") from None
         finally:
             self._num_tokenizing -= 1
         request = _Request(
@@ -199,7 +211,7 @@ class AsyncEmbedder:
         try:
             await wait_until(asyncio.shield(request.future), deadline)
         except TimeoutError:
-            raise RequestTimeoutError("the embedding request timed out and was dropped") from None
+            raise RequestTimeoutError(f"the {self.what} request timed out and was dropped") from None
         finally:
             # Cancelled (client gone), timed out or failed: its queued items are skipped from now on.
             if not request.future.done():
@@ -277,15 +289,15 @@ class AsyncEmbedder:
             try:
                 rows, seconds = await self._worker.run(self._forward, batch, kind=EMBEDDING_TURN)
             except asyncio.CancelledError:
-                self._fail_items(batch, EngineDeadError("the embedding model is shutting down"))
+                self._fail_items(batch, EngineDeadError(f"the {self.what} model is shutting down"))
                 raise
             except EngineDeadError as exc:
                 self._fail_items(batch, exc)
                 self._fail_queued(exc)
                 return
             except Exception as exc:  # noqa: BLE001 - one failed forward fails its requests, not the server
-                logger.exception("embedding forward over %d inputs failed", len(batch))
-                self._fail_items(batch, EngineStepError(f"internal error while embedding: {exc!r}"))
+                logger.exception("%s forward over %d inputs failed", self.what, len(batch))
+                self._fail_items(batch, EngineStepError(f"internal error in the {self.what} model: {exc!r}"))
                 continue
             self.num_forwards += 1
             self._note_forward(sum(len(item.token_ids) for item in batch), seconds, shared)
