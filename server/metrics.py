@@ -1,205 +1,210 @@
-"""Prometheus metrics, named after vLLM's with the `kvserve:` prefix.
+"""Prometheus metrics: kvserve's `kvserve:` series and, by --metrics-names, vLLM's exact `vllm:` names.
+
+server/metric_names.py says which names each series goes out under; engine gauges and counters are
+read from the AsyncEngine's stats snapshot at scrape time (server/metrics_engine.py). Per-request
+histograms are observed here, through `RequestTimer`: server/serving.py feeds it the request's
+parameters and each output. A "request" is one HTTP request: its prompts and their n samples are
+observed together, as its usage counts them.
 
 Each app gets its own CollectorRegistry (tests build several apps in one process).
-Latency histograms are observed through `RequestTimer` (server/serving.py feeds it each output); engine gauges
-and counters are read from the AsyncEngine's stats snapshot at scrape time.
 """
 
 from __future__ import annotations
 
+import functools
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
 
-from engine.outputs import EngineStats, RequestOutput
+from engine.outputs import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, EngineStats, RequestOutput
+from engine.params import SamplingParams
+from server import metric_names as names
+from server.metric_names import HistogramSpec, Naming
+from server.metrics_engine import EngineStatsCollector
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
-_LATENCY_BUCKETS = (
-    0.001,
-    0.005,
-    0.01,
-    0.02,
-    0.04,
-    0.06,
-    0.08,
-    0.1,
-    0.25,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-    160.0,
-    640.0,
-)
-_TOKEN_LATENCY_BUCKETS = (
-    0.001,
-    0.005,
-    0.01,
-    0.015,
-    0.02,
-    0.025,
-    0.03,
-    0.04,
-    0.05,
-    0.075,
-    0.1,
-    0.15,
-    0.2,
-    0.3,
-    0.4,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-)
+
+class _Observed:
+    """One per-request histogram under each of its exported names: an observation reaches them all."""
+
+    def __init__(self, registry: CollectorRegistry, naming: Naming, spec: HistogramSpec) -> None:
+        self._children: list[Histogram] = []  # each name's series, its labels bound
+        for target in naming.targets(spec.kvserve, spec.vllm):
+            buckets = spec.vllm_buckets if target.is_vllm else spec.buckets
+            histogram = Histogram(target.name, spec.doc, target.labelnames, buckets=buckets, registry=registry)
+            # Bound now, so the series is on the page (at 0) before the first request.
+            self._children.append(histogram.labels(*target.labelvalues))
+
+    def observe(self, value: float) -> None:
+        for child in self._children:
+            child.observe(value)
 
 
-class _EngineStatsCollector(Collector):
-    """Gauges and counters straight from the engine's stats snapshot, at scrape time."""
+class _FinishedRequests:
+    """Finished requests by finish reason, under each exported name of request_success."""
 
-    def __init__(self, model_name: str, get_stats: Callable[[], EngineStats | None]) -> None:
-        self._model_name = model_name
-        self._get_stats = get_stats
+    REASONS = (FINISH_STOP, FINISH_LENGTH, FINISH_ABORT)  # on the page (at 0) from the start
 
-    def collect(self) -> Iterator[Metric]:
-        stats = self._get_stats()
-        if stats is None:  # still loading
-            return
-        labels = [self._model_name]
-        gauges = (
-            ("num_requests_running", "Requests in the running batch.", stats.num_running),
-            ("num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting),
-            ("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).", stats.kv_cache_usage),
-        )
-        for name, doc, value in gauges:
-            family = GaugeMetricFamily(f"kvserve:{name}", doc, labels=["model_name"])
-            family.add_metric(labels, value)
-            yield family
-        counters = (
-            ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", stats.prefix_cache_queries),
-            ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits),
-            ("num_preemptions", "Sequences preempted for lack of KV blocks.", stats.num_preemptions),
-            ("prompt_tokens", "Prompt tokens processed.", stats.num_prompt_tokens),
-            ("generation_tokens", "Tokens generated.", stats.num_generation_tokens),
-        )
-        for name, doc, value in counters:
-            family = CounterMetricFamily(f"kvserve:{name}", doc, labels=["model_name"])
-            family.add_metric(labels, value)
-            yield family
+    def __init__(self, registry: CollectorRegistry, naming: Naming) -> None:
+        self._parts: list[tuple[Counter, tuple[str, ...]]] = []  # (counter, its model labels)
+        for target in naming.targets("request_success", ("request_success",)):
+            counter = Counter(
+                target.name,
+                "Finished requests, by finish reason.",
+                (*target.labelnames, "finished_reason"),
+                registry=registry,
+            )
+            for reason in self.REASONS:
+                counter.labels(*target.labelvalues, reason)
+            self._parts.append((counter, target.labelvalues))
+
+    def inc(self, finish_reason: str) -> None:
+        for counter, labelvalues in self._parts:
+            counter.labels(*labelvalues, finish_reason).inc()
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str, get_stats: Callable[[], EngineStats | None]) -> None:
+    """/metrics of one app: per-request histograms, engine gauges and counters, embedding series."""
+
+    def __init__(
+        self,
+        model_name: str,
+        get_stats: Callable[[], EngineStats | None],
+        metrics_names: str = "both",
+        embedding_model_name: str | None = None,
+    ) -> None:
+        """model_name: the generation model as clients name it (the `model_name` label).
+        get_stats: the engine's stats snapshot (None while it loads), read at scrape time.
+        metrics_names: "kvserve", "vllm" or "both" (server/metric_names.py).
+        embedding_model_name: the embedding model's name, for embedding requests that name none.
+        """
         self.model_name = model_name
+        self.embedding_model_name = embedding_model_name
         self.registry = CollectorRegistry(auto_describe=True)
-        label = ["model_name"]
-        self.time_to_first_token = Histogram(
-            "kvserve:time_to_first_token_seconds",
-            "Time from arrival to the first generated token.",
-            label,
-            buckets=_LATENCY_BUCKETS,
-            registry=self.registry,
-        )
-        self.inter_token_latency = Histogram(
-            "kvserve:inter_token_latency_seconds",
-            "Time between consecutive generated tokens.",
-            label,
-            buckets=_TOKEN_LATENCY_BUCKETS,
-            registry=self.registry,
-        )
-        self.e2e_request_latency = Histogram(
-            "kvserve:e2e_request_latency_seconds",
-            "Time from arrival to the last token.",
-            label,
-            buckets=_LATENCY_BUCKETS,
-            registry=self.registry,
-        )
-        self.request_queue_time = Histogram(
-            "kvserve:request_queue_time_seconds",
-            "Time a request waited before it was first scheduled.",
-            label,
-            buckets=_LATENCY_BUCKETS,
-            registry=self.registry,
-        )
-        self.request_success = Counter(
-            "kvserve:request_success",
-            "Finished requests, by finish reason.",
-            ["model_name", "finished_reason"],
-            registry=self.registry,
-        )
-        self.registry.register(_EngineStatsCollector(model_name, get_stats))
-        # Embeddings (server/routes/embeddings.py calls observe_embedding_request).
+        naming = Naming.of(metrics_names, model_name)
+        observed = functools.partial(_Observed, self.registry, naming)
+        self.time_to_first_token = observed(names.TIME_TO_FIRST_TOKEN)
+        self.inter_token_latency = observed(names.INTER_TOKEN_LATENCY)
+        self.request_time_per_output_token = observed(names.REQUEST_TIME_PER_OUTPUT_TOKEN)
+        self.e2e_request_latency = observed(names.E2E_REQUEST_LATENCY)
+        self.request_queue_time = observed(names.REQUEST_QUEUE_TIME)
+        self.request_prefill_time = observed(names.REQUEST_PREFILL_TIME)
+        self.request_decode_time = observed(names.REQUEST_DECODE_TIME)
+        self.request_inference_time = observed(names.REQUEST_INFERENCE_TIME)
+        self.request_prompt_tokens = observed(names.REQUEST_PROMPT_TOKENS)
+        self.request_generation_tokens = observed(names.REQUEST_GENERATION_TOKENS)
+        self.request_max_num_generation_tokens = observed(names.REQUEST_MAX_NUM_GENERATION_TOKENS)
+        self.request_params_max_tokens = observed(names.REQUEST_PARAMS_MAX_TOKENS)
+        self.request_params_n = observed(names.REQUEST_PARAMS_N)
+        self.request_success = _FinishedRequests(self.registry, naming)
+        self.registry.register(EngineStatsCollector(naming, get_stats))
+        # Embeddings (server/routes/embeddings.py): vLLM has no such series, so always kvserve's names.
+        labels = ["model_name", "endpoint"]
         self.embedding_request_latency = Histogram(
             "kvserve:embedding_request_latency_seconds",
             "Time to answer an embedding request.",
-            ["endpoint"],
-            buckets=_LATENCY_BUCKETS,
+            labels,
+            buckets=names.E2E_REQUEST_LATENCY.buckets,
             registry=self.registry,
         )
-        self.embedding_inputs = Counter(
-            "kvserve:embedding_inputs", "Texts embedded.", ["endpoint"], registry=self.registry
-        )
+        self.embedding_inputs = Counter("kvserve:embedding_inputs", "Texts embedded.", labels, registry=self.registry)
         self.embedding_prompt_tokens = Counter(
-            "kvserve:embedding_prompt_tokens",
-            "Tokens run through the embedding model.",
-            ["endpoint"],
-            registry=self.registry,
+            "kvserve:embedding_prompt_tokens", "Tokens run through the embedding model.", labels, registry=self.registry
         )
 
     def observe_embedding_request(
-        self, *, endpoint: str, num_inputs: int, num_prompt_tokens: int, latency_seconds: float
+        self,
+        *,
+        endpoint: str,
+        num_inputs: int,
+        num_prompt_tokens: int,
+        latency_seconds: float,
+        model_name: str | None = None,
     ) -> None:
-        self.embedding_request_latency.labels(endpoint).observe(latency_seconds)
-        self.embedding_inputs.labels(endpoint).inc(num_inputs)
-        self.embedding_prompt_tokens.labels(endpoint).inc(num_prompt_tokens)
+        """One embedding request answered. model_name: the served model that answered it, as clients
+        name it (the `model_name` label); None: the embedding model the server was started with."""
+        labels = (model_name or self.embedding_model_name or "", endpoint)
+        self.embedding_request_latency.labels(*labels).observe(latency_seconds)
+        self.embedding_inputs.labels(*labels).inc(num_inputs)
+        self.embedding_prompt_tokens.labels(*labels).inc(num_prompt_tokens)
 
     def render(self) -> bytes:
+        """The /metrics page (Prometheus text format)."""
         return generate_latest(self.registry)
 
     def start_request(self) -> RequestTimer:
+        """The timer of one generation request, started now (its arrival)."""
         return RequestTimer(self)
 
 
 class RequestTimer:
-    """Observes one request's latencies as its outputs arrive."""
+    """Observes one request's latencies as its outputs arrive, and its sizes and phases when it ends."""
 
     def __init__(self, metrics: ServerMetrics) -> None:
         self._metrics = metrics
-        self._labels = (metrics.model_name,)
         self._start = time.monotonic()
+        self._first_scheduled_time: float | None = None  # the engine's clock: time.monotonic() too
+        self._first_token_time: float | None = None
         self._last_token_time: float | None = None
+        self._num_prompt_tokens: dict[str, int] = {}  # engine request (one per prompt) -> its prompt's tokens
+        self._num_generated_tokens: dict[tuple[str, int], int] = {}  # (engine request, sample) -> tokens so far
+        self._params: SamplingParams | None = None
         self._is_done = False
+
+    def on_submit(self, params: SamplingParams) -> None:
+        """The request's sampling parameters, for the max_tokens and n histograms at its end."""
+        self._params = params
 
     def on_output(self, output: RequestOutput) -> None:
         now = time.monotonic()
-        num_new_tokens = sum(len(o.token_ids) for o in output.outputs)
+        self._num_prompt_tokens[output.request_id] = output.num_prompt_tokens
+        num_new_tokens = 0
+        for sample in output.outputs:
+            key = (output.request_id, sample.index)
+            previous = self._num_generated_tokens.get(key, 0)
+            self._num_generated_tokens[key] = sample.num_generated_tokens or previous + len(sample.token_ids)
+            num_new_tokens += len(sample.token_ids)
+        scheduled = output.first_scheduled_time
+        if scheduled is not None and (self._first_scheduled_time is None or scheduled < self._first_scheduled_time):
+            self._first_scheduled_time = scheduled
         if num_new_tokens == 0:
             return
+        metrics = self._metrics
         if self._last_token_time is None:
-            self._metrics.time_to_first_token.labels(*self._labels).observe(now - self._start)
-            if output.first_scheduled_time is not None and output.arrival_time:
-                queue_time = max(output.first_scheduled_time - output.arrival_time, 0.0)
-                self._metrics.request_queue_time.labels(*self._labels).observe(queue_time)
+            self._first_token_time = now
+            metrics.time_to_first_token.observe(now - self._start)
+            if scheduled is not None and output.arrival_time:
+                metrics.request_queue_time.observe(max(scheduled - output.arrival_time, 0.0))
         else:
             # One step produced `num_new_tokens` (one per sample): each token waited this long.
-            self._metrics.inter_token_latency.labels(*self._labels).observe(now - self._last_token_time)
+            metrics.inter_token_latency.observe(now - self._last_token_time)
         self._last_token_time = now
 
     def finish(self, finish_reason: str) -> None:
+        """The request was answered whole: observe its end-to-end latency, sizes and phases (once)."""
         if self._is_done:
             return
         self._is_done = True
-        self._metrics.e2e_request_latency.labels(*self._labels).observe(time.monotonic() - self._start)
-        self._metrics.request_success.labels(self._metrics.model_name, finish_reason).inc()
+        metrics = self._metrics
+        metrics.e2e_request_latency.observe(time.monotonic() - self._start)
+        metrics.request_success.inc(finish_reason)
+        metrics.request_prompt_tokens.observe(sum(self._num_prompt_tokens.values()))
+        metrics.request_generation_tokens.observe(sum(self._num_generated_tokens.values()))
+        longest = max(self._num_generated_tokens.values(), default=0)
+        metrics.request_max_num_generation_tokens.observe(longest)
+        if self._params is not None:
+            metrics.request_params_n.observe(self._params.n)
+            if self._params.max_tokens is not None:
+                metrics.request_params_max_tokens.observe(self._params.max_tokens)
+        first, last = self._first_token_time, self._last_token_time
+        if first is None or last is None:
+            return
+        metrics.request_decode_time.observe(last - first)
+        if self._first_scheduled_time is not None:
+            metrics.request_prefill_time.observe(max(first - self._first_scheduled_time, 0.0))
+            metrics.request_inference_time.observe(max(last - self._first_scheduled_time, 0.0))
+        if longest > 1:
+            # Samples decode side by side, so the longest one paces the request.
+            metrics.request_time_per_output_token.observe((last - first) / (longest - 1))

@@ -1,0 +1,121 @@
+"""The engine's gauges and counters, read from its stats snapshot at scrape time (not at each step).
+
+Each series goes out under the names server/metric_names.py gives it. The prompt-token counters
+count as EngineStats (engine/outputs.py) says: every prompt token of every request once, cached
+ones included, and separately the part found in the prefix cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from engine.outputs import EngineStats
+from server.metric_names import Naming
+
+
+def _prefix_cache_hit_rate(stats: EngineStats) -> float:
+    return stats.prefix_cache_hits / stats.prefix_cache_queries if stats.prefix_cache_queries else 0.0
+
+
+@dataclass(frozen=True)
+class _StatSeries:
+    """One gauge or counter of the snapshot: its names (server/metric_names.py) and its value."""
+
+    is_counter: bool
+    kvserve: str | None
+    vllm: tuple[str, ...]
+    doc: str
+    value: Callable[[EngineStats], float]
+
+
+def _gauge(kvserve: str | None, vllm: tuple[str, ...], doc: str, value: Callable[[EngineStats], float]) -> _StatSeries:
+    return _StatSeries(False, kvserve, vllm, doc, value)
+
+
+def _counter(name: str, vllm: tuple[str, ...], doc: str, value: Callable[[EngineStats], float]) -> _StatSeries:
+    return _StatSeries(True, name, vllm, doc, value)
+
+
+ENGINE_SERIES = (
+    _gauge(
+        "num_requests_running", ("num_requests_running",), "Requests in the running batch.", lambda s: s.num_running
+    ),
+    _gauge("num_requests_waiting", ("num_requests_waiting",), "Requests not started yet.", lambda s: s.num_waiting),
+    # vLLM renamed gpu_cache_usage_perc to kv_cache_usage_perc; routers and dashboards read either.
+    _gauge(
+        "kv_cache_usage_perc",
+        ("kv_cache_usage_perc", "gpu_cache_usage_perc"),
+        "Fraction of KV-cache blocks in use (0-1).",
+        lambda s: s.kv_cache_usage,
+    ),
+    # An older vLLM gauge that routers still read; kvserve's own names leave the ratio to the query.
+    _gauge(None, ("gpu_prefix_cache_hit_rate",), "Prefix-cache hits over queries since start.", _prefix_cache_hit_rate),
+    _counter(
+        "prefix_cache_queries",
+        ("prefix_cache_queries", "gpu_prefix_cache_queries"),
+        "Prompt tokens looked up in the prefix cache (each sample's, when it is first scheduled).",
+        lambda s: s.prefix_cache_queries,
+    ),
+    _counter(
+        "prefix_cache_hits",
+        ("prefix_cache_hits", "gpu_prefix_cache_hits"),
+        "Prompt tokens found in the prefix cache.",
+        lambda s: s.prefix_cache_hits,
+    ),
+    _counter(
+        "num_preemptions",
+        ("num_preemptions",),
+        "Sequences preempted for lack of KV blocks.",
+        lambda s: s.num_preemptions,
+    ),
+    _counter(
+        "prompt_tokens",
+        ("prompt_tokens",),
+        "Prompt tokens of every request, once each, cached ones included.",
+        lambda s: s.num_prompt_tokens,
+    ),
+    _counter(
+        "prompt_tokens_cached",
+        ("prompt_tokens_cached",),
+        "Prompt tokens found in the prefix cache when their request was first scheduled.",
+        lambda s: s.num_cached_prompt_tokens,
+    ),
+    _counter("generation_tokens", ("generation_tokens",), "Tokens generated.", lambda s: s.num_generation_tokens),
+)
+
+
+class EngineStatsCollector(Collector):
+    """Gauges and counters straight from the engine's stats snapshot, at scrape time."""
+
+    def __init__(self, naming: Naming, get_stats: Callable[[], EngineStats | None]) -> None:
+        self._naming = naming
+        self._get_stats = get_stats
+
+    def collect(self) -> Iterator[Metric]:
+        """Nothing while the model loads; then every series under every name it is exported under."""
+        stats = self._get_stats()
+        if stats is None:
+            return
+        for series in ENGINE_SERIES:
+            value = series.value(stats)
+            for target in self._naming.targets(series.kvserve, series.vllm):
+                kind = CounterMetricFamily if series.is_counter else GaugeMetricFamily
+                family = kind(target.name, series.doc, labels=target.labelnames)
+                family.add_metric(target.labelvalues, value)
+                yield family
+        yield from self._prompt_tokens_by_source(stats)
+
+    def _prompt_tokens_by_source(self, stats: EngineStats) -> Iterator[Metric]:
+        """vLLM's split of the prompt-token counter: computed here, or found in the local prefix cache."""
+        for target in self._naming.targets(None, ("prompt_tokens_by_source",)):
+            family = CounterMetricFamily(
+                target.name, "Prompt tokens by where their KV came from.", labels=(*target.labelnames, "source")
+            )
+            cached = stats.num_cached_prompt_tokens
+            family.add_metric((*target.labelvalues, "local_compute"), stats.num_prompt_tokens - cached)
+            family.add_metric((*target.labelvalues, "local_cache_hit"), cached)
+            yield family
