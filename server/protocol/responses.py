@@ -1,0 +1,407 @@
+"""POST /v1/responses (OpenAI's Responses API): the request and its input items, the response object,
+and the events a streamed response is made of.
+
+The route (server/routes/responses.py) maps a request onto the chat machinery, so this module only
+says which shapes are accepted: text input (a string, or message items with text parts), the function
+calls and results of a tool round trip, `text.format` for structured output, the flat function tools.
+Responses are not stored, so nothing here refers to an earlier response except to refuse it.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, RootModel, Tag
+from pydantic_core import PydanticCustomError
+
+from server.protocol.common import (
+    PositiveCount,
+    Seed,
+    StrictRequest,
+    Temperature,
+    TopP,
+    described_union,
+    now,
+)
+
+ItemStatus = Literal["in_progress", "completed", "incomplete"]
+FUNCTION_NAME = r"^[A-Za-z0-9_.-]{1,64}$"  # the chat route's rule for tool names
+
+
+# ---- the request ----
+
+
+class TextPart(StrictRequest):
+    """A text part of a message: `input_text`, or `output_text` as an earlier response's output carries
+    it when a client sends that output back (its annotations and logprobs are accepted and ignored)."""
+
+    type: Literal["input_text", "output_text"]
+    text: str
+    annotations: list[Any] | None = None
+    logprobs: list[Any] | None = None
+
+
+MessageContent = Annotated[
+    str | list[TextPart],
+    described_union('a string or a list of {"type": "input_text" or "output_text", "text": ...} parts'),
+]
+
+
+class MessageItem(StrictRequest):
+    """A message; `type` may be left out. `id` and `status` come with an earlier response's output."""
+
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: MessageContent
+    id: str | None = None
+    status: ItemStatus | None = None
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+
+
+class FunctionCallItem(StrictRequest):
+    """A call the model made in an earlier turn (an earlier response's `function_call` output item)."""
+
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str  # JSON text
+    id: str | None = None
+    status: ItemStatus | None = None
+
+
+class FunctionCallOutputItem(StrictRequest):
+    """The client's result of a call: `call_id` names the call it answers."""
+
+    type: Literal["function_call_output"]
+    call_id: str
+    output: MessageContent
+    id: str | None = None
+    status: ItemStatus | None = None
+
+    def text(self) -> str:
+        return self.output if isinstance(self.output, str) else "".join(part.text for part in self.output)
+
+
+def _item_type(value: Any) -> str | None:
+    """A message item may leave `type` out (OpenAI's "easy" input message)."""
+    if isinstance(value, dict):
+        return value.get("type", "message")
+    return getattr(value, "type", None)
+
+
+InputItem = Annotated[
+    Annotated[MessageItem, Tag("message")]
+    | Annotated[FunctionCallItem, Tag("function_call")]
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+    Discriminator(
+        _item_type,
+        custom_error_type="invalid_item",
+        custom_error_message='must be an item of type "message", "function_call" or "function_call_output"',
+    ),
+]
+
+
+def _as_items(value: Any) -> Any:
+    """A string input is one user message: validated as the list it stands for, so an error in an
+    item names its place (`input.0.content`)."""
+    if not isinstance(value, str | list):
+        raise PydanticCustomError("invalid_value", "must be a string or a list of input items")
+    if not value:
+        raise PydanticCustomError("invalid_value", "must not be empty")
+    return [{"role": "user", "content": value}] if isinstance(value, str) else value
+
+
+Input = Annotated[
+    list[InputItem],
+    BeforeValidator(
+        _as_items,
+        json_schema_input_type=Annotated[str, Field(min_length=1)] | Annotated[list[InputItem], Field(min_length=1)],
+    ),
+]
+
+
+class FunctionTool(StrictRequest):
+    """The Responses API's flat function tool (chat nests the same fields under `function`)."""
+
+    type: Literal["function"]
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None  # accepted; the schema is always enforced when a call is required
+
+
+class FunctionChoice(StrictRequest):
+    type: Literal["function"]
+    name: str
+
+
+ToolChoice = Annotated[
+    Literal["none", "auto", "required"] | FunctionChoice,
+    described_union('"none", "auto", "required" or {"type": "function", "name": ...}'),
+]
+
+
+class TextFormatText(StrictRequest):
+    type: Literal["text"]
+
+
+class TextFormatJsonObject(StrictRequest):
+    type: Literal["json_object"]
+
+
+class TextFormatJsonSchema(StrictRequest):
+    type: Literal["json_schema"]
+    name: str = Field(max_length=64)
+    schema_: dict[str, Any] = Field(alias="schema")
+    description: str | None = None
+    strict: bool | None = None  # accepted; the schema is always enforced
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+TextFormat = Annotated[TextFormatText | TextFormatJsonObject | TextFormatJsonSchema, Field(discriminator="type")]
+
+
+class TextConfig(StrictRequest):
+    format: TextFormat | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None  # a hint; accepted and ignored
+
+
+class ReasoningConfig(StrictRequest):
+    """Accepted and ignored: the served models do not reason, so there is no effort to set."""
+
+    effort: str | None = None
+    summary: str | None = None
+    generate_summary: str | None = None
+
+
+class ResponsesStreamOptions(StrictRequest):
+    include_obfuscation: bool | None = None  # padding against length side channels; never added
+
+
+Metadata = Annotated[
+    dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]], Field(max_length=16)
+]
+
+
+class ResponsesRequest(StrictRequest):
+    model: str | None = None
+    input: Input
+    instructions: str | None = None
+    max_output_tokens: PositiveCount | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    seed: Seed | None = None  # not in OpenAI's Responses API; the SDK sends it through extra_body
+    stream: bool = False
+    stream_options: ResponsesStreamOptions | None = None
+    store: bool | None = None  # accepted; responses are never stored
+    text: TextConfig | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    metadata: Metadata | None = None
+    user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None  # a hint; the prefix cache needs none
+    reasoning: ReasoningConfig | None = None
+    truncation: Literal["auto", "disabled"] | None = None  # nothing is dropped: a prompt too long is a 400
+    # OpenAI fields kvserve does not implement (400 when set to something that matters; see the route
+    # for previous_response_id, which gets its own message).
+    previous_response_id: str | None = None
+    background: bool | None = None
+    conversation: str | dict[str, Any] | None = None
+    prompt: dict[str, Any] | None = None
+    include: list[str] | None = None
+    max_tool_calls: int | None = None
+    top_logprobs: int | None = None
+
+    def unsupported_fields(self) -> list[str]:
+        bad = [
+            name for name in ("background", "conversation", "prompt", "include", "top_logprobs") if getattr(self, name)
+        ]
+        if self.max_tool_calls is not None:
+            bad.append("max_tool_calls")
+        return bad
+
+
+# ---- the response ----
+
+
+class OutputText(BaseModel):
+    type: Literal["output_text"] = "output_text"
+    text: str
+    annotations: list[Any] = Field(default_factory=list)
+    logprobs: list[Any] = Field(default_factory=list)
+
+
+class OutputMessage(BaseModel):
+    type: Literal["message"] = "message"
+    id: str
+    role: Literal["assistant"] = "assistant"
+    status: ItemStatus
+    content: list[OutputText]
+
+
+class OutputFunctionCall(BaseModel):
+    type: Literal["function_call"] = "function_call"
+    id: str
+    call_id: str  # what the client's function_call_output names
+    name: str
+    arguments: str  # JSON text
+    status: ItemStatus
+
+
+OutputItem = Annotated[OutputMessage | OutputFunctionCall, Field(discriminator="type")]
+
+
+class InputTokensDetails(BaseModel):
+    cached_tokens: int = 0  # the engine does not count prefix-cache hits per request
+
+
+class OutputTokensDetails(BaseModel):
+    reasoning_tokens: int = 0
+
+
+class ResponseUsage(BaseModel):
+    input_tokens: int
+    input_tokens_details: InputTokensDetails = Field(default_factory=InputTokensDetails)
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails = Field(default_factory=OutputTokensDetails)
+    total_tokens: int
+
+
+class IncompleteDetails(BaseModel):
+    reason: Literal["max_output_tokens"]
+
+
+class ResponseError(BaseModel):
+    code: str
+    message: str
+
+
+class ReasoningEcho(BaseModel):
+    effort: None = None
+    summary: None = None
+
+
+class TextEcho(BaseModel):
+    format: dict[str, Any]
+    verbosity: str | None = None
+
+
+class ResponseObject(BaseModel):
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int = Field(default_factory=now)
+    status: Literal["in_progress", "completed", "incomplete", "failed"]
+    error: ResponseError | None = None
+    incomplete_details: IncompleteDetails | None = None
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    model: str
+    output: list[OutputItem] = Field(default_factory=list)
+    parallel_tool_calls: bool
+    previous_response_id: None = None
+    reasoning: ReasoningEcho = Field(default_factory=ReasoningEcho)
+    store: bool = False  # nothing is stored, whatever the request asked
+    temperature: float
+    text: TextEcho
+    tool_choice: str | dict[str, Any]
+    tools: list[dict[str, Any]]
+    top_p: float
+    truncation: str = "disabled"
+    usage: ResponseUsage | None = None
+    user: str | None = None
+    metadata: dict[str, str] = Field(default_factory=dict)
+
+
+# ---- the stream ----
+
+
+class ResponseLifecycleEvent(BaseModel):
+    type: Literal[
+        "response.created", "response.in_progress", "response.completed", "response.incomplete", "response.failed"
+    ]
+    sequence_number: int
+    response: ResponseObject
+
+
+class OutputItemEvent(BaseModel):
+    type: Literal["response.output_item.added", "response.output_item.done"]
+    sequence_number: int
+    output_index: int
+    item: OutputItem
+
+
+class ContentPartEvent(BaseModel):
+    type: Literal["response.content_part.added", "response.content_part.done"]
+    sequence_number: int
+    item_id: str
+    output_index: int
+    content_index: int
+    part: OutputText
+
+
+class TextDeltaEvent(BaseModel):
+    type: Literal["response.output_text.delta"] = "response.output_text.delta"
+    sequence_number: int
+    item_id: str
+    output_index: int
+    content_index: int
+    delta: str
+    logprobs: list[Any] = Field(default_factory=list)
+
+
+class TextDoneEvent(BaseModel):
+    type: Literal["response.output_text.done"] = "response.output_text.done"
+    sequence_number: int
+    item_id: str
+    output_index: int
+    content_index: int
+    text: str
+    logprobs: list[Any] = Field(default_factory=list)
+
+
+class ArgumentsDeltaEvent(BaseModel):
+    type: Literal["response.function_call_arguments.delta"] = "response.function_call_arguments.delta"
+    sequence_number: int
+    item_id: str
+    output_index: int
+    delta: str
+
+
+class ArgumentsDoneEvent(BaseModel):
+    type: Literal["response.function_call_arguments.done"] = "response.function_call_arguments.done"
+    sequence_number: int
+    item_id: str
+    output_index: int
+    arguments: str
+
+
+class ErrorEvent(BaseModel):
+    """A stream that fails after it started: the server's error (`code`, `message`, `param`), then
+    `response.failed`."""
+
+    type: Literal["error"] = "error"
+    sequence_number: int
+    code: str | None
+    message: str
+    param: str | None
+
+
+class ResponseStreamEvent(RootModel):
+    """One event of a streamed response, named (`event: <type>`) after its `type`."""
+
+    root: Annotated[
+        ResponseLifecycleEvent
+        | OutputItemEvent
+        | ContentPartEvent
+        | TextDeltaEvent
+        | TextDoneEvent
+        | ArgumentsDeltaEvent
+        | ArgumentsDoneEvent
+        | ErrorEvent,
+        Field(discriminator="type"),
+    ]

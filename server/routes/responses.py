@@ -1,0 +1,259 @@
+"""POST /v1/responses: OpenAI's Responses API, served by the chat machinery.
+
+A request is turned into a chat request: `instructions` become a system message first, input
+messages chat messages, a `function_call` item an assistant turn with `tool_calls` and a
+`function_call_output` item a `tool` turn; the flat function tools become chat's nested ones and
+`text.format` a structured-output spec. From there it is chat: the same template, tool plan,
+sampling parameters and admission checks (so a greedy answer's text is chat's, token for token),
+and the same submit, disconnect and SSE handling (server/serving.py). The reply is read into
+output items, streamed or not, by server/responses_events.py.
+
+Responses are not stored: `store` is accepted, `previous_response_id` is a 400, and there is no
+GET /v1/responses/{id}. `reasoning` is accepted and ignored (the served models do not reason).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from engine.errors import InvalidRequestError
+from engine.params import SamplingParams
+from engine.structured.spec import StructuredOutput
+from server import serving
+from server.errors import APIError
+from server.openapi import named_event_responses
+from server.params import check_admissible, reject_unsupported, sampling_params
+from server.prompts import chat_prompt_ids
+from server.protocol.chat import ChatCompletionRequest, ChatMessage, FunctionCall, FunctionDefinition, Tool, ToolCall
+from server.protocol.common import Usage
+from server.protocol.responses import (
+    FunctionCallItem,
+    FunctionChoice,
+    MessageItem,
+    ResponseObject,
+    ResponsesRequest,
+    ResponseStreamEvent,
+    TextEcho,
+    TextFormatJsonSchema,
+)
+from server.responses_events import ResponseEvents
+from server.served_models import generation_engine, request_text
+from server.serving import Generation, SseFraming
+from server.state import SharedState
+from server.structured import compile_structured
+from server.text import text_size
+from server.tool_stream import ToolReplyStream
+from server.tools import ToolPlan, plan_tools
+
+router = APIRouter()
+
+NOT_STORED = (
+    "previous_response_id: this server does not store responses; send the whole conversation in `input` "
+    "(an earlier response's output items can be sent back as they are)"
+)
+
+# Chat's field -> this API's, in errors raised by the code the two share (n is always 1 here: a cost
+# over the cap is lowered with max_output_tokens).
+_OWN_PARAMS = {"max_tokens": "max_output_tokens", "prompt": "input", "messages": "input", "n": "max_output_tokens"}
+
+
+@router.post(
+    "/v1/responses",
+    response_model=ResponseObject,
+    responses=named_event_responses(ResponseStreamEvent),
+)
+async def create_response(body: ResponsesRequest, request: Request, state: SharedState) -> Response:
+    try:
+        return await _create_response(body, request, state)
+    except (InvalidRequestError, APIError) as exc:
+        # The shared chat code names chat's fields; the client sent this API's.
+        exc.param = _OWN_PARAMS.get(exc.param, exc.param)
+        raise
+
+
+async def _create_response(body: ResponsesRequest, request: Request, state: SharedState) -> Response:
+    engine = generation_engine(state, body.model)
+    if body.previous_response_id is not None:
+        raise APIError(400, NOT_STORED, param="previous_response_id", code="unsupported_field")
+    reject_unsupported(body.unsupported_fields())
+    if body.stream_options is not None and not body.stream:
+        raise InvalidRequestError("stream_options: only allowed when stream is true", "stream_options")
+    chat = chat_request(body)
+    engine.check_admission()  # a full queue answers 429 before the messages are rendered
+    tools = plan_tools(chat, engine.tokenizer.tool_call_format)
+    structured = _text_format(body)
+    if tools is not None and structured is not None:
+        raise InvalidRequestError("text.format: cannot be combined with tools (use tool_choice none)", "text.format")
+    prompt_ids = await request_text(state).run(text_size(chat.messages), chat_prompt_ids, chat.messages, True, tools)
+    spec = tools.spec if tools is not None else structured
+    max_tokens = body.max_output_tokens or state.config.default_max_tokens  # None: up to the context limit
+    params = sampling_params(chat, max_tokens, None, engine.vocab_size, None, spec)
+    await compile_structured(request_text(state), engine, spec)
+    check_admissible(state.config, [len(prompt_ids)], params, engine.max_model_len, engine.kv_cache_tokens)
+    response_id = f"resp_{request.state.request_id}"  # OpenAI's spelling, with the X-Request-Id as chat's ids
+    builder = ResponseEvents(_base_response(body, chat, params, response_id, state.config.model_name))
+    timer = state.metrics.start_request()
+
+    if body.stream:
+        framing = SseFraming(named=True, done=False, failure=builder.failed)
+        return await serving.generation_stream(
+            engine,
+            [prompt_ids],
+            params,
+            timer,
+            lambda generation: _events(generation, builder, tools),
+            _no_usage_chunk,
+            None,
+            framing=framing,
+        )
+
+    async def answer(generation: Generation) -> dict:
+        sample = (await generation.samples())[0]
+        content, calls = tools.parse(sample.text) if tools is not None else (sample.text, [])
+        builder.whole(content, calls)
+        builder.finished(sample.finish_reason, generation.usage())
+        return builder.response().model_dump()
+
+    return await serving.generation_json(engine, [prompt_ids], params, timer, answer)
+
+
+def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
+    """The chat request this one stands for (its fields are valid already: they share chat's types)."""
+    messages: list[ChatMessage] = []
+    if body.instructions is not None:
+        messages.append(ChatMessage(role="system", content=body.instructions))
+    for item in body.input:
+        if isinstance(item, MessageItem):
+            messages.append(ChatMessage(role=item.role, content=item.text()))
+        elif isinstance(item, FunctionCallItem):
+            call = ToolCall(id=item.call_id, function=FunctionCall(name=item.name, arguments=item.arguments))
+            previous = messages[-1] if messages else None
+            if previous is not None and previous.role == "assistant" and previous.tool_calls:
+                previous.tool_calls.append(call)  # parallel calls: one assistant turn, as chat has them
+            else:
+                messages.append(ChatMessage(role="assistant", tool_calls=[call]))
+        else:
+            messages.append(ChatMessage(role="tool", content=item.text(), tool_call_id=item.call_id))
+    tools = [
+        Tool(
+            type="function",
+            function=FunctionDefinition(
+                name=tool.name, description=tool.description, parameters=tool.parameters, strict=tool.strict
+            ),
+        )
+        for tool in body.tools or []
+    ]
+    return ChatCompletionRequest(
+        model=body.model,
+        messages=messages,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        seed=body.seed,
+        user=body.user,
+        stream=body.stream,
+        tools=tools or None,
+        tool_choice=_chat_tool_choice(body),
+        parallel_tool_calls=body.parallel_tool_calls is not False,
+    )
+
+
+def _chat_tool_choice(body: ResponsesRequest) -> str | dict[str, Any] | None:
+    """Chat's spelling of `tool_choice`; "auto" and "none" without tools mean no tools, as OpenAI takes them."""
+    choice = body.tool_choice
+    if isinstance(choice, FunctionChoice):
+        return {"type": "function", "function": {"name": choice.name}}
+    if not body.tools and choice in ("auto", "none"):
+        return None
+    return choice
+
+
+def _text_format(body: ResponsesRequest) -> StructuredOutput | None:
+    """`text.format` as the engine's structured-output spec (None: free text)."""
+    given = body.text.format if body.text is not None else None
+    if given is None or given.type == "text":
+        return None
+    if isinstance(given, TextFormatJsonSchema):
+        return StructuredOutput(json=json.dumps(given.schema_), param="text.format")
+    return StructuredOutput(json_object=True, param="text.format")
+
+
+def _base_response(
+    body: ResponsesRequest, chat: ChatCompletionRequest, params: SamplingParams, response_id: str, model: str
+) -> ResponseObject:
+    """The response before any output: the request's settings echoed as they apply (the sampling
+    defaults filled in), as OpenAI's response object has them."""
+    given = body.text.format if body.text is not None else None
+    text_format = given.model_dump(by_alias=True, exclude_none=True) if given is not None else {"type": "text"}
+    choice = body.tool_choice
+    if choice is None:
+        choice = "auto" if body.tools else "none"
+    return ResponseObject(
+        id=response_id,
+        status="in_progress",
+        instructions=body.instructions,
+        max_output_tokens=params.max_tokens,
+        model=model,
+        parallel_tool_calls=chat.parallel_tool_calls,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        text=TextEcho(format=text_format, verbosity=body.text.verbosity if body.text is not None else None),
+        tool_choice=choice.model_dump() if isinstance(choice, FunctionChoice) else choice,
+        tools=[tool.model_dump(exclude_none=True) for tool in body.tools or []],
+        truncation=body.truncation or "disabled",
+        user=body.user,
+        metadata=body.metadata or {},
+    )
+
+
+async def _events(generation: Generation, builder: ResponseEvents, tools: ToolPlan | None) -> AsyncIterator[dict]:
+    """The stream's events as the reply is generated. Without tools, text deltas; with a constrained
+    tool reply, each call as soon as its name is complete, then its arguments in fragments (or a
+    text answer as text). A free tool reply (`auto` on a template with its own format) is read whole
+    first: only then is it known whether it holds calls."""
+    for event in builder.started():
+        yield event
+    framing = tools.stream_framing if tools is not None else None
+    reader = ToolReplyStream(framing) if framing is not None else None
+    parts: list[str] = []
+    finish_reason = None
+    async for _, output in generation.outputs():
+        for delta in output.outputs:
+            parts.append(delta.text)
+            finish_reason = delta.finish_reason or finish_reason
+            if tools is None:
+                events = builder.text(delta.text) if delta.text else []
+            elif reader is not None:
+                events = [event for fields in reader.feed(delta.text) for event in _tool_events(builder, fields)]
+            else:
+                events = []
+            for event in events:
+                yield event
+    if tools is not None and not (reader is not None and (reader.made_calls or reader.is_answering)):
+        content, calls = tools.parse("".join(parts))
+        for event in builder.whole(content, calls):
+            yield event
+    for event in builder.finished(finish_reason, generation.usage()):
+        yield event
+
+
+def _tool_events(builder: ResponseEvents, fields: dict[str, Any]) -> list[dict]:
+    """A chat-shaped delta of the tool reply stream (server/tool_stream.py) as Responses events."""
+    if "content" in fields:
+        return builder.text(fields["content"])
+    events = []
+    for call in fields.get("tool_calls", []):
+        function = call["function"]
+        if "id" in call:  # a call opens: its id and name, empty arguments
+            events += builder.call(call["id"], function["name"])
+        events += builder.arguments(function.get("arguments", ""))
+    return events
+
+
+def _no_usage_chunk(usage: Usage) -> dict:
+    """Never sent: a Responses stream carries its usage in its last event, not in a chunk of its own."""
+    raise AssertionError("a Responses stream does not ask for a usage chunk")
