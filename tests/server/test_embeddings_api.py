@@ -10,9 +10,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-import socket
 import threading
-import time
 import types
 from contextlib import asynccontextmanager
 
@@ -21,7 +19,6 @@ import numpy as np
 import openai
 import pytest
 import torch
-import uvicorn
 from fastapi import FastAPI
 
 from engine.config import EmbedderConfig, EngineConfig
@@ -33,7 +30,8 @@ from server.errors import install_error_handlers
 from server.routes import embeddings as embedding_routes
 from server.state import ServerState, attach_state, state_of
 from tests.engine.test_embedder import MODEL_NAME, SENTENCES, embedder, minilm_dir, st_model, st_vectors  # noqa: F401
-from tests.support.asgi import post_scope
+from tests.support.asgi import SilentEncoder, post_and_leave
+from tests.support.server_harness import ServerThread
 
 GENERATION_MODEL = DEFAULT_GENERATION_MODEL
 MAX_CLIENT_BATCH_SIZE = 40
@@ -77,19 +75,9 @@ def server(embedder):  # noqa: F811 - the session fixture imported above
     async_embedder = AsyncEmbedder(embedder)
     assert async_embedder.model_name == MODEL_NAME  # the alias it was configured with
     app = _make_app(async_embedder)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not uv.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-        time.sleep(0.05)
-    yield types.SimpleNamespace(url=f"http://127.0.0.1:{port}", app=app)
-    uv.should_exit = True
-    thread.join(timeout=30)
+    server = ServerThread(app).start(wait_ready=False)  # the test app has no readiness to wait for
+    yield types.SimpleNamespace(url=server.base_url, app=app)
+    server.stop()
 
 
 @pytest.fixture(scope="module")
@@ -227,62 +215,17 @@ def test_invalid_text_and_bool_token_ids_are_a_400_naming_the_input(server, path
     assert ok.status_code == 200, ok.text
 
 
-class _SilentEmbedder:
-    """An embedder whose vectors never come: embed() waits until it is cancelled, and records that."""
-
-    model_name = MODEL_NAME
-    max_model_len = 512
-    is_healthy = True
-
-    def __init__(self) -> None:
-        self.is_embedding = asyncio.Event()
-        self.num_cancelled = 0
-
-    async def start(self) -> None:
-        pass
-
-    async def stop(self) -> None:
-        pass
-
-    async def embed(self, inputs, **options):
-        self.is_embedding.set()
-        try:
-            await asyncio.Event().wait()
-        except asyncio.CancelledError:
-            self.num_cancelled += 1
-            raise
-
-
 @pytest.mark.parametrize(
     ("path", "body"),
     [("/v1/embeddings", {"model": MODEL_NAME, "input": ["a", "b"]}), ("/embed", {"inputs": "a"})],
 )
 def test_client_leaving_cancels_the_embedding_with_a_499(path, body):
-    silent = _SilentEmbedder()
+    silent = SilentEncoder(MODEL_NAME, 512)
     app = _make_app(silent)
     payload = json.dumps(body).encode()
-    scope = post_scope(path, payload)
-
-    async def main() -> list[dict]:
-        is_body_read = False
-
-        async def receive() -> dict:
-            nonlocal is_body_read
-            if not is_body_read:
-                is_body_read = True
-                return {"type": "http.request", "body": payload, "more_body": False}
-            await silent.is_embedding.wait()  # the client leaves while its inputs are being embedded
-            return {"type": "http.disconnect"}
-
-        sent: list[dict] = []
-
-        async def send(message: dict) -> None:
-            sent.append(message)
-
-        await asyncio.wait_for(app(scope, receive, send), timeout=10)
-        return sent
-
-    sent = asyncio.run(main())
+    sent = post_and_leave(
+        app, path, payload, silent.is_working
+    )  # the client leaves while its inputs are being embedded
     assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 499
     assert silent.num_cancelled == 1
 

@@ -19,3 +19,60 @@ def post_scope(path: str, payload: bytes, spec_version: str = "2.3") -> dict:
         "server": ("127.0.0.1", 80),
         "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())],
     }
+
+
+def post_and_leave(app, path: str, payload: bytes, leave_when) -> list[dict]:
+    """POST `payload` to `path` through the ASGI app and disconnect once `leave_when` (an asyncio.Event
+    the app's fake engine sets) is set; returns every message the app sent."""
+    import asyncio
+
+    async def main() -> list[dict]:
+        is_body_read = False
+
+        async def receive() -> dict:
+            nonlocal is_body_read
+            if not is_body_read:
+                is_body_read = True
+                return {"type": "http.request", "body": payload, "more_body": False}
+            await leave_when.wait()
+            return {"type": "http.disconnect"}
+
+        sent: list[dict] = []
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+
+        await asyncio.wait_for(app(post_scope(path, payload), receive, send), timeout=10)
+        return sent
+
+    return asyncio.run(main())
+
+
+class SilentEncoder:
+    """An AsyncEmbedder stand-in whose answer never comes: embed() waits until it is cancelled, and counts that."""
+
+    is_healthy = True
+
+    def __init__(self, model_name: str, max_model_len: int) -> None:
+        import asyncio
+
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.is_working = asyncio.Event()  # set once a request's inputs are in embed()
+        self.num_cancelled = 0
+
+    async def start(self) -> None:
+        pass
+
+    async def stop(self) -> None:
+        pass
+
+    async def embed(self, inputs, **options):
+        import asyncio
+
+        self.is_working.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            self.num_cancelled += 1
+            raise
