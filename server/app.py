@@ -3,7 +3,8 @@ error handlers (server/errors.py) and middleware.
 
 `app.state.kvserve` holds the one `ServerState` (server/state.py) the routes share: config,
 metrics, engine (AsyncEngine, once loaded), embedder (AsyncEmbedder, once loaded; None when no
-embedding model is served), is_ready and load_error. Routes read it through `Depends(get_state)`;
+embedding model is served), reranker (an AsyncEmbedder over the Reranker, once loaded; None when no
+rerank model is served), is_ready and load_error. Routes read it through `Depends(get_state)`;
 code holding the app reads it with `state_of(app)`. Only the lifespan writes it.
 """
 
@@ -18,9 +19,10 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
-from engine.config import EmbedderConfig, EngineConfig
+from engine.config import EmbedderConfig, EngineConfig, RerankerConfig
 from engine.embedder import Embedder
 from engine.llm import LLM
+from engine.reranker import Reranker
 from engine.serving.async_embedder import AsyncEmbedder
 from engine.serving.async_engine import AsyncEngine
 from engine.serving.text_worker import TextWorker
@@ -29,7 +31,7 @@ from server.config import ServerConfig
 from server.errors import install_error_handlers
 from server.middleware import KVServeMiddleware
 from server.openapi import install_openapi
-from server.routes import chat, completions, embeddings, health, models, tokenize
+from server.routes import chat, completions, embeddings, health, models, rerank, responses, tokenize
 from server.state import ServerState, attach_state
 from server.text import RequestText
 
@@ -37,6 +39,7 @@ logger = logging.getLogger(__name__)
 
 EngineFactory = Callable[[EngineConfig], Any]
 EmbedderFactory = Callable[[EmbedderConfig], Any]
+RerankerFactory = Callable[[RerankerConfig], Any]
 
 
 def _default_engine_factory(engine_config: EngineConfig) -> LLM:
@@ -47,27 +50,34 @@ def _default_embedder_factory(embedder_config: EmbedderConfig) -> Embedder:
     return Embedder(embedder_config)
 
 
+def _default_reranker_factory(reranker_config: RerankerConfig) -> Reranker:
+    return Reranker(reranker_config)
+
+
 def create_app(
     config: ServerConfig,
     *,
     engine_factory: EngineFactory | None = None,
     embedder_factory: EmbedderFactory | None = None,
+    reranker_factory: RerankerFactory | None = None,
     on_fatal: Callable[[BaseException], None] | None = None,
 ) -> FastAPI:
-    """engine_factory(EngineConfig) -> LLM (default: LLM.from_config) and
-    embedder_factory(EmbedderConfig) -> Embedder (default: Embedder) run on the server's one torch
+    """engine_factory(EngineConfig) -> LLM (default: LLM.from_config),
+    embedder_factory(EmbedderConfig) -> Embedder (default: Embedder) and
+    reranker_factory(RerankerConfig) -> Reranker (default: Reranker) run on the server's one torch
     worker (engine/serving/torch_worker.py), off the event loop so /health answers meanwhile.
     on_fatal(exc) is called when a model fails to load (the CLI stops the server with it).
     """
     engine_factory = engine_factory or _default_engine_factory
     embedder_factory = embedder_factory or _default_embedder_factory
+    reranker_factory = reranker_factory or _default_reranker_factory
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         worker = TorchWorker()
         text_worker = TextWorker()
         load_task = asyncio.create_task(
-            _load_models(state, engine_factory, embedder_factory, on_fatal, worker, text_worker)
+            _load_models(state, engine_factory, embedder_factory, reranker_factory, on_fatal, worker, text_worker)
         )
         try:
             yield
@@ -91,7 +101,16 @@ def create_app(
     state = ServerState(config=config)
     attach_state(app, state)
 
-    for router in (completions.router, chat.router, models.router, tokenize.router, health.router, embeddings.router):
+    for router in (
+        completions.router,
+        chat.router,
+        responses.router,
+        models.router,
+        tokenize.router,
+        health.router,
+        embeddings.router,
+        rerank.router,
+    ):
         app.include_router(router)
     install_error_handlers(app)
     install_openapi(app)  # GET /openapi.json and /docs: every status, body and content type each route answers
@@ -116,7 +135,7 @@ def create_app(
 
 
 async def stop_requests(state: ServerState) -> None:
-    """Enter the stopping phase (server/shutdown.py) and stop the engine and the embedder: every request
+    """Enter the stopping phase (server/shutdown.py) and stop the engine, the embedder and the reranker: every request
     still in them fails with EngineDeadError, which server/serving.py answers as 503 `shutting_down`
     (a stream: an error event, then `data: [DONE]`). Idempotent."""
     state.shutdown.begin_stopping()
@@ -124,18 +143,21 @@ async def stop_requests(state: ServerState) -> None:
         await state.engine.stop()
     if state.embedder is not None:
         await state.embedder.stop()
+    if state.reranker is not None:
+        await state.reranker.stop()
 
 
 async def _load_models(
     state: ServerState,
     engine_factory: EngineFactory,
     embedder_factory: EmbedderFactory,
+    reranker_factory: RerankerFactory,
     on_fatal: Callable[[BaseException], None] | None,
     worker: TorchWorker,
     text_worker: TextWorker,
 ) -> None:
     config = state.config
-    # Generation and embeddings are two clients of one worker, with the same limits.
+    # Generation, embeddings and reranking are clients of one worker, with the same limits.
     limits = RequestLimits(config.max_queued_requests, config.request_timeout)
     try:
         logger.info("loading generation model %s", config.engine.model)
@@ -151,6 +173,11 @@ async def _load_models(
             embedder = AsyncEmbedder(await worker.run(embedder_factory, config.embedder), limits=limits)
             await embedder.start(worker, text_worker)
             state.embedder = embedder
+        if config.reranker is not None:
+            logger.info("loading rerank model %s", config.reranker.model)
+            reranker = AsyncEmbedder(await worker.run(reranker_factory, config.reranker), limits=limits, what="rerank")
+            await reranker.start(worker, text_worker)
+            state.reranker = reranker
         state.is_ready = True
         logger.info("kvserve ready: serving %s", config.model_name)
     except asyncio.CancelledError:

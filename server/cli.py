@@ -20,8 +20,22 @@ from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
-from engine.config import POOLING_MODES, SUPPORTED_DTYPES, EmbedderConfig, EngineConfig
-from server.config import LOG_LEVELS, ServerConfig, default_embedder_config, default_engine_config, parse_bytes
+from engine.config import (
+    POOLING_MODES,
+    SUPPORTED_DTYPES,
+    TOKEN_ID_INPUT_MODES,
+    EmbedderConfig,
+    EngineConfig,
+    RerankerConfig,
+)
+from server.config import (
+    LOG_LEVELS,
+    METRICS_NAMES,
+    ServerConfig,
+    default_embedder_config,
+    default_engine_config,
+    parse_bytes,
+)
 from server.http_protocol import with_request_head_timeout
 from server.shutdown import DRAINING, SERVING, STOPPING
 
@@ -58,6 +72,20 @@ def _bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"not a boolean: {text!r}")
 
 
+def _one_of(*choices: str) -> Callable[[str], str]:
+    """A kind that accepts one of `choices` (any case); `--help` shows them as the flag's metavar."""
+
+    def parse(text: str) -> str:
+        value = text.strip().lower()
+        if value not in choices:
+            raise argparse.ArgumentTypeError(f"must be one of {', '.join(choices)}; got {text!r}")
+        return value
+
+    parse.__name__ = "choice"
+    parse.metavar = "{" + ",".join(choices) + "}"  # type: ignore[attr-defined]
+    return parse
+
+
 def _size(text: str) -> int:
     try:
         return parse_bytes(text)
@@ -70,7 +98,8 @@ class Flag:
     """One `kvserve serve` flag: `--<name>` and KVSERVE_<NAME>.
 
     targets: where its value goes, as (config, field) pairs; config is "server" (ServerConfig),
-    "engine" (EngineConfig) or "embedder" (EmbedderConfig). Its default is the first target's.
+    "engine" (EngineConfig), "embedder" (EmbedderConfig) or "reranker" (RerankerConfig). Its default is
+    the first target's (a reranker field's: None, since no rerank model is served by default).
     """
 
     name: str
@@ -80,8 +109,8 @@ class Flag:
 
 
 def _flag(name: str, target: str, kind: Callable[[str], Any], help_text: str) -> Flag:
-    """target: "server", "engine", "embedder" or "engine+embedder"; the field is `name` unless the target says
-    "config.field"."""
+    """target: "server", "engine", "embedder", "reranker", or several joined by "+"; the field is `name` unless the
+    target says "config.field"."""
     targets = []
     for part in target.split("+"):
         config_name, _, field_name = part.partition(".")
@@ -103,6 +132,13 @@ FLAGS: tuple[Flag, ...] = (
         "embedding model (same forms as --model); 'none' serves no embeddings",
     ),
     _flag(
+        "rerank_model",
+        "reranker.model",
+        _optional(str),
+        "rerank model, a cross-encoder (BertForSequenceClassification or XLMRobertaForSequenceClassification): "
+        "a local HF directory or a Hub id; served by /v1/rerank, /rerank and /v1/score ('none': no reranking)",
+    ),
+    _flag(
         "served_model_name",
         "server",
         _optional(str),
@@ -112,9 +148,9 @@ FLAGS: tuple[Flag, ...] = (
     _flag("port", "server", int, "TCP port to listen on"),
     _flag(
         "dtype",
-        "engine+embedder",
+        "engine+embedder+reranker",
         str,
-        f"weights and activations dtype of both models: {', '.join(SUPPORTED_DTYPES)} (float16: CUDA only)",
+        f"weights and activations dtype of every model: {', '.join(SUPPORTED_DTYPES)} (float16: CUDA only)",
     ),
     _flag(
         "quantization",
@@ -122,7 +158,7 @@ FLAGS: tuple[Flag, ...] = (
         str,
         "none, int8 (weight-only int8 linear layers, CPU float32) or auto (int8 for a .gguf on CPU, else none)",
     ),
-    _flag("device", "engine+embedder", str, "torch device of both models: cpu, cuda, cuda:1, ..."),
+    _flag("device", "engine+embedder+reranker", str, "torch device of every model: cpu, cuda, cuda:1, ..."),
     _flag(
         "max_model_len",
         "engine",
@@ -194,9 +230,24 @@ FLAGS: tuple[Flag, ...] = (
     ),
     _flag(
         "embedding_max_batch_tokens",
-        "embedder.max_batch_tokens",
+        "embedder.max_batch_tokens+reranker.max_batch_tokens",
         int,
-        "token budget of one embedding forward pass",
+        "token budget of one embedding (or rerank) forward pass",
+    ),
+    _flag(
+        "default_max_tokens",
+        "server",
+        _optional(int),
+        "max_tokens of a generation request that sets none (default: chat and responses run to the context "
+        "limit, as OpenAI and vLLM do; completions stop at 16, OpenAI's default there)",
+    ),
+    _flag(
+        "embedding_token_ids",
+        "embedder.token_ids",
+        _one_of(*TOKEN_ID_INPUT_MODES),
+        "token-id input to the embedding routes: check (default; refuses ids that the embedding model's "
+        "tokenizer would not make of their text, e.g. tiktoken's), accept (any id in the vocabulary), "
+        "reject (text only)",
     ),
     _flag(
         "pooling",
@@ -230,14 +281,29 @@ FLAGS: tuple[Flag, ...] = (
         "largest request line plus headers (400 and the connection closed above it): bytes or with a unit",
     ),
     _flag("log_level", "server", str, f"logging level: {', '.join(LOG_LEVELS)}"),
+    _flag(
+        "metrics_names",
+        "server",
+        _one_of(*METRICS_NAMES),
+        "names of the /metrics series vLLM also has: kvserve (kvserve: prefix), vllm (vLLM's exact vllm: "
+        "names, read by dashboards, autoscalers and routers built for vLLM) or both (the default: kvserve's "
+        "and vLLM's tooling both work with no flag, for a /metrics page about twice as long)",
+    ),
     _flag("num_threads", "engine", _optional(int), "torch CPU threads (default: torch's choice)"),
 )
 
 
 def _defaults() -> dict[str, Any]:
     """flag name -> the default `kvserve serve` uses when neither the flag nor its variable is set."""
-    configs = {"server": ServerConfig(), "engine": default_engine_config(), "embedder": default_embedder_config()}
-    return {flag.name: getattr(configs[flag.targets[0][0]], flag.targets[0][1]) for flag in FLAGS}
+    server = ServerConfig()
+    configs = {"server": server, "engine": default_engine_config(), "embedder": default_embedder_config()}
+    configs["reranker"] = server.reranker  # None: no rerank model unless --rerank-model names one
+    defaults = {}
+    for flag in FLAGS:
+        config_name, field_name = flag.targets[0]
+        config = configs[config_name]
+        defaults[flag.name] = getattr(config, field_name) if config is not None else None
+    return defaults
 
 
 def env_name(field_name: str) -> str:
@@ -267,25 +333,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             dest=flag.name,
             type=flag.kind,
             default=default,
-            metavar="{true,false}" if flag.kind is _bool else flag.name.upper(),
+            metavar="{true,false}" if flag.kind is _bool else getattr(flag.kind, "metavar", flag.name.upper()),
             help=f"{flag.help} [env {env}; default {_default_text(defaults[flag.name])}]",
         )
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
     """The nested ServerConfig from parsed flags (a flag `args` lacks takes its default); an empty
-    --embedding-model serves no embeddings.
+    --embedding-model serves no embeddings, an empty --rerank-model (the default) no reranking.
 
     Raises ValueError (from the configs' own checks) on a value or combination that cannot work.
     """
     defaults = _defaults()
-    values: dict[str, dict[str, Any]] = {"server": {}, "engine": {}, "embedder": {}}
+    values: dict[str, dict[str, Any]] = {"server": {}, "engine": {}, "embedder": {}, "reranker": {}}
     for flag in FLAGS:
         for config_name, field_name in flag.targets:
             values[config_name][field_name] = getattr(args, flag.name, defaults[flag.name])
     engine = EngineConfig(**values["engine"])
     embedder = EmbedderConfig(**values["embedder"]) if values["embedder"]["model"] else None
-    return ServerConfig(engine=engine, embedder=embedder, **values["server"])
+    reranker = RerankerConfig(**values["reranker"]) if values["reranker"]["model"] else None
+    return ServerConfig(engine=engine, embedder=embedder, reranker=reranker, **values["server"])
 
 
 def _setup_logging(level: str) -> None:

@@ -1,8 +1,8 @@
 """ServerConfig: what `kvserve serve` runs, frozen and validated once.
 
-It holds the generation model's `EngineConfig` and the embedding model's `EmbedderConfig`
-(engine/config.py validates those) plus the server's own settings (network, auth, limits).
-server/cli.py builds all three from the flags.
+It holds the generation model's `EngineConfig`, the embedding model's `EmbedderConfig` and the
+rerank model's `RerankerConfig` (engine/config.py validates those) plus the server's own settings
+(network, auth, limits). server/cli.py builds them all from the flags.
 """
 
 from __future__ import annotations
@@ -10,10 +10,12 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from engine.config import EmbedderConfig, EngineConfig
+from engine.config import EmbedderConfig, EngineConfig, RerankerConfig
 from engine.hub.models_hub import DEFAULT_EMBEDDING_MODEL, DEFAULT_GENERATION_MODEL
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+# The names /metrics exports its series under (server/metrics.py): kvserve's own, vLLM's, or both.
+METRICS_NAMES = ("kvserve", "vllm", "both")
 
 
 def default_engine_config() -> EngineConfig:
@@ -68,6 +70,7 @@ class ServerConfig:
 
     engine: the generation model and its engine settings.
     embedder: the embedding model; None serves no embeddings.
+    reranker: the rerank model (a cross-encoder); None (the default) serves no reranking.
     served_model_name: the name clients use for the generation model (None: `engine.model`).
     request_timeout: seconds a generation or embedding request may live (None: no limit).
     max_client_batch_size: most prompts or inputs in one completions or embeddings request.
@@ -83,10 +86,17 @@ class ServerConfig:
         (prompt tokens + max_tokens), see server/params.py; above it, 400 request_too_large.
         None: the KV cache's capacity in tokens, but at least 8 x max_model_len (a request that
         alone could fill the cache would evict or hold back every other request until it ends).
+    default_max_tokens: the max_tokens of a generation request that sets none. None (the default):
+        chat and responses run to the context limit (OpenAI's and vLLM's behaviour), completions
+        stop at 16 tokens (OpenAI's default for that route).
+    metrics_names: which names /metrics exports the series vLLM also has under: "kvserve"
+        (`kvserve:` only), "vllm" (vLLM's exact `vllm:` names only) or "both" (each twice, so
+        kvserve dashboards and vLLM-built dashboards, autoscalers and routers all read it).
     """
 
     engine: EngineConfig = field(default_factory=default_engine_config)
     embedder: EmbedderConfig | None = field(default_factory=default_embedder_config)
+    reranker: RerankerConfig | None = None
     served_model_name: str | None = None
     host: str = "127.0.0.1"
     port: int = 8000
@@ -105,6 +115,8 @@ class ServerConfig:
     limit_concurrency: int | None = 1024
     max_request_head_bytes: int = 64 * 1024
     log_level: str = "info"
+    metrics_names: str = "both"
+    default_max_tokens: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "max_request_bytes", parse_bytes(self.max_request_bytes))
@@ -120,6 +132,7 @@ class ServerConfig:
         if self.request_timeout is not None and self.request_timeout <= 0:
             object.__setattr__(self, "request_timeout", None)
         object.__setattr__(self, "log_level", self.log_level.lower())
+        object.__setattr__(self, "metrics_names", self.metrics_names.lower())
         object.__setattr__(self, "max_request_head_bytes", parse_bytes(self.max_request_head_bytes))
 
         if not 0 <= self.port <= 65535:
@@ -132,6 +145,8 @@ class ServerConfig:
             raise ValueError(f"shutdown_timeout must be non-negative, got {self.shutdown_timeout}")
         if self.max_client_batch_size < 1:
             raise ValueError(f"max_client_batch_size must be positive, got {self.max_client_batch_size}")
+        if self.default_max_tokens is not None and self.default_max_tokens < 1:
+            raise ValueError(f"default_max_tokens must be positive, got {self.default_max_tokens}")
         if self.max_request_cost is not None and self.max_request_cost < 1:
             raise ValueError(f"max_request_cost must be positive, got {self.max_request_cost}")
         if self.timeout_keep_alive <= 0:
@@ -145,6 +160,8 @@ class ServerConfig:
             raise ValueError(f"max_request_head_bytes must be at least 1024, got {self.max_request_head_bytes}")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
+        if self.metrics_names not in METRICS_NAMES:
+            raise ValueError(f"metrics_names must be one of {METRICS_NAMES}, got {self.metrics_names!r}")
 
     @property
     def model_name(self) -> str:

@@ -27,6 +27,43 @@ from engine.errors import (
 logger = logging.getLogger(__name__)
 
 
+# Every `error.code` the server answers with: snake_case, stable, one meaning each. The README's
+# error table lists the same codes (a test keeps the two and the code that raises them in step).
+ERROR_CODES: dict[str, str] = {
+    "invalid_request": "400: a field is missing, mistyped, out of range or contradicts another",
+    "context_length_exceeded": "400: the prompt plus max_tokens does not fit the model's context",
+    "unsupported_field": "400: an OpenAI field kvserve does not implement was set",
+    "batch_too_large": "413: more inputs in one request than --max-client-batch-size",
+    "wrong_model_task": "400: the model exists but serves another task (e.g. chat with the embedding model)",
+    "invalid_token_ids": "400: token-id input that the model's tokenizer did not make",
+    "invalid_api_key": "401: --api-key is set and the request's bearer token is missing or wrong",
+    "not_found": "404: no such route, or no such stored object",
+    "model_not_found": "404: no served model has that name",
+    "method_not_allowed": "405: the route exists for another HTTP method",
+    "request_too_large": "413: the body is over --max-request-bytes; 400: the request could hold more than "
+    "--max-request-cost tokens, or has more prompts than --max-queued-requests",
+    "queue_full": "429: --max-queued-requests are already waiting; retry after Retry-After",
+    "internal_error": "500: a bug; the server goes on serving",
+    "engine_step_failed": "500: the model raised while this request was in its step; the others went on",
+    "model_loading": "503: the models are still loading; retry after Retry-After",
+    "model_not_running": "503: the model's engine is not running",
+    "engine_dead": "503: the engine stopped after repeated failures",
+    "shutting_down": "503: the server is stopping; retry (on another replica)",
+    "request_timeout": "504: the request outlived --request-timeout",
+}
+# The code an error gets when its raiser names none.
+_DEFAULT_CODES = {
+    400: "invalid_request",
+    401: "invalid_api_key",
+    404: "not_found",
+    405: "method_not_allowed",
+    413: "request_too_large",
+    429: "queue_full",
+    503: "model_not_running",
+    504: "request_timeout",
+}
+
+
 class APIError(Exception):
     def __init__(
         self,
@@ -42,7 +79,10 @@ class APIError(Exception):
         self.message = message
         self.type = type
         self.param = param
-        self.code = code
+        fallback = "internal_error" if status_code >= 500 else "invalid_request"
+        self.code = code or _DEFAULT_CODES.get(status_code, fallback)
+        if self.code not in ERROR_CODES:
+            raise ValueError(f"error code {self.code!r} is not in ERROR_CODES")
         self.headers = headers or {}
 
     def to_body(self) -> dict:
@@ -54,7 +94,7 @@ def api_error_for(exc: BaseException) -> APIError:
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, InvalidRequestError):
-        return APIError(400, exc.message, param=exc.param, code=type(exc).__name__)
+        return APIError(400, exc.message, param=exc.param, code=exc.code)
     if isinstance(exc, QueueFullError):
         return APIError(
             429,
@@ -69,7 +109,7 @@ def api_error_for(exc: BaseException) -> APIError:
         return APIError(504, str(exc), type="timeout_error", code="request_timeout")
     if isinstance(exc, EngineStepError):
         return APIError(500, str(exc), type="internal_error", code="engine_step_failed")
-    return APIError(500, "internal server error", type="internal_error")
+    return APIError(500, "internal server error", type="internal_error", code="internal_error")
 
 
 def _validation_message(errors: list[dict]) -> tuple[str, str | None]:

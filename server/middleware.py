@@ -134,6 +134,7 @@ class KVServeMiddleware:
                 503,
                 "the server is loading its models; retry shortly",
                 type="service_unavailable",
+                code="model_loading",
                 headers={"Retry-After": "1"},
             )
         length = _header(scope, b"content-length")

@@ -23,12 +23,14 @@ from pydantic.json_schema import models_json_schema
 from server.protocol.chat import ChatCompletionChunk
 from server.protocol.common import ErrorResponse, HealthStatus
 from server.protocol.completions import CompletionResponse
+from server.protocol.responses import ResponseStreamEvent
 
 Responses = dict[int | str, dict[str, Any]]
 
 _REF = "#/components/schemas/{model}"
-# The bodies of SSE events (besides the error body): each `generation_responses` chunk model is one of these.
-STREAM_EVENT_MODELS: tuple[type[BaseModel], ...] = (CompletionResponse, ChatCompletionChunk)
+# The bodies of SSE events (besides the error body): each `generation_responses` chunk model and each
+# `named_event_responses` event model is one of these.
+STREAM_EVENT_MODELS: tuple[type[BaseModel], ...] = (CompletionResponse, ChatCompletionChunk, ResponseStreamEvent)
 
 _RETRY_AFTER = {
     "Retry-After": {"description": "seconds to wait before retrying", "schema": {"type": "integer", "minimum": 1}}
@@ -44,7 +46,11 @@ _ERRORS: dict[int, tuple[str, dict[str, Any]]] = {
         "(`code` invalid_api_key).",
         {"WWW-Authenticate": {"description": "Bearer", "schema": {"type": "string"}}},
     ),
-    404: ("The `model` named is not served, or this server serves no embedding model (`code` model_not_found).", {}),
+    404: (
+        "The `model` named is not served, or this server serves no embedding (or rerank) model "
+        "(`code` model_not_found).",
+        {},
+    ),
     413: (
         "The body is larger than --max-request-bytes (`code` request_too_large), or carries more prompts or "
         "inputs than --max-client-batch-size (`code` batch_too_large).",
@@ -134,8 +140,36 @@ def generation_responses(chunk: type[BaseModel]) -> Responses:
     return {**streamed, **error_responses(400, 404, 429, 504, *_GATED)}
 
 
+def named_event_responses(event: type[BaseModel]) -> Responses:
+    """/v1/responses: a JSON answer, or (`stream`) SSE events named after their type (`event: <type>`,
+    then `data: <event>`); a failure is events of its own, and no [DONE] ends the stream."""
+    if event not in STREAM_EVENT_MODELS:
+        raise ValueError(f"{event.__name__} must be listed in STREAM_EVENT_MODELS")
+    item = {
+        "type": "object",
+        "required": ["event", "data"],
+        "properties": {
+            "event": {"type": "string", "description": "the event's `type`"},
+            "data": {
+                "description": f"a {event.__name__}",
+                "type": "string",
+                "contentMediaType": "application/json",
+                "contentSchema": {"$ref": _REF.format(model=event.__name__)},
+            },
+        },
+    }
+    streamed = {
+        200: {
+            "description": "One JSON body, or with `stream` true server-sent events: `event: <type>` and "
+            "`data: <event>` each",
+            "content": {"text/event-stream": {"itemSchema": item}},
+        }
+    }
+    return {**streamed, **error_responses(400, 404, 429, 504, *_GATED)}
+
+
 def engine_responses() -> Responses:
-    """/v1/embeddings and /embed: the model, the batch, the queue and the deadline can refuse."""
+    """/v1/embeddings, /embed and the rerank routes: the model, the batch, the queue and the deadline can refuse."""
     return error_responses(400, 404, 429, 504, *_GATED)
 
 

@@ -103,8 +103,12 @@ def sampling_params(
     vocab_size: int,
     cache_salt: str | None = None,
     structured: StructuredOutput | None = None,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
-    """The engine's SamplingParams for a completion or chat request (SamplingParams checks the ranges)."""
+    """The engine's SamplingParams for a completion or chat request (SamplingParams checks the ranges).
+
+    prompt_logprobs: top alternatives wanted per prompt token, beside the request's own
+    `prompt_logprobs` field (the larger wins; completions' echo asks through this)."""
     logit_bias = None
     if body.logit_bias:
         logit_bias = {}
@@ -115,6 +119,12 @@ def sampling_params(
         check_token_ids(list(logit_bias), vocab_size, "logit_bias")
     if body.stream_options is not None and not body.stream:
         raise InvalidRequestError("stream_options: only allowed when stream is true", "stream_options")
+    if body.prompt_logprobs is not None and body.stream:
+        raise InvalidRequestError(
+            "prompt_logprobs: not available on streams (a streamed completion with echo and logprobs has them)",
+            "prompt_logprobs",
+        )
+    asked = [k for k in (body.prompt_logprobs, prompt_logprobs) if k is not None]
     return SamplingParams(
         n=body.n,
         max_tokens=max_tokens,
@@ -133,6 +143,7 @@ def sampling_params(
         ignore_eos=body.ignore_eos,
         include_stop_str_in_output=body.include_stop_str_in_output,
         logprobs=logprobs,
+        prompt_logprobs=max(asked) if asked else None,
         skip_special_tokens=body.skip_special_tokens,
         cache_salt=cache_salt,
         structured=structured,

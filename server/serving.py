@@ -11,7 +11,8 @@ leak lives here. This module alone:
   cancelled, which aborts its engine requests or drops its queued embedding inputs, and the
   answer is a bare 499;
 - frames SSE: the chunks, the usage chunk when `stream_options.include_usage` asks, then
-  `[DONE]`; an engine error becomes an error event (the JSON error body) then `[DONE]`;
+  `[DONE]`; an engine error becomes an error event (the JSON error body) then `[DONE]` (the
+  Responses API's framing instead names each event and turns an error into its own events);
 - names the failure of a request the server's stop cut (server/shutdown.py): the engine or
   embedder stopped under it, and the answer is 503 `shutting_down`, not `engine_dead`;
 - closes every engine stream however the answer ends.
@@ -114,6 +115,7 @@ class Generation:
         self._timer = timer
         self._usage = _UsageCounter()
         self._finish_reasons: dict[int, str] = {}  # choice index -> why it ended
+        self._prompt_logprobs: dict[int, list[TokenLogprob | None]] = {}  # prompt index -> its scored tokens
         self._pumps: list[asyncio.Task] = []
 
     @property
@@ -128,6 +130,8 @@ class Generation:
         async for prompt_index, output in self._merged():
             self._timer.on_output(output)
             self._usage.add(prompt_index, output)
+            if output.prompt_logprobs is not None:
+                self._prompt_logprobs[prompt_index] = output.prompt_logprobs
             for delta in output.outputs:
                 if delta.finish_reason is not None:
                     self._finish_reasons[self.choice_index(prompt_index, delta)] = delta.finish_reason
@@ -140,6 +144,10 @@ class Generation:
             for delta in output.outputs:
                 samples[self.choice_index(prompt_index, delta)].add(delta)
         return samples
+
+    def prompt_logprobs(self, prompt_index: int) -> list[TokenLogprob | None] | None:
+        """The prompt's scored tokens (when the request asked), once its first output has arrived."""
+        return self._prompt_logprobs.get(prompt_index)
 
     def usage(self) -> Usage:
         """Tokens so far: the prompts, and every sample's completion."""
@@ -191,6 +199,7 @@ async def _submit(
     Engine request ids are made here (unique), never taken from the client's X-Request-Id:
     a retry with the same header must not collide with, or be aborted as, the old request.
     """
+    timer.on_submit(params)
     submits = [asyncio.ensure_future(engine.submit(ids, params, uuid.uuid4().hex)) for ids in prompts]
     try:
         await asyncio.wait(submits)  # each ends on its own: accepted, refused or timed out
@@ -217,6 +226,20 @@ def _withdraw(submits: list[asyncio.Future]) -> None:
 
 
 # ---- the answers ----
+
+
+@dataclass(frozen=True)
+class SseFraming:
+    """How a stream's events go on the wire. Completions and chat: `data: <json>` each, a failure as
+    the error body, then `data: [DONE]`. The Responses API names each event after its "type"
+    (an `event: <type>` line first), makes a failure its own events, and sends no [DONE]."""
+
+    named: bool = False
+    done: bool = True
+    failure: Callable[[APIError], list[dict]] | None = None  # None: the error body, as one event
+
+
+DATA_EVENTS = SseFraming()
 
 
 class _Answer(Response):
@@ -259,9 +282,11 @@ async def generation_stream(
     chunks: Callable[[Generation], AsyncIterator[dict]],
     usage_chunk: Callable[[Usage], dict],
     stream_options: StreamOptions | None,
+    framing: SseFraming = DATA_EVENTS,
 ) -> Response:
     """Submit, then answer SSE: each of `chunks(generation)` (dicts; their "usage" key is set or
-    dropped here, as `stream_options` asks), the `usage_chunk(usage)` if asked, then `[DONE]`."""
+    dropped here, as `stream_options` asks), the `usage_chunk(usage)` if asked, then `[DONE]`
+    (each as `framing` writes it)."""
     generation = await _submit(engine, prompts, params, timer)
     include_usage = stream_options is not None and stream_options.include_usage
     continuous_usage = include_usage and stream_options is not None and stream_options.continuous_usage_stats
@@ -273,16 +298,20 @@ async def generation_stream(
                     payload["usage"] = generation.usage().model_dump() if continuous_usage else None
                 else:
                     payload.pop("usage", None)
-                yield _sse(payload)
+                yield _sse(payload, framing.named)
             generation.record_finish()
             usage = generation.usage()
             _record_usage(scope, usage)
             if include_usage:
                 yield _sse(usage_chunk(usage))
-            yield _sse("[DONE]")
+            if framing.done:
+                yield _sse("[DONE]")
         except KVServeError as exc:
-            yield _sse(_error_for(exc, scope).to_body())
-            yield _sse("[DONE]")
+            error = _error_for(exc, scope)
+            for payload in framing.failure(error) if framing.failure is not None else [error.to_body()]:
+                yield _sse(payload, framing.named)
+            if framing.done:
+                yield _sse("[DONE]")
 
     async def send_events(scope: Scope, receive: Receive, send: Send) -> None:
         response = StreamingResponse(events(scope), media_type="text/event-stream", headers=SSE_HEADERS)
@@ -348,9 +377,10 @@ def _error_for(exc: KVServeError, scope: Scope) -> APIError:
     return api_error_for(exc)
 
 
-def _sse(payload: dict | str) -> str:
+def _sse(payload: dict | str, named: bool = False) -> str:
     data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
-    return f"data: {data}\n\n"
+    event = f"event: {payload['type']}\n" if named and isinstance(payload, dict) else ""
+    return f"{event}data: {data}\n\n"
 
 
 def _record_usage(scope: Scope, usage: Usage) -> None:

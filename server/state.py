@@ -1,6 +1,6 @@
 """ServerState: what the routes share, stored once on the app; a route reads it as a `SharedState` parameter.
 
-The lifespan (server/app.py) fills in `engine`, `text` and `embedder` once the models are loaded, then
+The lifespan (server/app.py) fills in `engine`, `text`, `embedder` and `reranker` once the models are loaded, then
 sets `is_ready`; a failed load sets `load_error` instead. `shutdown` is the server's stop
 (server/shutdown.py): the CLI moves its phase, the middleware counts requests in it. Routes only read it.
 """
@@ -28,6 +28,9 @@ class ServerState:
     config: ServerConfig
     engine: AsyncEngine | None = None  # None until loaded
     embedder: AsyncEmbedder | None = None  # None until loaded, or when no embedding model is served
+    # The rerank model (engine/reranker.py), batched by an AsyncEmbedder of its own; None until loaded,
+    # or when no rerank model is served.
+    reranker: AsyncEmbedder | None = None
     text: RequestText | None = None  # tokenizer work on request text, off the loop; set with `engine`
     is_ready: bool = False  # every model is loaded: the middleware stops answering 503
     load_error: str | None = None  # why loading failed; /health reports it
@@ -35,7 +38,13 @@ class ServerState:
     metrics: ServerMetrics = field(init=False)  # its engine gauges read `engine` at scrape time
 
     def __post_init__(self) -> None:
-        self.metrics = ServerMetrics(self.config.model_name, self._engine_stats)
+        embedder = self.config.embedder
+        self.metrics = ServerMetrics(
+            self.config.model_name,
+            self._engine_stats,
+            metrics_names=self.config.metrics_names,
+            embedding_model_name=embedder.model if embedder is not None else None,
+        )
 
     def _engine_stats(self) -> EngineStats | None:
         return self.engine.stats() if self.engine is not None else None

@@ -55,6 +55,19 @@ class Tokenizer:
         """Compiles structured-output grammars over this tokenizer's tokens, for logits `vocab_size` wide."""
         return GrammarCompiler(self._tok, vocab_size, self.eos_token_ids)
 
+    def special_tokens(self) -> dict[str, str | None]:
+        """The tokenizer's bos/eos/pad/unk token texts (None where it has none)."""
+        return {name: getattr(self._tok, name, None) for name in ("bos_token", "eos_token", "pad_token", "unk_token")}
+
+    @property
+    def chat_template(self) -> str | None:
+        template = getattr(self._tok, "chat_template", None)
+        return template if isinstance(template, str) else None
+
+    @property
+    def class_name(self) -> str:
+        return type(self._tok).__name__
+
     @property
     def has_chat_template(self) -> bool:
         return bool(getattr(self._tok, "chat_template", None))

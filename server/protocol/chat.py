@@ -8,6 +8,7 @@ from pydantic import BaseModel, Field, model_serializer
 
 from server.protocol.common import (
     PositiveCount,
+    PromptLogprobs,
     SamplingFields,
     StrictRequest,
     TopLogprobs,
@@ -153,6 +154,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = None  # when the request set prompt_logprobs
 
 
 class ChatDelta(BaseModel):

@@ -13,6 +13,7 @@ from pydantic import (
     ValidationError,
     ValidatorFunctionWrapHandler,
     WrapValidator,
+    field_validator,
 )
 from pydantic_core import PydanticCustomError
 
@@ -97,6 +98,19 @@ class StreamOptions(StrictRequest):
     continuous_usage_stats: bool = False
 
 
+class TruncationFields(StrictRequest):
+    """TEI's switch for inputs over the model's limit (the encoder routes): cut them when `truncate`, from the
+    `truncation_direction` side, else a 400. TEI spells directions "Right"/"Left"; either case is accepted."""
+
+    truncate: bool = False
+    truncation_direction: Literal["right", "left"] = "right"
+
+    @field_validator("truncation_direction", mode="before")
+    @classmethod
+    def _lower(cls, value: object) -> object:
+        return value.lower() if isinstance(value, str) else value
+
+
 class SamplingFields(StrictRequest):
     """Sampling fields shared by completions and chat (OpenAI names plus vLLM's extras)."""
 
@@ -122,6 +136,20 @@ class SamplingFields(StrictRequest):
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # vLLM's: the logprob, rank and top alternatives of every prompt token (the first is null)
+    prompt_logprobs: TopLogprobs | None = None
+
+
+class PromptTokenLogprob(BaseModel):
+    """One entry of vLLM's prompt_logprobs: a token's logprob, its rank (1 = likeliest) and text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str
+
+
+# Per prompt token: token id (as a string) -> its entry, for the prompt token and its top alternatives.
+PromptLogprobs = list[dict[str, PromptTokenLogprob] | None]
 
 
 class Usage(BaseModel):
@@ -137,7 +165,7 @@ class ModelCard(BaseModel):
     owned_by: str = "kvserve"
     root: str
     max_model_len: int
-    task: Literal["generate", "embed"]
+    task: Literal["generate", "embed", "rerank"]
 
 
 class ModelList(BaseModel):

@@ -10,6 +10,7 @@ from engine.params import MAX_CACHE_SALT_CHARS
 from server.protocol.common import (
     NumSamples,
     PositiveCount,
+    PromptLogprobs,
     SamplingFields,
     TextsOrTokenIds,
     TopLogprobs,
@@ -24,7 +25,7 @@ CacheSalt = Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT_CHARS)]
 
 class CompletionRequest(SamplingFields, GuidedFields):
     prompt: TextsOrTokenIds
-    max_tokens: PositiveCount | None = 16
+    max_tokens: PositiveCount | None = None  # None: --default-max-tokens, else OpenAI's 16
     logprobs: TopLogprobs | None = None  # OpenAI allows 0..5; kvserve 0..20, like chat's top_logprobs
     echo: bool = False
     add_special_tokens: bool = True
@@ -55,6 +56,7 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # when the request set prompt_logprobs
 
 
 class CompletionResponse(BaseModel):

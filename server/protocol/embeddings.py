@@ -9,30 +9,23 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, field_validator
+from pydantic import BaseModel
 
-from server.protocol.common import PositiveCount, StrictRequest, TextsOrTokenIds
+from server.protocol.common import PositiveCount, TextsOrTokenIds, TruncationFields
 
 # OpenAI: a string, a list of strings, one token-id list, or a list of token-id lists.
 EmbeddingInput = TextsOrTokenIds
 
 
-class EmbeddingRequest(StrictRequest):
-    """POST /v1/embeddings. `model` may be omitted (the served embedding model); `user` is accepted and ignored."""
+class EmbeddingRequest(TruncationFields):
+    """POST /v1/embeddings. `model` may be omitted (the served embedding model); `user` is accepted and ignored.
+    The truncation fields are kvserve/TEI extras: OpenAI has no truncation switch (inputs over the limit are a 400)."""
 
     input: EmbeddingInput
     model: str | None = None
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: PositiveCount | None = None  # at most the model's hidden size (the embedder checks)
     user: str | None = None
-    # kvserve/TEI extras: OpenAI has no truncation switch (inputs over the limit are a 400).
-    truncate: bool = False
-    truncation_direction: Literal["right", "left"] = "right"
-
-    @field_validator("truncation_direction", mode="before")
-    @classmethod
-    def _lower(cls, value: object) -> object:
-        return value.lower() if isinstance(value, str) else value
 
 
 class EmbeddingData(BaseModel):
@@ -53,19 +46,12 @@ class EmbeddingResponse(BaseModel):
     usage: EmbeddingUsage
 
 
-class EmbedRequest(StrictRequest):
-    """POST /embed (text-embeddings-inference). TEI spells directions "Right"/"Left"; either case is accepted."""
+class EmbedRequest(TruncationFields):
+    """POST /embed (text-embeddings-inference)."""
 
     inputs: EmbeddingInput
     normalize: bool = True
-    truncate: bool = False
-    truncation_direction: Literal["right", "left"] = "right"
     dimensions: PositiveCount | None = None
-
-    @field_validator("truncation_direction", mode="before")
-    @classmethod
-    def _lower(cls, value: object) -> object:
-        return value.lower() if isinstance(value, str) else value
 
 
 # POST /embed answers a bare JSON list of vectors, one per input, in input order.

@@ -1,4 +1,4 @@
-"""POST /tokenize and POST /detokenize (vLLM's shapes)."""
+"""POST /tokenize, POST /detokenize and GET /tokenizer_info (vLLM's shapes)."""
 
 from __future__ import annotations
 
@@ -31,3 +31,16 @@ class DetokenizeRequest(StrictRequest):
 
 class DetokenizeResponse(BaseModel):
     prompt: str
+
+
+class TokenizerInfo(BaseModel):
+    """What a client needs to tokenize as the server does (lm-evaluation-harness's remote tokenizer reads it)."""
+
+    tokenizer_class: str
+    bos_token: str | None
+    eos_token: str | None
+    pad_token: str | None
+    unk_token: str | None
+    chat_template: str | None
+    model_max_length: int
+    vocab_size: int

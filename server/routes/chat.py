@@ -10,7 +10,7 @@ from fastapi.responses import Response
 
 from engine.errors import InvalidRequestError
 from server import serving
-from server.logprobs import chat_logprobs
+from server.logprobs import chat_logprobs, prompt_logprobs_entries
 from server.openapi import generation_responses
 from server.params import check_admissible, reject_unsupported, sampling_params
 from server.prompts import chat_prompt_ids
@@ -51,6 +51,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     )
     tokenizer = engine.tokenizer  # the event loop's: logprob token texts, a few per step
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    if max_tokens is None:
+        max_tokens = state.config.default_max_tokens  # None: up to the context limit
     num_top = body.top_logprobs or 0
     logprobs = num_top if body.logprobs else None
     structured = structured_output(body, body.response_format)  # plan_tools refused response_format with tools
@@ -93,7 +95,15 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
                 )
             )
         usage = generation.usage()
-        return ChatCompletionResponse(id=answer_id, model=model_name, choices=choices, usage=usage).model_dump()
+        prompt_logprobs = None
+        scored = generation.prompt_logprobs(0)
+        if scored is not None and body.prompt_logprobs is not None:
+            prompt_logprobs = await request_text(state).run(
+                len(prompt_ids), prompt_logprobs_entries, scored, body.prompt_logprobs
+            )
+        return ChatCompletionResponse(
+            id=answer_id, model=model_name, choices=choices, usage=usage, prompt_logprobs=prompt_logprobs
+        ).model_dump()
 
     return await serving.generation_json(engine, [prompt_ids], params, timer, answer)
 

@@ -9,31 +9,47 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from server import serving
-from server.errors import APIError
-from server.logprobs import completion_logprobs
+from server.logprobs import completion_logprobs, echo_logprobs, joined, prompt_logprobs_entries
 from server.openapi import generation_responses
 from server.params import check_admissible, reject_unsupported, sampling_params
 from server.prompts import completion_prompts, echoed_prompts
-from server.protocol.completions import CompletionChoice, CompletionRequest, CompletionResponse
+from server.protocol.common import PromptLogprobs
+from server.protocol.completions import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+)
 from server.served_models import generation_engine, request_text
 from server.serving import Generation
 from server.state import SharedState
 from server.structured import compile_structured, structured_output
-from server.text import has_text, text_size
+from server.text import RequestText, has_text, text_size
 
 router = APIRouter()
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's, when neither the request nor --default-max-tokens sets one
 
 
 @router.post("/v1/completions", response_model=CompletionResponse, responses=generation_responses(CompletionResponse))
 async def create_completion(body: CompletionRequest, request: Request, state: SharedState) -> Response:
     engine = generation_engine(state, body.model)
     reject_unsupported(body.unsupported_fields())
-    if body.echo and body.logprobs is not None:
-        raise APIError(400, "echo with logprobs is not supported (no prompt logprobs)", param="echo")
     engine.check_admission()  # a full queue answers 429 before any prompt is tokenized
     text = request_text(state)
     structured = structured_output(body)
-    params = sampling_params(body, body.max_tokens, body.logprobs, engine.vocab_size, body.cache_salt, structured)
+    # echo with logprobs scores the echoed prompt too (what lm-evaluation-harness's loglikelihood reads)
+    echo_logprobs_top = body.logprobs if body.echo else None
+    max_tokens = body.max_tokens or state.config.default_max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
+    params = sampling_params(
+        body,
+        max_tokens,
+        body.logprobs,
+        engine.vocab_size,
+        body.cache_salt,
+        structured,
+        prompt_logprobs=echo_logprobs_top,
+    )
     await compile_structured(text, engine, structured)
     if has_text(body.prompt):
         prompts = await text.run(text_size(body.prompt), completion_prompts, body, engine.vocab_size, state.config)
@@ -58,7 +74,7 @@ async def create_completion(body: CompletionRequest, request: Request, state: Sh
             return CompletionResponse(id=answer_id, model=model_name, choices=[], usage=usage).model_dump()
 
         def chunks(generation: Generation) -> AsyncIterator[dict]:
-            return _chunks(generation, body, echoes, answer_id, model_name, tokenizer)
+            return _chunks(generation, body, echoes, prompt_ids, text, answer_id, model_name, tokenizer)
 
         return await serving.generation_stream(
             engine, prompt_ids, params, timer, chunks, usage_chunk, body.stream_options
@@ -66,11 +82,17 @@ async def create_completion(body: CompletionRequest, request: Request, state: Sh
 
     async def answer(generation: Generation) -> dict:
         choices = []
-        for index, sample in enumerate(await generation.samples()):
-            echo = echoes[index // params.n]
+        samples = await generation.samples()
+        scores = [await _prompt_scores(text, generation, i, prompt_ids[i], body) for i in range(len(prompt_ids))]
+        for index, sample in enumerate(samples):
+            prompt_index = index // params.n
+            echo = echoes[prompt_index]
+            echoed_logprobs, prompt_logprobs = scores[prompt_index]
             logprobs = None
             if params.logprobs is not None:
                 logprobs = completion_logprobs(tokenizer, sample.logprobs, len(echo))
+                if echoed_logprobs is not None:
+                    logprobs = joined(echoed_logprobs, logprobs)
             choices.append(
                 CompletionChoice(
                     index=index,
@@ -78,6 +100,7 @@ async def create_completion(body: CompletionRequest, request: Request, state: Sh
                     logprobs=logprobs,
                     finish_reason=sample.finish_reason,
                     stop_reason=sample.stop_reason,
+                    prompt_logprobs=prompt_logprobs,
                 )
             )
         usage = generation.usage()
@@ -86,24 +109,57 @@ async def create_completion(body: CompletionRequest, request: Request, state: Sh
     return await serving.generation_json(engine, prompt_ids, params, timer, answer)
 
 
+async def _prompt_scores(
+    text: RequestText, generation: Generation, prompt_index: int, prompt_ids: list[int], body: CompletionRequest
+) -> tuple[CompletionLogprobs | None, PromptLogprobs | None]:
+    """A prompt's echoed logprobs (echo with logprobs) and vLLM's prompt_logprobs entries (when asked);
+    token texts for a long prompt are many, so they are made on the text worker."""
+    scored = generation.prompt_logprobs(prompt_index)
+    if scored is None:
+        return None, None
+
+    def build(tokenizer: Any) -> tuple[CompletionLogprobs | None, PromptLogprobs | None]:
+        echoed = None
+        if body.echo and body.logprobs is not None:
+            echoed = echo_logprobs(tokenizer, prompt_ids, scored, body.logprobs)
+        entries = None
+        if body.prompt_logprobs is not None:
+            entries = prompt_logprobs_entries(tokenizer, scored, body.prompt_logprobs)
+        return echoed, entries
+
+    return await text.run(len(prompt_ids), build)
+
+
 async def _chunks(
     generation: Generation,
     body: CompletionRequest,
     echoes: list[str],
+    prompt_ids: list[list[int]],
+    text: RequestText,
     answer_id: str,
     model_name: str,
     tokenizer: Any,
 ) -> AsyncIterator[dict]:
     wants_logprobs = body.logprobs is not None
     offsets: dict[int, int] = {}  # choice index -> where its next token starts in its text
+    # With logprobs, a prompt's echo waits for its first output, which brings the prompt's scores.
+    echo_waits_for_scores = body.echo and wants_logprobs
+    echoed: set[int] = set()  # prompts whose echo went out
 
     def chunk(choices: list[CompletionChoice]) -> dict:
         return CompletionResponse(id=answer_id, model=model_name, choices=choices).model_dump()
 
-    if body.echo:
+    if body.echo and not echo_waits_for_scores:
         for index in range(generation.num_choices):
             yield chunk([CompletionChoice(index=index, text=echoes[index // body.n])])
     async for prompt_index, output in generation.outputs():
+        if echo_waits_for_scores and prompt_index not in echoed:
+            echoed.add(prompt_index)
+            scores, _ = await _prompt_scores(text, generation, prompt_index, prompt_ids[prompt_index], body)
+            for sample in range(body.n):
+                yield chunk(
+                    [CompletionChoice(index=prompt_index * body.n + sample, text=echoes[prompt_index], logprobs=scores)]
+                )
         for delta in output.outputs:
             if not delta.text and delta.finish_reason is None and not (wants_logprobs and delta.logprobs):
                 continue

@@ -1,4 +1,4 @@
-"""Embedding routes: OpenAI's POST /v1/embeddings and text-embeddings-inference's POST /embed.
+"""Embedding routes: OpenAI's POST /v1/embeddings and text-embeddings-inference's POST /embed (and POST /).
 
 Thin: check the model and the list size, hand the inputs to the AsyncEmbedder, shape the
 vectors. The answer is computed while the client waits (server/serving.py): a client that
@@ -66,6 +66,9 @@ async def create_embeddings(body: EmbeddingRequest, state: SharedState) -> Respo
     return serving.raced_json(answer)
 
 
+# TEI answers its embed route at the root too: clients built for it (huggingface_hub's
+# InferenceClient.feature_extraction with a base URL) post there.
+@router.post("/", response_model=EmbedResponse, responses=engine_responses())
 @router.post("/embed", response_model=EmbedResponse, responses=engine_responses())
 async def embed(body: EmbedRequest, state: SharedState) -> Response:
     embedder = embedding_engine(state, None)
@@ -109,5 +112,6 @@ async def _embed(
         num_inputs=len(inputs),
         num_prompt_tokens=result.num_prompt_tokens,
         latency_seconds=time.monotonic() - start,
+        model_name=embedder.model_name,
     )
     return result

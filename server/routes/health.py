@@ -29,6 +29,8 @@ async def health(state: SharedState) -> JSONResponse:
         return JSONResponse({"status": "error", "message": "the generation engine is not running"}, status_code=503)
     if state.embedder is not None and not state.embedder.is_healthy:
         return JSONResponse({"status": "error", "message": "the embedding engine is not running"}, status_code=503)
+    if state.reranker is not None and not state.reranker.is_healthy:
+        return JSONResponse({"status": "error", "message": "the rerank engine is not running"}, status_code=503)
     return JSONResponse({"status": "ok"})
 
 

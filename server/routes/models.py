@@ -1,10 +1,12 @@
-"""GET /v1/models: the loaded models, each with its task ("generate" or "embed") and context length."""
+"""GET /v1/models: the loaded models, each with its task ("generate", "embed" or "rerank") and context length;
+GET /v1/models/{id}: one of them (404 `model_not_found` for any other name)."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter
 
-from server.openapi import gated_responses
+from server.errors import APIError
+from server.openapi import error_responses, gated_responses
 from server.protocol.common import ModelCard, ModelList
 from server.state import SharedState
 
@@ -24,13 +26,26 @@ async def list_models(state: SharedState) -> ModelList:
                 task="generate",
             )
         )
-    if state.embedder is not None:
-        cards.append(
-            ModelCard(
-                id=state.embedder.model_name,
-                root=config.embedder.model if config.embedder is not None else state.embedder.model_name,
-                max_model_len=state.embedder.max_model_len,
-                task="embed",
-            )
-        )
+    for batcher, encoder_config, task in (
+        (state.embedder, config.embedder, "embed"),
+        (state.reranker, config.reranker, "rerank"),
+    ):
+        if batcher is not None:
+            root = encoder_config.model if encoder_config is not None else batcher.model_name
+            cards.append(ModelCard(id=batcher.model_name, root=root, max_model_len=batcher.max_model_len, task=task))
     return ModelList(data=cards)
+
+
+# `:path`: a served name may contain slashes (a Hugging Face repo id served under its own name)
+@router.get("/v1/models/{model_id:path}", responses=error_responses(404, 401, 413, 500, 503))
+async def retrieve_model(model_id: str, state: SharedState) -> ModelCard:
+    for card in (await list_models(state)).data:
+        if card.id == model_id:
+            return card
+    raise APIError(
+        404,
+        f"the model {model_id!r} is not served here (GET /v1/models lists the served models)",
+        type="not_found_error",
+        param="model",
+        code="model_not_found",
+    )

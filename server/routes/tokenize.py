@@ -1,4 +1,6 @@
-"""POST /tokenize and POST /detokenize with the generation model's tokenizer (vLLM's shapes).
+"""POST /tokenize, POST /detokenize and GET /tokenizer_info with the generation model's tokenizer
+(vLLM's shapes). With /tokenizer_info, lm-evaluation-harness tokenizes through the server and needs
+no local copy of the model's tokenizer.
 
 The work and the JSON body are done on the text worker (server/text.py): a 2 MB prompt is
 over 400,000 token ids, and neither encoding it nor writing them out may hold up the event loop.
@@ -16,7 +18,13 @@ from engine.errors import InvalidRequestError
 from server.openapi import tokenizer_responses
 from server.params import check_token_ids
 from server.prompts import chat_prompt_ids
-from server.protocol.tokenize import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
+from server.protocol.tokenize import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+    TokenizerInfo,
+)
 from server.served_models import generation_engine, request_text
 from server.state import SharedState
 from server.text import text_size
@@ -38,6 +46,19 @@ async def detokenize(body: DetokenizeRequest, state: SharedState) -> Response:
     engine = generation_engine(state, body.model)
     check_token_ids(body.tokens, engine.vocab_size, "tokens")
     return _json(await request_text(state).run(len(body.tokens), _detokenize, body.tokens))
+
+
+@router.get("/tokenizer_info", responses=tokenizer_responses())
+async def tokenizer_info(state: SharedState, model: str | None = None) -> TokenizerInfo:
+    engine = generation_engine(state, model)
+    tokenizer = engine.tokenizer
+    return TokenizerInfo(
+        tokenizer_class=tokenizer.class_name,
+        **tokenizer.special_tokens(),
+        chat_template=tokenizer.chat_template,
+        model_max_length=engine.max_model_len,
+        vocab_size=engine.vocab_size,
+    )
 
 
 def _tokenize(tokenizer: Any, body: TokenizeRequest, max_model_len: int) -> bytes:

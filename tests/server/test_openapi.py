@@ -40,11 +40,19 @@ QUEUED = GATED | {"400", "404", "429", "504"}  # routes whose requests wait in a
 EXPECTED_ERRORS = {
     ("post", "/v1/completions"): QUEUED,
     ("post", "/v1/chat/completions"): QUEUED,
+    ("post", "/v1/responses"): QUEUED,
     ("post", "/v1/embeddings"): QUEUED,
     ("post", "/embed"): QUEUED,
+    ("post", "/"): QUEUED,
+    ("post", "/rerank"): QUEUED,
+    ("post", "/v1/rerank"): QUEUED,
+    ("post", "/v2/rerank"): QUEUED,
+    ("post", "/v1/score"): QUEUED,
     ("post", "/tokenize"): GATED | {"400", "404"},
     ("post", "/detokenize"): GATED | {"400", "404"},
     ("get", "/v1/models"): GATED,
+    ("get", "/v1/models/{model_id}"): GATED | {"404"},
+    ("get", "/tokenizer_info"): GATED | {"400", "404"},
     ("get", "/health"): {"500", "503"},
     ("get", "/metrics"): {"401", "500", "503"},
 }
@@ -84,8 +92,19 @@ def serves_embeddings() -> bool:
 
 
 @pytest.fixture(scope="module")
-def live_server(model_dir, serves_embeddings):
-    from engine.config import EmbedderConfig
+def rerank_model_dir(tmp_path_factory, serves_embeddings):
+    """A tiny random BERT cross-encoder (its tokenizer is the embedding model's), when that model is cached."""
+    if not serves_embeddings:
+        return None
+    from engine.hub.models_hub import resolve_model
+    from tests.engine.test_reranker import make_tiny_cross_encoder
+
+    return make_tiny_cross_encoder(tmp_path_factory.mktemp("tiny-rerank"), "bert", str(resolve_model(EMBEDDING_MODEL)))
+
+
+@pytest.fixture(scope="module")
+def live_server(model_dir, serves_embeddings, rerank_model_dir):
+    from engine.config import EmbedderConfig, RerankerConfig
 
     # Small limits bound every generated request: a 64-token context ends any generation within a few
     # dozen steps, and 4 items per batch keep embedding requests short (more is the documented 413).
@@ -98,6 +117,8 @@ def live_server(model_dir, serves_embeddings):
     )
     if serves_embeddings:
         config = dataclasses.replace(config, embedder=EmbedderConfig(model=EMBEDDING_MODEL, max_model_len=64))
+    if rerank_model_dir is not None:
+        config = dataclasses.replace(config, reranker=RerankerConfig(model=str(rerank_model_dir)))
     with ServerThread(create_app(config)) as server:
         yield server
 
@@ -168,18 +189,26 @@ STREAMED = {"stream": True, "stream_options": {"include_usage": True}, "max_toke
         ("/v1/chat/completions", {"messages": MESSAGES, "logprobs": True, "top_logprobs": 2, **STREAMED}, 200, None),
         ("/v1/completions", {"prompt": PROMPT, "max_tokens": 4, "logprobs": 2}, 200, "application/json"),
         ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 4}, 200, "application/json"),
+        ("/v1/responses", {"input": PROMPT, "stream": True, "max_output_tokens": 4}, 200, "text/event-stream"),
+        ("/v1/responses", {"input": PROMPT, "max_output_tokens": 4}, 200, "application/json"),
         ("/v1/completions", {"prompt": PROMPT, "model": "no-such-model"}, 404, None),
         ("/v1/completions", {"prompt": [PROMPT] * (MAX_BATCH + 1), "max_tokens": 1}, 413, None),
         ("/tokenize", {"prompt": "x" * MAX_REQUEST_BYTES}, 413, None),
         ("/v1/embeddings", {"input": [PROMPT], "encoding_format": "base64"}, 200, "application/json"),
         ("/embed", {"inputs": [PROMPT] * (MAX_BATCH + 1)}, 413, None),
+        ("/rerank", {"query": PROMPT, "texts": [PROMPT, "x"], "return_text": True}, 200, "application/json"),
+        ("/v1/rerank", {"query": PROMPT, "documents": [PROMPT, {"text": "x"}], "top_n": 1}, 200, "application/json"),
+        ("/v1/rerank", {"query": PROMPT, "documents": [PROMPT], "return_documents": False}, 200, None),
+        ("/v1/score", {"text_1": PROMPT, "text_2": [PROMPT, "x"]}, 200, "application/json"),
+        ("/v1/score", {"text_1": PROMPT, "text_2": [PROMPT] * (MAX_BATCH + 1)}, 413, None),
     ],
 )
 def test_live_answers_match_the_document(live_server, serves_embeddings, path, body, status, media_type):
-    """Each answer is checked as the fuzzer checks its own (without an embedding model, embeddings are a 404)."""
+    """Each answer is checked as the fuzzer checks its own (without an embedding model, embeddings and
+    reranking are a 404: the tiny reranker borrows the embedding model's tokenizer)."""
     case = schema[path]["POST"].Case(body=body, media_type="application/json")
     response = case.call(base_url=live_server.base_url, timeout=60)
-    if not serves_embeddings and path in ("/v1/embeddings", "/embed"):
+    if not serves_embeddings and path in ("/v1/embeddings", "/embed", "/rerank", "/v1/rerank", "/v1/score"):
         status = 404
     assert response.status_code == status, response.text
     if media_type is None and body.get("stream"):
@@ -241,7 +270,7 @@ def test_loading_and_draining_are_the_documented_503(draining):
         assert response.status_code == 503, (path, response.text)
         if path != "/health":
             assert response.headers["retry-after"] == "1"
-            assert response.json()["error"]["code"] == ("shutting_down" if draining else None)
+            assert response.json()["error"]["code"] == ("shutting_down" if draining else "model_loading")
         else:
             assert response.json()["status"] == ("draining" if draining else "loading")
         validated(case, response, checks=CHECKS[1:])  # a 503 on purpose: not_a_server_error would flag it

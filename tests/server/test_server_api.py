@@ -397,4 +397,6 @@ def test_embedding_model_is_served_alongside(model_dir):
             client.chat.completions.create(model="all-minilm-l6-v2", messages=[{"role": "user", "content": "Hi"}])
         assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).usage.completion_tokens == 2
         metrics_text = httpx.get(f"{srv.base_url}/metrics").text
-        assert 'kvserve:embedding_inputs_total{endpoint="/v1/embeddings"} 2.0' in metrics_text
+        assert 'kvserve:embedding_inputs_total{endpoint="/v1/embeddings",model_name="all-minilm-l6-v2"} 2.0' in (
+            metrics_text
+        )

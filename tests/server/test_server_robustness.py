@@ -19,6 +19,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from server.app import create_app
+from server.errors import ERROR_CODES
 from server.state import state_of
 from tests.server.flaky_engine import flaky_factory
 from tests.support.asgi import post_scope
@@ -84,6 +85,7 @@ def assert_error_shape(response: httpx.Response, status: int, param: str | None 
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["code"] in ERROR_CODES, error  # one snake_case vocabulary, never null
     if param != "":
         assert (error["param"] or "").startswith(param or ""), error
     if type_:
@@ -206,7 +208,7 @@ BAD_COMPLETIONS = [
     ({"prompt": "Hi", "logit_bias": {"5\u00b2": 1}}, "logit_bias"),
     ({"prompt": "Hi", "logit_bias": {"1" * 40: 1}}, "logit_bias"),
     ({"prompt": "Hi", "stream_options": {"include_usage": True}}, "stream_options"),
-    ({"prompt": "Hi", "echo": True, "logprobs": 1}, "echo"),
+    ({"prompt": "Hi", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
     ({"prompt": "Hi", "stop": ["x"] * 20}, "stop"),
     ({"prompt": "Hi", "stop": "x" * 1025}, "stop"),
     ({"prompt": "Hi", "stop": ["x", "y" * 1025]}, "stop"),
@@ -589,6 +591,7 @@ def test_full_queue_answers_429_with_retry_after(guarded, monkeypatch):
 SERVE_FLAGS = (
     "model",
     "embedding_model",
+    "rerank_model",
     "served_model_name",
     "host",
     "port",
@@ -613,11 +616,14 @@ SERVE_FLAGS = (
     "max_request_cost",
     "embedding_max_batch_tokens",
     "pooling",
+    "embedding_token_ids",
+    "default_max_tokens",
     "timeout_keep_alive",
     "timeout_request_head",
     "limit_concurrency",
     "max_request_head_bytes",
     "log_level",
+    "metrics_names",
     "num_threads",
 )
 
@@ -638,15 +644,15 @@ def test_help_documents_every_flag_and_its_env_var(capsys):
 def test_every_flag_feeds_a_real_config_field_and_every_server_setting_has_a_flag():
     import dataclasses
 
-    from engine.config import EmbedderConfig, EngineConfig
+    from engine.config import EmbedderConfig, EngineConfig, RerankerConfig
     from server import cli
     from server.config import ServerConfig
 
-    classes = {"server": ServerConfig, "engine": EngineConfig, "embedder": EmbedderConfig}
+    classes = {"server": ServerConfig, "engine": EngineConfig, "embedder": EmbedderConfig, "reranker": RerankerConfig}
     targets = {(config, field) for flag in cli.FLAGS for config, field in flag.targets}
     for config, field in targets:
         assert field in {f.name for f in dataclasses.fields(classes[config])}, (config, field)
-    own_fields = {f.name for f in dataclasses.fields(ServerConfig)} - {"engine", "embedder"}
+    own_fields = {f.name for f in dataclasses.fields(ServerConfig)} - {"engine", "embedder", "reranker"}
     assert own_fields == {field for config, field in targets if config == "server"}
 
 
