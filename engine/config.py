@@ -109,10 +109,10 @@ class EmbedderConfig:
     normalize: default for requests that do not say; None = from the model's files (a Normalize
         module in modules.json), True when the model has no sentence-transformers files.
     max_model_len: None = the position table's limit; a smaller value lowers it.
-    token_ids: what token-id inputs may be (TOKEN_ID_INPUT_MODES): "check" (default) takes ids only
-        where decoding and encoding them again with the model's tokenizer gives them back (ids made
-        by another tokenizer mostly do not: they are refused, not embedded as a wrong vector),
-        "accept" takes any id in the vocabulary, "reject" refuses token-id input altogether.
+    token_ids: what token-id inputs may be (TOKEN_ID_INPUT_MODES): "check" (default) takes only what the
+        model's tokenizer makes of a text, special tokens included (ids made by another tokenizer are
+        refused, not embedded as a wrong vector), "accept" takes any id in the vocabulary, "reject"
+        refuses token-id input altogether.
     """
 
     model: str

@@ -114,6 +114,16 @@ def _read_pooling(path: Path) -> str | None:
     return _ST_POOLING_FLAGS[chosen[0]]
 
 
+def _special_token_framing(tokenizer) -> tuple[list[int], list[int]]:
+    """The special token ids the tokenizer puts before and after every text: ([CLS], [SEP]) for BERT."""
+    framed = tokenizer.encode("a", add_special_tokens=True).ids
+    bare = tokenizer.encode("a", add_special_tokens=False).ids
+    for start in range(len(framed) - len(bare) + 1):
+        if framed[start : start + len(bare)] == bare:
+            return framed[:start], framed[start + len(bare) :]
+    return [], []
+
+
 def load_tokenizers(model_dir: Path, max_len: int):
     """Three `tokenizers.Tokenizer`s from the model's own files: no truncation, truncate right, truncate left.
 
@@ -202,8 +212,7 @@ class Embedder:
         self.hidden_size: int = self.model.config.hidden_size
         self.vocab_size: int = self.model.config.vocab_size
         self._tokenizers = load_tokenizers(encoder_dir, self.max_model_len)
-        added = self._tokenizers[None].get_added_tokens_decoder()
-        self._special_ids = frozenset(token_id for token_id, token in added.items() if token.special)
+        self._framing = _special_token_framing(self._tokenizers[None])
         logger.info(
             "embedder %s: pooling=%s normalize=%s max_model_len=%d dims=%d",
             self.model_name,
@@ -240,11 +249,20 @@ class Embedder:
                 raise _invalid_text_error(texts) from exc
         elif all(not isinstance(x, str) for x in inputs):
             token_ids = [self._check_token_ids(i, x) for i, x in enumerate(inputs)]
+            if not truncate:
+                self._check_lengths(token_ids)  # an over-long input is told so before anything else
+            if self.config.token_ids == "check":  # on the ids as sent, before any cut
+                for i, ids in enumerate(token_ids):
+                    self._check_own_tokenization(i, ids)
             if truncate:
                 cut = self.max_model_len
                 token_ids = [ids[:cut] if truncation_direction == "right" else ids[-cut:] for ids in token_ids]
         else:
             raise InvalidRequestError("input must be all strings or all token-id lists, not a mix", param="input")
+        self._check_lengths(token_ids)
+        return token_ids
+
+    def _check_lengths(self, token_ids: list[list[int]]) -> None:
         for i, ids in enumerate(token_ids):
             if len(ids) > self.max_model_len:
                 raise InvalidRequestError(
@@ -252,7 +270,6 @@ class Embedder:
                     f"shorten it or ask to truncate",
                     param="input",
                 )
-        return token_ids
 
     def _prepare_text(self, text: str) -> str:
         if not self.st.has_files:
@@ -277,32 +294,35 @@ class Embedder:
                     f"input {index} has token id {t!r}, outside this model's vocabulary [0, {self.vocab_size})",
                     param="input",
                 )
-        if mode == "check" and not self._is_own_tokenization(ids):
-            raise ForeignTokenIdsError(
-                f"input {index}: these token ids are not what this model's tokenizer makes of their text, so they "
-                "were likely made by another tokenizer (e.g. tiktoken) and would embed as a wrong vector; send the "
-                "text instead (LangChain's OpenAIEmbeddings: check_embedding_ctx_length=False), or start the "
-                "server with --embedding-token-ids accept",
-                param="input",
-            )
         return ids
 
-    def _is_own_tokenization(self, ids: list[int]) -> bool:
-        """Decoding the ids and encoding the text again gives them back.
+    def _check_own_tokenization(self, index: int, ids: list[int]) -> None:
+        if not self._is_own_tokenization(ids):
+            raise ForeignTokenIdsError(
+                f"input {index}: these token ids are not what this model's tokenizer makes of their text (its "
+                "special tokens included), so they were likely made by another tokenizer (e.g. tiktoken) and would "
+                "embed as a wrong vector; send the text instead (LangChain's OpenAIEmbeddings: "
+                "check_embedding_ctx_length=False), or start the server with --embedding-token-ids accept",
+                param="input",
+            )
 
-        The model's special tokens at either end are set aside. An input cut on its left (truncated
-        from the start) may begin with the tail of a word, which re-encodes otherwise: from 16 tokens
-        on, up to two leading tokens may be skipped to find a start that round-trips. Ids from
-        another tokenizer mostly decode to text this tokenizer splits differently. What passes
-        undetected: ids that happen to be whole tokens here too and re-encode the same (a short
-        input can), which no check on the ids alone can tell from the real thing.
+    def _is_own_tokenization(self, ids: list[int]) -> bool:
+        """The ids are what the model's tokenizer makes of their text, special tokens included.
+
+        They must carry the special tokens the tokenizer puts around every text ([CLS] ... [SEP] for
+        BERT), and what lies between must come back unchanged when decoded and encoded again. An
+        input cut on its left (truncated from the start) may begin with the tail of a word, which
+        re-encodes otherwise: from 16 tokens on, up to two leading tokens may be skipped to find a
+        start that round-trips. Ids from another tokenizer (tiktoken's, sent by LangChain's
+        OpenAIEmbeddings by default) lack the framing, and mostly decode to text this tokenizer
+        splits differently. What passes undetected: another tokenizer's ids that happen to start
+        and end with this one's special token ids and re-encode the same, which no check on the ids
+        alone can tell from the real thing.
         """
-        start, end = 0, len(ids)
-        while start < end and ids[start] in self._special_ids:
-            start += 1
-        while end > start and ids[end - 1] in self._special_ids:
-            end -= 1
-        inner = ids[start:end]
+        lead, trail = self._framing
+        if len(ids) <= len(lead) + len(trail) or ids[: len(lead)] != lead or ids[len(ids) - len(trail) :] != trail:
+            return False
+        inner = ids[len(lead) : len(ids) - len(trail)]
         skippable = _MAX_SKIPPED_LEADING_TOKENS if len(inner) >= _MIN_TOKENS_TO_SKIP_LEADING else 0
         return any(self._round_trips(inner[skip:]) for skip in range(skippable + 1))
 

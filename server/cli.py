@@ -245,9 +245,9 @@ FLAGS: tuple[Flag, ...] = (
         "embedding_token_ids",
         "embedder.token_ids",
         _one_of(*TOKEN_ID_INPUT_MODES),
-        "token-id input to the embedding routes: check (default; refuses ids that the embedding model's "
-        "tokenizer would not make of their text, e.g. tiktoken's), accept (any id in the vocabulary), "
-        "reject (text only)",
+        "token-id input to the embedding routes: check (default; only what the embedding model's tokenizer "
+        "makes of a text, special tokens included: refuses e.g. tiktoken's ids), accept (any id in the "
+        "vocabulary), reject (text only)",
     ),
     _flag(
         "pooling",

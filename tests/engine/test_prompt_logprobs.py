@@ -137,3 +137,11 @@ def test_a_one_token_prompt_has_only_the_null_entry(tiny_llama_dir):
     engine = _engine(tiny_llama_dir)
     result = engine.generate([[5]], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2))[0][0]
     assert result.prompt_logprobs == [None]
+
+
+def test_the_prompt_logprobs_benchmark_prints_a_ratio_per_case(tiny_llama_dir, capsys):
+    from engine.bench import prompt_logprobs
+
+    prompt_logprobs.main(["--model", tiny_llama_dir, "--num-tokens", "40", "--repeats", "1"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "x |" in line]
+    assert len(rows) == 3 and rows[0].endswith("| 1.00x |")

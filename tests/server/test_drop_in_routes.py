@@ -78,7 +78,9 @@ def test_the_default_max_tokens_applies_where_a_request_sets_none(server):
 
 def test_token_ids_from_another_tokenizer_are_refused_over_http(server, model_dir):
     other = Tokenizer.from_path(model_dir)  # the generation model's tokenizer, not the embedder's
-    foreign = [other.encode(s, add_special_tokens=False) for s in SENTENCES]
+    # and tiktoken's cl100k ids for "hello world", what LangChain's OpenAIEmbeddings sends by default:
+    # in this vocabulary they are two whole words ("denise 皇") that re-encode the same
+    foreign = [[15339, 1917], *(other.encode(s, add_special_tokens=False) for s in SENTENCES)]
     assert len(foreign[-1]) >= 16  # long enough that the check may skip leading tokens, and still refused
     for ids in foreign:
         refused = httpx.post(f"{server.base_url}/v1/embeddings", json={"input": ids})
@@ -92,20 +94,24 @@ def test_token_ids_from_another_tokenizer_are_refused_over_http(server, model_di
 def test_token_id_input_modes(minilm_dir):  # noqa: F811 - the fixture above
     checking = Embedder(EmbedderConfig(model=EMBEDDING_MODEL))
     own = checking.tokenize(SENTENCES)
-    # The model's own ids pass, with or without its special tokens, and embed as the text does.
+    # The model's own ids pass, and embed as the text does.
     assert checking.tokenize(own) == own
-    assert checking.tokenize([ids[1:-1] for ids in own]) == [ids[1:-1] for ids in own]
+    # Without the special tokens its tokenizer puts around every text: refused (tiktoken's ids lack them).
+    for ids in own:
+        with pytest.raises(ForeignTokenIdsError):
+            checking.tokenize([ids[1:-1]])
     # Ids its tokenizer would not make of their text (one word split in two pieces) are refused.
-    word = own[0][1]
+    cls, sep = own[0][0], own[0][-1]
     vocab = checking._tokenizers[None]
-    pieces = [vocab.token_to_id("play"), vocab.token_to_id("##ing")]  # "playing" is one token of its own
-    assert None not in pieces and vocab.encode("playing", add_special_tokens=False).ids != pieces
+    pieces = [cls, vocab.token_to_id("play"), vocab.token_to_id("##ing"), sep]  # "playing" is one token
+    assert None not in pieces and vocab.encode("playing").ids != pieces
     with pytest.raises(ForeignTokenIdsError):
         checking.tokenize([pieces])
-    assert checking.tokenize([[word]]) == [[word]]
+    word = [cls, vocab.token_to_id("playing"), sep]
+    assert checking.tokenize([word]) == [word]
 
     accepting = Embedder(EmbedderConfig(model=EMBEDDING_MODEL, token_ids="accept"))
-    assert accepting.tokenize([pieces]) == [pieces]
+    assert accepting.tokenize([pieces, own[0][1:-1]]) == [pieces, own[0][1:-1]]
     rejecting = Embedder(EmbedderConfig(model=EMBEDDING_MODEL, token_ids="reject"))
     with pytest.raises(ForeignTokenIdsError, match="text only"):
         rejecting.tokenize(own)

@@ -122,8 +122,9 @@ def test_single_string_token_ids_and_dimensions(client, embedder):  # noqa: F811
     ids = embedder.tokenize(["Hello"])[0]
     by_ids = client.embeddings.create(model=MODEL_NAME, input=ids, encoding_format="float")
     np.testing.assert_allclose(by_ids.data[0].embedding, one.data[0].embedding, atol=1e-6)
-    two = client.embeddings.create(model=MODEL_NAME, input=[ids, ids[:2]], encoding_format="float")
-    assert len(two.data) == 2 and two.usage.prompt_tokens == len(ids) + 2
+    other = embedder.tokenize(["Hi there"])[0]
+    two = client.embeddings.create(model=MODEL_NAME, input=[ids, other], encoding_format="float")
+    assert len(two.data) == 2 and two.usage.prompt_tokens == len(ids) + len(other)
     short = client.embeddings.create(model=MODEL_NAME, input="Hello", dimensions=32, encoding_format="float")
     full = np.array(one.data[0].embedding[:32])
     np.testing.assert_allclose(short.data[0].embedding, full / np.linalg.norm(full), atol=1e-6)
