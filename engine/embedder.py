@@ -247,6 +247,8 @@ class Embedder:
                 token_ids = [enc.ids for enc in tokenizer.encode_batch(texts)]
             except (TypeError, UnicodeEncodeError) as exc:  # e.g. a lone surrogate: not valid text
                 raise _invalid_text_error(texts) from exc
+            if not truncate:  # a truncating tokenizer cuts at max_model_len itself
+                self._check_lengths(token_ids)
         elif all(not isinstance(x, str) for x in inputs):
             token_ids = [self._check_token_ids(i, x) for i, x in enumerate(inputs)]
             if not truncate:
@@ -259,7 +261,6 @@ class Embedder:
                 token_ids = [ids[:cut] if truncation_direction == "right" else ids[-cut:] for ids in token_ids]
         else:
             raise InvalidRequestError("input must be all strings or all token-id lists, not a mix", param="input")
-        self._check_lengths(token_ids)
         return token_ids
 
     def _check_lengths(self, token_ids: list[list[int]]) -> None:

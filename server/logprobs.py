@@ -11,15 +11,18 @@ from server.protocol.common import PromptLogprobs, PromptTokenLogprob
 from server.protocol.completions import CompletionLogprobs
 
 
-def completion_logprobs(tokenizer: Any, items: list[TokenLogprob], text_offset: int) -> CompletionLogprobs:
-    """`text_offset`: where the first token starts in the choice's text (after any echoed prompt)."""
+def completion_logprobs(
+    tokenizer: Any, items: list[TokenLogprob], text_offset: int, num_top: int | None = None
+) -> CompletionLogprobs:
+    """`text_offset`: where the first token starts in the choice's text (after any echoed prompt).
+    num_top: how many of each item's alternatives to list (None: all it has)."""
     result = CompletionLogprobs()
     for item in items:
         token = tokenizer.id_to_token(item.token_id)
         result.tokens.append(token)
         result.token_logprobs.append(item.logprob)
         top: dict[str, float] = {}
-        for token_id, logprob in [*item.top, (item.token_id, item.logprob)]:
+        for token_id, logprob in [*item.top[:num_top], (item.token_id, item.logprob)]:
             text = tokenizer.id_to_token(token_id)
             # Keys are token texts: distinct byte tokens can share one (U+FFFD); keep the best logprob.
             top[text] = max(logprob, top.get(text, logprob))
@@ -47,25 +50,12 @@ def echo_logprobs(
     tokenizer: Any, prompt_ids: list[int], scored: list[TokenLogprob | None], num_top: int
 ) -> CompletionLogprobs:
     """The echoed prompt's part of a completion's logprobs: every prompt token, null for the first
-    (nothing comes before it), offsets counted from the start of the echoed text."""
-    result = CompletionLogprobs()
-    offset = 0
-    for token_id, item in zip(prompt_ids, scored, strict=True):
-        token = tokenizer.id_to_token(token_id)
-        result.tokens.append(token)
-        result.text_offset.append(offset)
-        offset += len(token)
-        if item is None:
-            result.token_logprobs.append(None)
-            result.top_logprobs.append(None)
-            continue
-        result.token_logprobs.append(item.logprob)
-        top: dict[str, float] = {}
-        for top_id, logprob in [*item.top[:num_top], (item.token_id, item.logprob)]:
-            text = tokenizer.id_to_token(top_id)
-            top[text] = max(logprob, top.get(text, logprob))
-        result.top_logprobs.append(top)
-    return result
+    (nothing comes before it), offsets counted from the start of the echoed text. `scored` is the
+    engine's prompt logprobs: None, then one item per later prompt token."""
+    first = tokenizer.id_to_token(prompt_ids[0])
+    head = CompletionLogprobs(tokens=[first], token_logprobs=[None], top_logprobs=[None], text_offset=[0])
+    rest = [item for item in scored[1:] if item is not None]
+    return joined(head, completion_logprobs(tokenizer, rest, len(first), num_top))
 
 
 def joined(first: CompletionLogprobs, second: CompletionLogprobs) -> CompletionLogprobs:

@@ -96,6 +96,14 @@ def reject_unsupported(fields: list[str]) -> None:
         )
 
 
+def max_tokens_for(asked: int | None, config: ServerConfig, route_default: int | None = None) -> int | None:
+    """A generation request's max_tokens: what it asked, else --default-max-tokens, else the route's own
+    default (None: up to the context limit, as chat and responses run without one)."""
+    if asked is not None:
+        return asked
+    return config.default_max_tokens if config.default_max_tokens is not None else route_default
+
+
 def sampling_params(
     body: SamplingFields,
     max_tokens: int | None,

@@ -12,7 +12,7 @@ from engine.errors import InvalidRequestError
 from server import serving
 from server.logprobs import chat_logprobs, prompt_logprobs_entries
 from server.openapi import generation_responses
-from server.params import check_admissible, reject_unsupported, sampling_params
+from server.params import check_admissible, max_tokens_for, reject_unsupported, sampling_params
 from server.prompts import chat_prompt_ids
 from server.protocol.chat import (
     ChatChoice,
@@ -50,9 +50,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
         text_size(body.messages), chat_prompt_ids, body.messages, body.add_generation_prompt, tools
     )
     tokenizer = engine.tokenizer  # the event loop's: logprob token texts, a few per step
-    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    if max_tokens is None:
-        max_tokens = state.config.default_max_tokens  # None: up to the context limit
+    asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    max_tokens = max_tokens_for(asked, state.config)
     num_top = body.top_logprobs or 0
     logprobs = num_top if body.logprobs else None
     structured = structured_output(body, body.response_format)  # plan_tools refused response_format with tools

@@ -11,7 +11,7 @@ from fastapi.responses import Response
 from server import serving
 from server.logprobs import completion_logprobs, echo_logprobs, joined, prompt_logprobs_entries
 from server.openapi import generation_responses
-from server.params import check_admissible, reject_unsupported, sampling_params
+from server.params import check_admissible, max_tokens_for, reject_unsupported, sampling_params
 from server.prompts import completion_prompts, echoed_prompts
 from server.protocol.common import PromptLogprobs
 from server.protocol.completions import (
@@ -40,7 +40,7 @@ async def create_completion(body: CompletionRequest, request: Request, state: Sh
     structured = structured_output(body)
     # echo with logprobs scores the echoed prompt too (what lm-evaluation-harness's loglikelihood reads)
     echo_logprobs_top = body.logprobs if body.echo else None
-    max_tokens = body.max_tokens or state.config.default_max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
+    max_tokens = max_tokens_for(body.max_tokens, state.config, COMPLETIONS_DEFAULT_MAX_TOKENS)
     params = sampling_params(
         body,
         max_tokens,

@@ -40,7 +40,7 @@ async def create_embeddings(body: EmbeddingRequest, state: SharedState) -> Respo
     check_batch_size(state.config, len(inputs), "input")
 
     async def answer() -> dict:
-        result = await _embed(
+        result = await embed_observed(
             embedder,
             state.metrics,
             "/v1/embeddings",
@@ -76,7 +76,7 @@ async def embed(body: EmbedRequest, state: SharedState) -> Response:
     check_batch_size(state.config, len(inputs), "inputs")
 
     async def answer() -> list[list[float]]:
-        result = await _embed(
+        result = await embed_observed(
             embedder,
             state.metrics,
             "/embed",
@@ -102,9 +102,11 @@ def _as_input_list(value: str | list, param: str) -> list[str] | list[list[int]]
     return value
 
 
-async def _embed(
+async def embed_observed(
     embedder: AsyncEmbedder, metrics: ServerMetrics, endpoint: str, inputs: list, **options: Any
 ) -> EmbedResult:
+    """`embedder.embed(inputs, **options)`, its latency, inputs and tokens observed in /metrics under
+    `endpoint` and the model's name (the embedding and the rerank routes)."""
     start = time.monotonic()
     result: EmbedResult = await embedder.embed(inputs, **options)
     metrics.observe_embedding_request(

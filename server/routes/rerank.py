@@ -19,7 +19,6 @@ both round to 1.0 still come in the model's order.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -42,6 +41,7 @@ from server.protocol.rerank import (
     TEIRerankRequest,
     TEIRerankResponse,
 )
+from server.routes.embeddings import embed_observed
 from server.served_models import rerank_engine
 from server.state import SharedState
 
@@ -174,19 +174,16 @@ async def _score(
 ) -> tuple[list[float], int]:
     """One logit per pair, in pair order, and the tokens read. `params` names this route's (query,
     documents) fields in the 400s the reranker raises."""
-    start = time.monotonic()
     try:
-        result = await reranker.embed(
-            pairs, truncate=options.truncate, truncation_direction=options.truncation_direction
+        result = await embed_observed(
+            reranker,
+            metrics,
+            endpoint,
+            pairs,
+            truncate=options.truncate,
+            truncation_direction=options.truncation_direction,
         )
     except InvalidRequestError as exc:  # made for this request alone: renaming its field is safe
         exc.param = dict(zip(("query", "documents"), params, strict=True)).get(exc.param or "", exc.param)
         raise
-    metrics.observe_embedding_request(
-        endpoint=endpoint,
-        num_inputs=len(pairs),
-        num_prompt_tokens=result.num_prompt_tokens,
-        latency_seconds=time.monotonic() - start,
-        model_name=reranker.model_name,
-    )
     return [row[0] for row in result.vectors.tolist()], result.num_prompt_tokens

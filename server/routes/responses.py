@@ -27,7 +27,7 @@ from engine.structured.spec import StructuredOutput
 from server import serving
 from server.errors import APIError
 from server.openapi import named_event_responses
-from server.params import check_admissible, reject_unsupported, sampling_params
+from server.params import check_admissible, max_tokens_for, reject_unsupported, sampling_params
 from server.prompts import chat_prompt_ids
 from server.protocol.chat import ChatCompletionRequest, ChatMessage, FunctionCall, FunctionDefinition, Tool, ToolCall
 from server.protocol.common import Usage
@@ -91,7 +91,7 @@ async def _create_response(body: ResponsesRequest, request: Request, state: Shar
         raise InvalidRequestError("text.format: cannot be combined with tools (use tool_choice none)", "text.format")
     prompt_ids = await request_text(state).run(text_size(chat.messages), chat_prompt_ids, chat.messages, True, tools)
     spec = tools.spec if tools is not None else structured
-    max_tokens = body.max_output_tokens or state.config.default_max_tokens  # None: up to the context limit
+    max_tokens = max_tokens_for(body.max_output_tokens, state.config)
     params = sampling_params(chat, max_tokens, None, engine.vocab_size, None, spec)
     await compile_structured(request_text(state), engine, spec)
     check_admissible(state.config, [len(prompt_ids)], params, engine.max_model_len, engine.kv_cache_tokens)
