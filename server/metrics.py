@@ -3,8 +3,8 @@
 server/metric_names.py says which names each series goes out under; engine gauges and counters are
 read from the AsyncEngine's stats snapshot at scrape time (server/metrics_engine.py). Per-request
 histograms are observed here, through `RequestTimer`: server/serving.py feeds it the request's
-parameters and each output. A "request" is one HTTP request: its prompts and their n samples are
-observed together, as its usage counts them.
+parameters, each output and, at the end, the `TokenCounts` its usage is made from. A "request" is
+one HTTP request: its prompts and their n samples are observed together.
 
 Each app gets its own CollectorRegistry (tests build several apps in one process).
 """
@@ -139,6 +139,33 @@ class ServerMetrics:
         return RequestTimer(self)
 
 
+class TokenCounts:
+    """One HTTP request's tokens as its outputs arrive: each prompt's, and each sample's generated so far.
+
+    Keys: the prompt's index in the request (one engine request each) and the sample's index. The
+    request's usage and its per-request token histograms both read it.
+    """
+
+    def __init__(self) -> None:
+        self.prompt_tokens: dict[int, int] = {}
+        self.generated_tokens: dict[tuple[int, int], int] = {}
+
+    def add(self, prompt_index: int, output: RequestOutput) -> None:
+        self.prompt_tokens[prompt_index] = output.num_prompt_tokens
+        for sample in output.outputs:
+            key = (prompt_index, sample.index)
+            previous = self.generated_tokens.get(key, 0)
+            self.generated_tokens[key] = sample.num_generated_tokens or (previous + len(sample.token_ids))
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(self.prompt_tokens.values())
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return sum(self.generated_tokens.values())
+
+
 class RequestTimer:
     """Observes one request's latencies as its outputs arrive, and its sizes and phases when it ends."""
 
@@ -148,8 +175,6 @@ class RequestTimer:
         self._first_scheduled_time: float | None = None  # the engine's clock: time.monotonic() too
         self._first_token_time: float | None = None
         self._last_token_time: float | None = None
-        self._num_prompt_tokens: dict[str, int] = {}  # engine request (one per prompt) -> its prompt's tokens
-        self._num_generated_tokens: dict[tuple[str, int], int] = {}  # (engine request, sample) -> tokens so far
         self._params: SamplingParams | None = None
         self._is_done = False
 
@@ -159,13 +184,7 @@ class RequestTimer:
 
     def on_output(self, output: RequestOutput) -> None:
         now = time.monotonic()
-        self._num_prompt_tokens[output.request_id] = output.num_prompt_tokens
-        num_new_tokens = 0
-        for sample in output.outputs:
-            key = (output.request_id, sample.index)
-            previous = self._num_generated_tokens.get(key, 0)
-            self._num_generated_tokens[key] = sample.num_generated_tokens or previous + len(sample.token_ids)
-            num_new_tokens += len(sample.token_ids)
+        num_new_tokens = sum(len(sample.token_ids) for sample in output.outputs)
         scheduled = output.first_scheduled_time
         if scheduled is not None and (self._first_scheduled_time is None or scheduled < self._first_scheduled_time):
             self._first_scheduled_time = scheduled
@@ -182,17 +201,18 @@ class RequestTimer:
             metrics.inter_token_latency.observe(now - self._last_token_time)
         self._last_token_time = now
 
-    def finish(self, finish_reason: str) -> None:
-        """The request was answered whole: observe its end-to-end latency, sizes and phases (once)."""
+    def finish(self, finish_reason: str, tokens: TokenCounts) -> None:
+        """The request was answered whole: observe its end-to-end latency, sizes and phases (once).
+        tokens: the request's token counts (its Generation keeps them for its usage)."""
         if self._is_done:
             return
         self._is_done = True
         metrics = self._metrics
         metrics.e2e_request_latency.observe(time.monotonic() - self._start)
         metrics.request_success.inc(finish_reason)
-        metrics.request_prompt_tokens.observe(sum(self._num_prompt_tokens.values()))
-        metrics.request_generation_tokens.observe(sum(self._num_generated_tokens.values()))
-        longest = max(self._num_generated_tokens.values(), default=0)
+        metrics.request_prompt_tokens.observe(tokens.num_prompt_tokens)
+        metrics.request_generation_tokens.observe(tokens.num_generated_tokens)
+        longest = max(tokens.generated_tokens.values(), default=0)
         metrics.request_max_num_generation_tokens.observe(longest)
         if self._params is not None:
             metrics.request_params_n.observe(self._params.n)

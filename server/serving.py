@@ -43,7 +43,7 @@ from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from engine.params import SamplingParams
 from engine.serving.async_engine import AsyncEngine, RequestStream
 from server.errors import APIError, api_error_for
-from server.metrics import RequestTimer
+from server.metrics import RequestTimer, TokenCounts
 from server.protocol.common import StreamOptions, Usage
 from server.shutdown import is_stopping, shutting_down_error
 
@@ -84,24 +84,6 @@ class Sample:
         return "".join(self.text_parts)
 
 
-class _UsageCounter:
-    def __init__(self) -> None:
-        self.prompt_tokens: dict[int, int] = {}
-        self.completion_tokens: dict[tuple[int, int], int] = {}
-
-    def add(self, prompt_index: int, output: RequestOutput) -> None:
-        self.prompt_tokens[prompt_index] = output.num_prompt_tokens
-        for o in output.outputs:
-            key = (prompt_index, o.index)
-            previous = self.completion_tokens.get(key, 0)
-            self.completion_tokens[key] = o.num_generated_tokens or (previous + len(o.token_ids))
-
-    def usage(self) -> Usage:
-        prompt = sum(self.prompt_tokens.values())
-        completion = sum(self.completion_tokens.values())
-        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
-
-
 class Generation:
     """The engine requests of one HTTP request (one per prompt), from submit until `close()`.
 
@@ -113,7 +95,7 @@ class Generation:
         self._streams = streams
         self._n = n
         self._timer = timer
-        self._usage = _UsageCounter()
+        self._tokens = TokenCounts()  # the usage, and the per-request token histograms at the end
         self._finish_reasons: dict[int, str] = {}  # choice index -> why it ended
         self._prompt_logprobs: dict[int, list[TokenLogprob | None]] = {}  # prompt index -> its scored tokens
         self._pumps: list[asyncio.Task] = []
@@ -129,7 +111,7 @@ class Generation:
         """(prompt index, output delta) from every stream as they arrive; raises an engine error."""
         async for prompt_index, output in self._merged():
             self._timer.on_output(output)
-            self._usage.add(prompt_index, output)
+            self._tokens.add(prompt_index, output)
             if output.prompt_logprobs is not None:
                 self._prompt_logprobs[prompt_index] = output.prompt_logprobs
             for delta in output.outputs:
@@ -151,12 +133,13 @@ class Generation:
 
     def usage(self) -> Usage:
         """Tokens so far: the prompts, and every sample's completion."""
-        return self._usage.usage()
+        prompt, completion = self._tokens.num_prompt_tokens, self._tokens.num_generated_tokens
+        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
     def record_finish(self) -> None:
         """Observe the end-to-end latency and the first choice's finish reason ("abort" if none finished)."""
         reasons = self._finish_reasons
-        self._timer.finish(reasons[min(reasons)] if reasons else "abort")
+        self._timer.finish(reasons[min(reasons)] if reasons else "abort", self._tokens)
 
     def close(self) -> None:
         for pump in self._pumps:

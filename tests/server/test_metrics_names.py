@@ -20,7 +20,7 @@ from engine.outputs import CompletionOutput, EngineStats, RequestOutput
 from engine.params import SamplingParams
 from server.app import create_app
 from server.config import ServerConfig
-from server.metrics import ServerMetrics
+from server.metrics import ServerMetrics, TokenCounts
 from tests.support.server_harness import ServerThread, make_server_config
 from tests.support.tiny_models import make_tiny_llama
 
@@ -239,10 +239,13 @@ def _page(metrics_names: str) -> str:
     timer = metrics.start_request()
     timer.on_submit(SamplingParams(max_tokens=2))
     now = time.monotonic()
+    tokens = TokenCounts()
     for i in range(2):
         sample = CompletionOutput(0, "", [7 + i], None, "length" if i else None, num_generated_tokens=i + 1)
-        timer.on_output(RequestOutput("r", [sample], PROMPT_IDS, bool(i), now - 0.2, first_scheduled_time=now - 0.1))
-    timer.finish("length")
+        output = RequestOutput("r", [sample], PROMPT_IDS, bool(i), now - 0.2, first_scheduled_time=now - 0.1)
+        tokens.add(0, output)
+        timer.on_output(output)
+    timer.finish("length", tokens)
     metrics.observe_embedding_request(endpoint="/embed", num_inputs=1, num_prompt_tokens=5, latency_seconds=0.01)
     return metrics.render().decode()
 
