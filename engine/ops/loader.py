@@ -33,7 +33,7 @@ from engine.hub.models_hub import kvserve_home
 logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).parent
-CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 DISABLE_ENV = "KVSERVE_NATIVE_KERNELS"
 # The C types of the kernels' arguments: raw pointers to tensor data, and int64 sizes.
 PTR = ctypes.c_void_p

@@ -1,0 +1,345 @@
+/* Matrix products on weights kept in a GGUF file's own quantized blocks, on AVX2 CPUs.
+ *
+ *   y[m, n] = sum_k x[m, k] * w[n, k]  (+ bias[n])
+ *
+ * x: float32 [M, K]; w: [N, K] stored row by row as K / 32 GGUF blocks (types below,
+ * byte-for-byte as in the file, so the weights take the file's bytes and no more);
+ * y: float32 [M, N].
+ *
+ * Each activation row is first rounded to blocks of 32 int8 values with one float
+ * scale per block (d = max|x| / 127 over the block), the way the weights are stored,
+ * so a block's dot product is an integer sum of int8 x int8 (or uint4 x int8)
+ * products, computed 32 at a time with vpmaddubsw and vpmaddwd, and scaled by
+ * d_w * d_x in float. Q4_1's offset m adds m * d_x * sum(q_x), kept per activation
+ * block. Every (row, column) pair is summed block by block in the same order
+ * whatever M is and however rows are grouped, so a row's result does not depend
+ * on the batch it came in (sampling stays batch-invariant).
+ *
+ * 4-bit weights run from a repacked copy of the file's blocks (kv_gguf_repack, done
+ * once at load; same bytes, same numbers): two consecutive blocks share 32 bytes,
+ * the first block's weight i in the low nibble of byte i and the second's in the
+ * high nibble, with their two scales (and offsets) in front. One 256-bit load and
+ * two masks then give 64 weights in order; the file's layout needs twice the
+ * shuffling per weight, and the kernel is bound by instructions, not memory
+ * bandwidth, at one row (on 2 AVX2 cores an [11264, 2048] Q4_0 row product went from 23 to 42 GMAC/s).
+ *
+ * Also here: dequantizing rows of blocks to float32 (prefill multiplies those in
+ * BLAS, an embedding table looks its rows up), and rounding activation rows to the
+ * same blocks in float (what the BLAS path multiplies, so both paths agree).
+ *
+ * Built at first use by engine/ops/loader.py; engine/ops/gguf_linear.py holds the
+ * torch reference these are tested against.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+/* GGML's type ids, as written in GGUF files; PAIRED marks the repacked 4-bit layout. */
+enum { KV_Q4_0 = 2, KV_Q4_1 = 3, KV_Q8_0 = 8, KV_PAIRED = 0x100 };
+
+#define QK 32 /* weights per block */
+
+typedef struct {
+    uint16_t d; /* fp16 scale */
+    uint8_t qs[16]; /* weight j in the low nibble of qs[j], weight j + 16 in its high nibble; value (q - 8) * d */
+} BlockQ4_0;
+
+typedef struct {
+    uint16_t d, m; /* fp16 scale and offset: value q * d + m */
+    uint8_t qs[16];
+} BlockQ4_1;
+
+typedef struct {
+    uint16_t d;
+    int8_t qs[32]; /* value q * d */
+} BlockQ8_0;
+
+/* Two 4-bit blocks repacked: weight i of the first block in the low nibble of qs[i], of the second in the
+ * high nibble. Q4_0: value (q - 8) * d; Q4_1: q * d + m. */
+typedef struct {
+    uint16_t d[2];
+    uint8_t qs[32];
+} PairQ4_0;
+
+typedef struct {
+    uint16_t d[2], m[2];
+    uint8_t qs[32];
+} PairQ4_1;
+
+/* Activation rows rounded to blocks, as arrays over the M * K / 32 blocks (row-major):
+ * q: int8 values; d: scales; s: d * sum(q) (Q4_1's offset); eight: per pair of values, 8 * (q[2i] + q[2i+1])
+ * as int16 (Q4_0's -8 offset, subtracted exactly from the integer pair sums). */
+typedef struct {
+    int8_t *q;
+    float *d, *s;
+    int16_t *eight;
+} Activations;
+
+static inline float fp16_to_float(uint16_t h) { return _cvtsh_ss(h); }
+
+static int64_t bytes_per_block(int type) {
+    switch (type) {
+    case KV_Q4_0: return sizeof(BlockQ4_0);
+    case KV_Q4_1: return sizeof(BlockQ4_1);
+    case KV_Q8_0: return sizeof(BlockQ8_0);
+    case KV_Q4_0 | KV_PAIRED: return sizeof(PairQ4_0) / 2;
+    case KV_Q4_1 | KV_PAIRED: return sizeof(PairQ4_1) / 2;
+    default: return 0;
+    }
+}
+
+/* 0 when blocks of `type` can hold rows of K weights; paired types need an even number of blocks. */
+static int check_shape(int type, int64_t K) {
+    if (bytes_per_block(type) == 0 || K % QK != 0) return 2;
+    if ((type & KV_PAIRED) && K % (2 * QK) != 0) return 2;
+    return 0;
+}
+
+/* One block of 32 floats -> int8 values and scale (d = max|x| / 127; an all-zero block gets d = 0). */
+static inline float round_block(const float *v, int8_t *q, int *sum) {
+    float amax = 0.0f;
+    for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(v[i]));
+    float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
+    int total = 0;
+    for (int i = 0; i < QK; i++) {
+        int value = (int)nearbyintf(v[i] * inv);
+        value = value > 127 ? 127 : (value < -127 ? -127 : value);
+        q[i] = (int8_t)value;
+        total += value;
+    }
+    *sum = total;
+    return d;
+}
+
+static void quantize_act_row(const float *x, int64_t K, const Activations *act, int64_t first_block) {
+    for (int64_t b = 0; b < K / QK; b++) {
+        int64_t index = first_block + b;
+        int8_t *q = act->q + index * QK;
+        int sum;
+        float d = round_block(x + b * QK, q, &sum);
+        act->d[index] = d;
+        act->s[index] = d * (float)sum;
+        for (int i = 0; i < QK / 2; i++) act->eight[index * 16 + i] = (int16_t)(8 * (q[2 * i] + q[2 * i + 1]));
+    }
+}
+
+static inline float hsum_ps(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* int16 pair sums as eight int32 lanes, scaled by d and added to acc. */
+static inline __m256 scale_add(__m256i pairs16, __m256 d, __m256 acc) {
+    __m256i lanes = _mm256_madd_epi16(pairs16, _mm256_set1_epi16(1));
+    return _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(lanes), acc);
+}
+
+/* Two consecutive fp16 values as floats in lanes 0 and 1. */
+static inline __m128 load_fp16_pair(const uint16_t *h) {
+    int32_t both;
+    __builtin_memcpy(&both, h, sizeof both);
+    return _mm_cvtph_ps(_mm_cvtsi32_si128(both));
+}
+
+static inline __m128 load_float_pair(const float *f) { return _mm_castpd_ps(_mm_load_sd((const double *)f)); }
+
+/* Dot products of one weight row (nb blocks) with R activation rows (block offsets act_first[r]);
+ * R is a constant at each call. Each row accumulates block by block, in the same order for every R. */
+static inline __attribute__((always_inline)) void dot_row(int type, const uint8_t *w, const Activations *act,
+                                                          const int64_t *act_first, int64_t nb, const int R,
+                                                          float *out) {
+    __m256 acc[4];
+    __m128 offset[4];
+    for (int r = 0; r < R; r++) {
+        acc[r] = _mm256_setzero_ps();
+        offset[r] = _mm_setzero_ps();
+    }
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    if (type == KV_Q8_0) {
+        const BlockQ8_0 *blocks = (const BlockQ8_0 *)w;
+        for (int64_t b = 0; b < nb; b++) {
+            float dw = fp16_to_float(blocks[b].d);
+            __m256i wv = _mm256_loadu_si256((const __m256i *)blocks[b].qs);
+            __m256i wabs = _mm256_sign_epi8(wv, wv); /* vpmaddubsw takes one unsigned operand: |w| . x*sign(w) */
+            for (int r = 0; r < R; r++) {
+                int64_t i = act_first[r] + b;
+                __m256i xv = _mm256_loadu_si256((const __m256i *)(act->q + i * QK));
+                __m256i pairs = _mm256_maddubs_epi16(wabs, _mm256_sign_epi8(xv, wv));
+                acc[r] = scale_add(pairs, _mm256_set1_ps(dw * act->d[i]), acc[r]);
+            }
+        }
+    } else if (type == KV_Q4_0 || type == KV_Q4_1) { /* the file's layout: rows of an odd number of blocks */
+        const int64_t stride = bytes_per_block(type);
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *block = w + b * stride;
+            float dw = fp16_to_float(*(const uint16_t *)block);
+            float mw = type == KV_Q4_1 ? fp16_to_float(((const BlockQ4_1 *)block)->m) : 0.0f;
+            const uint8_t *qs = type == KV_Q4_0 ? ((const BlockQ4_0 *)block)->qs : ((const BlockQ4_1 *)block)->qs;
+            __m128i raw = _mm_loadu_si128((const __m128i *)qs);
+            __m256i wv = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low4); /* 0..15 */
+            for (int r = 0; r < R; r++) {
+                int64_t i = act_first[r] + b;
+                __m256i pairs = _mm256_maddubs_epi16(wv, _mm256_loadu_si256((const __m256i *)(act->q + i * QK)));
+                if (type == KV_Q4_0)
+                    pairs = _mm256_sub_epi16(pairs, _mm256_loadu_si256((const __m256i *)(act->eight + i * 16)));
+                acc[r] = scale_add(pairs, _mm256_set1_ps(dw * act->d[i]), acc[r]);
+                if (type == KV_Q4_1) offset[r] = _mm_add_ss(offset[r], _mm_set_ss(mw * act->s[i]));
+            }
+        }
+    } else {
+        const int is_q4_0 = type == (KV_Q4_0 | KV_PAIRED);
+        const int64_t pair_bytes = is_q4_0 ? sizeof(PairQ4_0) : sizeof(PairQ4_1);
+        for (int64_t p = 0; p < nb / 2; p++) {
+            const uint8_t *pair = w + p * pair_bytes;
+            const uint16_t *scales = (const uint16_t *)pair;
+            const uint8_t *qs = pair + (is_q4_0 ? offsetof(PairQ4_0, qs) : offsetof(PairQ4_1, qs));
+            __m128 dw = load_fp16_pair(scales);
+            __m128 mw = is_q4_0 ? _mm_setzero_ps() : load_fp16_pair(scales + 2);
+            __m256i raw = _mm256_loadu_si256((const __m256i *)qs);
+            __m256i first = _mm256_and_si256(raw, low4);                         /* block 2p: 0..15 */
+            __m256i second = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4); /* block 2p + 1 */
+            for (int r = 0; r < R; r++) {
+                int64_t i = act_first[r] + 2 * p;
+                const int8_t *xq = act->q + i * QK;
+                __m256i p0 = _mm256_maddubs_epi16(first, _mm256_loadu_si256((const __m256i *)xq));
+                __m256i p1 = _mm256_maddubs_epi16(second, _mm256_loadu_si256((const __m256i *)(xq + QK)));
+                if (is_q4_0) { /* sum (q - 8) x = sum q x - 8 sum x, exact in int16 pairs */
+                    p0 = _mm256_sub_epi16(p0, _mm256_loadu_si256((const __m256i *)(act->eight + i * 16)));
+                    p1 = _mm256_sub_epi16(p1, _mm256_loadu_si256((const __m256i *)(act->eight + i * 16 + 16)));
+                }
+                __m128 d = _mm_mul_ps(dw, load_float_pair(act->d + i));
+                acc[r] = scale_add(p0, _mm256_broadcastss_ps(d), acc[r]);
+                acc[r] = scale_add(p1, _mm256_broadcastss_ps(_mm_movehdup_ps(d)), acc[r]);
+                if (!is_q4_0) offset[r] = _mm_fmadd_ps(mw, load_float_pair(act->s + i), offset[r]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        __m128 o = offset[r];
+        out[r] = hsum_ps(acc[r]) + (_mm_cvtss_f32(o) + _mm_cvtss_f32(_mm_movehdup_ps(o)));
+    }
+}
+
+/* Returns 0 on success, 1 if the activation buffer could not be allocated, 2 for an unknown type
+ * or a K the type cannot hold. */
+int kv_gguf_gemm(const float *x, int64_t M, int64_t K, int type, const uint8_t *w, const float *bias, float *y,
+                 int64_t N, int num_threads) {
+    if (check_shape(type, K)) return 2;
+    int64_t nb = K / QK, row_bytes = nb * bytes_per_block(type);
+    /* q [M*K] int8 | eight [M*nb*16] int16 | d [M*nb] | s [M*nb], each part 32-byte aligned */
+    size_t q_bytes = ((size_t)(M * K) + 31) & ~(size_t)31, eight_bytes = (size_t)(M * nb) * 32;
+    size_t float_bytes = (((size_t)(M * nb) * sizeof(float)) + 31) & ~(size_t)31;
+    uint8_t *buffer = aligned_alloc(32, q_bytes + eight_bytes + 2 * float_bytes);
+    if (!buffer) return 1;
+    Activations act = {(int8_t *)buffer, (float *)(buffer + q_bytes + eight_bytes),
+                       (float *)(buffer + q_bytes + eight_bytes + float_bytes), (int16_t *)(buffer + q_bytes)};
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (M > 1)
+    for (int64_t m = 0; m < M; m++) quantize_act_row(x + m * K, K, &act, m * nb);
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const uint8_t *row = w + n * row_bytes;
+        for (int64_t m0 = 0; m0 < M; m0 += 4) {
+            int R = (int)(M - m0 < 4 ? M - m0 : 4);
+            int64_t first[4];
+            for (int r = 0; r < 4; r++) first[r] = (m0 + (r < R ? r : 0)) * nb;
+            float out[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            switch (R) {
+            case 4: dot_row(type, row, &act, first, nb, 4, out); break;
+            case 3: dot_row(type, row, &act, first, nb, 3, out); break;
+            case 2: dot_row(type, row, &act, first, nb, 2, out); break;
+            default: dot_row(type, row, &act, first, nb, 1, out); break;
+            }
+            for (int r = 0; r < R; r++) y[(m0 + r) * N + n] = bias ? out[r] + bias[n] : out[r];
+        }
+    }
+    free(buffer);
+    return 0;
+}
+
+/* The 4-bit value i (0..31) of a file-layout block. */
+static inline int file_nibble(const uint8_t *qs, int i) { return i < 16 ? qs[i] & 0x0F : qs[i - 16] >> 4; }
+
+/* Rows of file-layout Q4_0 / Q4_1 blocks -> the paired layout (type without the flag). Returns 2 when
+ * the type is not 4-bit or K is not a multiple of 64. */
+int kv_gguf_repack(int type, const uint8_t *src, uint8_t *dst, int64_t rows, int64_t K, int num_threads) {
+    if ((type != KV_Q4_0 && type != KV_Q4_1) || check_shape(type | KV_PAIRED, K)) return 2;
+    int64_t pairs = K / (2 * QK);
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t p = 0; p < pairs; p++) {
+            int64_t b = r * pairs * 2 + 2 * p; /* index of the pair's first block among all blocks */
+            if (type == KV_Q4_0) {
+                const BlockQ4_0 *in = (const BlockQ4_0 *)src + b;
+                PairQ4_0 *out = (PairQ4_0 *)dst + r * pairs + p;
+                out->d[0] = in[0].d, out->d[1] = in[1].d;
+                for (int i = 0; i < QK; i++)
+                    out->qs[i] = (uint8_t)(file_nibble(in[0].qs, i) | file_nibble(in[1].qs, i) << 4);
+            } else {
+                const BlockQ4_1 *in = (const BlockQ4_1 *)src + b;
+                PairQ4_1 *out = (PairQ4_1 *)dst + r * pairs + p;
+                out->d[0] = in[0].d, out->d[1] = in[1].d, out->m[0] = in[0].m, out->m[1] = in[1].m;
+                for (int i = 0; i < QK; i++)
+                    out->qs[i] = (uint8_t)(file_nibble(in[0].qs, i) | file_nibble(in[1].qs, i) << 4);
+            }
+        }
+    }
+    return 0;
+}
+
+/* out[i, :] = the K weights of row rows[i] (or row i when rows is NULL), as float32.
+ * Returns 2 for an unknown type or a K the type cannot hold. */
+int kv_gguf_dequantize(int type, const uint8_t *w, int64_t K, const int64_t *rows, int64_t num_rows, float *out,
+                       int num_threads) {
+    if (check_shape(type, K)) return 2;
+    int64_t nb = K / QK, row_bytes = nb * bytes_per_block(type);
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t i = 0; i < num_rows; i++) {
+        const uint8_t *row = w + (rows ? rows[i] : i) * row_bytes;
+        float *dst = out + i * K;
+        if (type == KV_Q8_0) {
+            for (int64_t b = 0; b < nb; b++) {
+                const BlockQ8_0 *block = (const BlockQ8_0 *)row + b;
+                float d = fp16_to_float(block->d);
+                for (int j = 0; j < QK; j++) dst[b * QK + j] = (float)block->qs[j] * d;
+            }
+        } else if (type == KV_Q4_0 || type == KV_Q4_1) {
+            for (int64_t b = 0; b < nb; b++) {
+                const uint8_t *qs = type == KV_Q4_0 ? ((const BlockQ4_0 *)row)[b].qs : ((const BlockQ4_1 *)row)[b].qs;
+                float d = fp16_to_float(type == KV_Q4_0 ? ((const BlockQ4_0 *)row)[b].d : ((const BlockQ4_1 *)row)[b].d);
+                float m = type == KV_Q4_0 ? -8.0f * d : fp16_to_float(((const BlockQ4_1 *)row)[b].m);
+                for (int j = 0; j < QK; j++) dst[b * QK + j] = (float)file_nibble(qs, j) * d + m;
+            }
+        } else {
+            for (int64_t p = 0; p < nb / 2; p++) {
+                int is_q4_0 = type == (KV_Q4_0 | KV_PAIRED);
+                const uint16_t *scales = is_q4_0 ? ((const PairQ4_0 *)row)[p].d : ((const PairQ4_1 *)row)[p].d;
+                const uint8_t *qs = is_q4_0 ? ((const PairQ4_0 *)row)[p].qs : ((const PairQ4_1 *)row)[p].qs;
+                for (int half = 0; half < 2; half++) {
+                    float d = fp16_to_float(scales[half]);
+                    float m = is_q4_0 ? -8.0f * d : fp16_to_float(((const PairQ4_1 *)row)[p].m[half]);
+                    for (int j = 0; j < QK; j++)
+                        dst[(2 * p + half) * QK + j] = (float)((qs[j] >> (4 * half)) & 0x0F) * d + m;
+                }
+            }
+        }
+    }
+    return 0;
+}
+
+/* out = each row of x rounded to activation blocks and back to float (q * d): what the BLAS
+ * path multiplies, so a row gets the kernel's numbers whichever path its batch takes. */
+void kv_gguf_round_activations(const float *x, float *out, int64_t M, int64_t K, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t m = 0; m < M; m++) {
+        int8_t q[QK];
+        int sum;
+        for (int64_t b = 0; b < K / QK; b++) {
+            float d = round_block(x + m * K + b * QK, q, &sum);
+            for (int i = 0; i < QK; i++) out[m * K + b * QK + i] = (float)q[i] * d;
+        }
+    }
+}

@@ -1,0 +1,305 @@
+"""Linear layers and embedding tables that keep a GGUF file's own quantized blocks.
+
+A GGUF weight of type Q4_0, Q4_1 or Q8_0 stays in memory exactly as the file
+stores it: each row of K weights is K / 32 blocks, one fp16 scale (and for Q4_1
+an fp16 offset) per 32 weights, so a 4-bit model takes 4.5 or 5 bits per weight
+and nothing else (no float32 copy). The model runs the file's numbers, not a
+re-quantization of them.
+
+At load, 4-bit blocks are repacked in pairs (`pack`: the same bytes and numbers,
+arranged so the kernel unpacks 64 weights with two masks); Q8_0 stays as is.
+
+Products: each activation row is rounded to blocks of 32 int8 values with one
+scale per block (the layout of Q8_0), then
+- decode-sized batches (M <= MAX_KERNEL_ROWS) run integer dot products in the
+  AVX2 kernel `engine/ops/gguf_blocks.c` (`gguf_linear_native`), which reads the
+  4-bit blocks straight from memory;
+- larger ones (prefill) are compute-bound: the weight is dequantized one tile of
+  rows at a time into a small float32 buffer and multiplied in BLAS with the same
+  rounded activations (`gguf_linear_tiled`), so a row gets the kernel's numbers,
+  to float32 rounding, whichever path its batch took.
+`gguf_linear_reference` is the plain definition both are tested against: the
+rounded activations times the dequantized weight, in torch.
+
+Accuracy (README, tests/unit/test_gguf_linear.py): the weights are exactly the
+file's; activation rounding adds at most d / 2 = max|x over the block| / 254 per
+element, as llama.cpp's CPU backend does for these types.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.ops.loader import I64, PTR, bind
+
+# GGML type name -> (type id as in GGUF files, bytes per block of 32 weights).
+BLOCK_TYPES = {"Q4_0": (2, 18), "Q4_1": (3, 20), "Q8_0": (8, 34)}
+BLOCK = 32
+# The kernel's flag for 4-bit blocks repacked in pairs (gguf_blocks.c KV_PAIRED).
+PAIRED = 0x100
+# Up to this many rows the integer kernel beats dequantize-and-BLAS: on 2 AVX2 cores, an
+# [11264, 2048] Q4_0 product took 25 ms in the kernel and 27 ms tiled at 64 rows, 55 and 43 at 128.
+MAX_KERNEL_ROWS = 64
+# Float32 bytes of one dequantized weight tile in the BLAS path: small enough to stay in cache.
+TILE_BYTES = 2 << 20
+
+
+@dataclass(frozen=True)
+class BlockWeight:
+    """A [out_features, in_features] weight held as GGUF blocks: uint8 [out_features, row_bytes]."""
+
+    qtype: str
+    blocks: torch.Tensor
+    in_features: int
+
+    def __post_init__(self) -> None:
+        if self.qtype not in BLOCK_TYPES:
+            raise ValueError(f"GGUF type {self.qtype} has no block kernel (supported: {', '.join(BLOCK_TYPES)})")
+        expected = self.in_features // BLOCK * BLOCK_TYPES[self.qtype][1]
+        if self.in_features % BLOCK or self.blocks.dtype != torch.uint8 or self.blocks.shape[-1] != expected:
+            raise ValueError(f"{self.qtype} blocks of shape {tuple(self.blocks.shape)} do not hold {self.in_features}")
+
+    @property
+    def out_features(self) -> int:
+        return self.blocks.shape[0]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.out_features, self.in_features)
+
+    @property
+    def type_id(self) -> int:
+        return BLOCK_TYPES[self.qtype][0]
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [out_features, in_features]."""
+        return dequantize_reference(self)
+
+
+def cat_weights(parts: list[BlockWeight]) -> BlockWeight | None:
+    """The parts stacked by rows (e.g. q, k and v into one projection), or None when their types differ."""
+    if len({(p.qtype, p.in_features) for p in parts}) != 1:
+        return None
+    return BlockWeight(parts[0].qtype, torch.cat([p.blocks for p in parts]).contiguous(), parts[0].in_features)
+
+
+def _fp16_field(blocks: torch.Tensor, offset: int) -> torch.Tensor:
+    """[..., nb, block_bytes] uint8 -> the fp16 stored at `offset` of each block, as float32 [..., nb, 1]."""
+    return blocks[..., offset : offset + 2].contiguous().view(torch.float16).float()
+
+
+def dequantize_reference(weight: BlockWeight) -> torch.Tensor:
+    """The plain definition of each block type's values, in torch: float32 [N, K]."""
+    n, k = weight.shape
+    blocks = weight.blocks.view(n, k // BLOCK, BLOCK_TYPES[weight.qtype][1])
+    d = _fp16_field(blocks, 0)
+    if weight.qtype == "Q8_0":
+        values = blocks[..., 2:].contiguous().view(torch.int8).float() * d
+    else:
+        packed = blocks[..., -16:]  # weight j in the low nibble of byte j, weight j + 16 in the high one
+        nibbles = torch.cat([packed & 0x0F, packed >> 4], dim=-1).float()
+        values = (nibbles - 8) * d if weight.qtype == "Q4_0" else nibbles * d + _fp16_field(blocks, 2)
+    return values.reshape(n, k)
+
+
+def round_activations_reference(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] float32 -> each block of 32 rounded to int8 with scale d = max|block| / 127, back in float."""
+    blocks = x.float().reshape(*x.shape[:-1], -1, BLOCK)
+    d = blocks.abs().amax(dim=-1, keepdim=True) / 127.0
+    inverse = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    return (torch.round(blocks * inverse).clamp_(-127, 127) * d).reshape(x.shape)
+
+
+def gguf_linear_reference(x: torch.Tensor, weight: BlockWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] -> [M, N]: the rounded activations times the dequantized weight."""
+    return F.linear(round_activations_reference(x), weight.dequantize(), bias)
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A BlockWeight in the layout the kernel reads: `kernel_type` is the GGML type id, with PAIRED
+    set when 4-bit blocks were repacked in pairs (then only the native functions can read `blocks`)."""
+
+    qtype: str
+    blocks: torch.Tensor
+    in_features: int
+    kernel_type: int
+
+    @property
+    def out_features(self) -> int:
+        return self.blocks.shape[0]
+
+
+@functools.cache
+def _gemm_kernel():
+    """kv_gguf_gemm(x, rows, inner, type, blocks, bias, out, out_features, threads) -> status, or None."""
+    argtypes = [PTR, I64, I64, ctypes.c_int, PTR, PTR, PTR, I64, ctypes.c_int]
+    return bind("gguf_blocks", "kv_gguf_gemm", argtypes, ctypes.c_int)
+
+
+@functools.cache
+def _repack_kernel():
+    """kv_gguf_repack(type, source, target, rows, inner, threads) -> status, or None."""
+    return bind("gguf_blocks", "kv_gguf_repack", [ctypes.c_int, PTR, PTR, I64, I64, ctypes.c_int], ctypes.c_int)
+
+
+@functools.cache
+def _dequantize_kernel():
+    """kv_gguf_dequantize(type, blocks, inner, rows or NULL, num_rows, out, threads) -> status, or None."""
+    argtypes = [ctypes.c_int, PTR, I64, PTR, I64, PTR, ctypes.c_int]
+    return bind("gguf_blocks", "kv_gguf_dequantize", argtypes, ctypes.c_int)
+
+
+@functools.cache
+def _round_kernel():
+    """kv_gguf_round_activations(x, out, rows, cols, threads), or None."""
+    return bind("gguf_blocks", "kv_gguf_round_activations", [PTR, PTR, I64, I64, ctypes.c_int], None)
+
+
+def available() -> bool:
+    """Whether the native block kernels run on this machine."""
+    return _gemm_kernel() is not None
+
+
+def _check(status: int, what: str) -> None:
+    if status == 1:
+        raise MemoryError(f"the GGUF block kernel could not allocate its buffer for {what}")
+    if status != 0:
+        raise ValueError(f"the GGUF block kernel refused {what} (unknown type or a size it cannot hold)")
+
+
+def pack(weight: BlockWeight) -> PackedWeight:
+    """The weight in the kernel's layout: 4-bit blocks repacked in pairs where the kernel loads and
+    a row holds an even number of blocks; otherwise the file's layout, unchanged."""
+    type_id = weight.type_id
+    if not (available() and weight.qtype in ("Q4_0", "Q4_1") and weight.in_features % (2 * BLOCK) == 0):
+        return PackedWeight(weight.qtype, weight.blocks, weight.in_features, type_id)
+    source = weight.blocks.contiguous()
+    target = torch.empty_like(source)
+    status = _repack_kernel()(
+        type_id, source.data_ptr(), target.data_ptr(), weight.out_features, weight.in_features, torch.get_num_threads()
+    )
+    _check(status, "repacking")
+    return PackedWeight(weight.qtype, target, weight.in_features, type_id | PAIRED)
+
+
+def gguf_linear_native(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] float32 on CPU -> [M, N] through the integer kernel."""
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], weight.out_features, dtype=torch.float32)
+    status = _gemm_kernel()(
+        x.data_ptr(),
+        x.shape[0],
+        weight.in_features,
+        weight.kernel_type,
+        weight.blocks.data_ptr(),
+        bias.data_ptr() if bias is not None else None,
+        out.data_ptr(),
+        weight.out_features,
+        torch.get_num_threads(),
+    )
+    _check(status, "a product")
+    return out
+
+
+def dequantize_rows(
+    weight: PackedWeight, rows: torch.Tensor | None = None, start: int = 0, stop: int | None = None
+) -> torch.Tensor:
+    """float32 rows of the weight: the rows named by `rows` [R] int64, else rows start..stop."""
+    kernel = _dequantize_kernel()
+    if kernel is None:  # then `pack` kept the file's layout
+        picked = weight.blocks[rows] if rows is not None else weight.blocks[start:stop]
+        return dequantize_reference(BlockWeight(weight.qtype, picked, weight.in_features))
+    if rows is not None:
+        rows = rows.to(torch.int64).contiguous()
+        num_rows, source, row_pointer = rows.shape[0], weight.blocks, rows.data_ptr()
+    else:
+        source = weight.blocks[start:stop]
+        num_rows, row_pointer = source.shape[0], None
+    out = torch.empty(num_rows, weight.in_features, dtype=torch.float32)
+    pointers = (source.data_ptr(), weight.in_features, row_pointer, num_rows, out.data_ptr())
+    _check(kernel(weight.kernel_type, *pointers, torch.get_num_threads()), "dequantizing")
+    return out
+
+
+def round_activations(x: torch.Tensor) -> torch.Tensor:
+    """round_activations_reference, natively where the kernel loads."""
+    kernel = _round_kernel()
+    if kernel is None or x.dtype != torch.float32 or x.device.type != "cpu":
+        return round_activations_reference(x)
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    kernel(x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], torch.get_num_threads())
+    return out
+
+
+def gguf_linear_tiled(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """The kernel's numbers for large M in float32 BLAS, one dequantized tile of weight rows at a time."""
+    rounded = round_activations(x.float())
+    out = torch.empty(x.shape[0], weight.out_features, dtype=torch.float32)
+    tile = max(16, TILE_BYTES // (4 * weight.in_features))
+    for start in range(0, weight.out_features, tile):
+        stop = min(start + tile, weight.out_features)
+        out[:, start:stop] = rounded @ dequantize_rows(weight, start=start, stop=stop).t()
+    if bias is not None:
+        out += bias
+    return out
+
+
+class GgufLinear(nn.Module):
+    """Drop-in for nn.Linear over a weight kept as GGUF blocks (CPU, float32 activations)."""
+
+    def __init__(self, weight: PackedWeight, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.qtype = weight.qtype
+        self.kernel_type = weight.kernel_type
+        self.in_features = weight.in_features
+        self.out_features = weight.out_features
+        self.register_buffer("blocks", weight.blocks)
+        self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
+
+    @property
+    def packed(self) -> PackedWeight:
+        return PackedWeight(self.qtype, self.blocks, self.in_features, self.kernel_type)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        leading = x.shape[:-1]
+        flat = x.reshape(-1, self.in_features).float()
+        if flat.shape[0] <= MAX_KERNEL_ROWS and available():
+            out = gguf_linear_native(flat, self.packed, self.bias)
+        else:
+            out = gguf_linear_tiled(flat, self.packed, self.bias)
+        return out.view(*leading, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, GGUF {self.qtype} blocks"
+
+
+class GgufEmbedding(nn.Module):
+    """Drop-in for nn.Embedding over a table kept as GGUF blocks: looked-up rows are dequantized."""
+
+    def __init__(self, weight: PackedWeight) -> None:
+        super().__init__()
+        self.qtype = weight.qtype
+        self.kernel_type = weight.kernel_type
+        self.num_embeddings, self.embedding_dim = weight.out_features, weight.in_features
+        self.register_buffer("blocks", weight.blocks)
+
+    @property
+    def packed(self) -> PackedWeight:
+        return PackedWeight(self.qtype, self.blocks, self.embedding_dim, self.kernel_type)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):
+            raise IndexError(f"token id out of range for a vocabulary of {self.num_embeddings}")
+        return dequantize_rows(self.packed, rows=flat).view(*ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, GGUF {self.qtype} blocks"
