@@ -47,9 +47,10 @@ RUN case "$VARIANT" in \
 RUN make models VENV=/opt/kvserve/.venv EXTRAS= \
  && /opt/kvserve/.venv/bin/kvserve models
 
-# The int8 CPU kernel, built into $KVSERVE_HOME/kernels so the runtime image needs no compiler
-# (on a CPU without AVX2, or in the cuda variant, it is skipped and the torch path runs).
-RUN /opt/kvserve/.venv/bin/python -c "from engine.ops.loader import load_library; load_library('int8_gemm')"
+# Every native CPU kernel (engine/ops/*.c), built into $KVSERVE_HOME/kernels so the runtime image needs
+# no compiler (on a CPU without AVX2, or in the cuda variant, they are skipped and the torch paths run).
+RUN /opt/kvserve/.venv/bin/python -c "from engine.ops.loader import SOURCE_DIR, load_library; \
+[load_library(p.stem) for p in sorted(SOURCE_DIR.glob('*.c'))]"
 
 # ---------------------------------------------------------------- runtime
 FROM ${PYTHON_IMAGE} AS runtime

@@ -15,9 +15,10 @@ import torch
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SUPPORTED_DTYPES = tuple(TORCH_DTYPES)
 # none: weights in `dtype`. int8: weight-only int8 linear layers (CPU, float32;
-# engine/ops/int8_linear.py). auto: int8 for a GGUF file on CPU in float32 (its
-# weights are stored quantized already), none otherwise.
-QUANTIZATION_MODES = ("none", "int8", "auto")
+# engine/ops/int8_linear.py). gguf: a GGUF file's matrices stay in its own blocks
+# where a kernel exists for their type (engine/ops/gguf_linear.py), the others int8.
+# auto: gguf for a GGUF file on CPU in float32, none otherwise.
+QUANTIZATION_MODES = ("none", "int8", "gguf", "auto")
 # How an embedding model turns per-token hidden states into one vector (engine/embedder.py `pool`).
 POOLING_MODES = ("mean", "cls", "last")
 
@@ -68,8 +69,8 @@ class EngineConfig:
         check_dtype(self.dtype, self.device)
         if self.quantization not in QUANTIZATION_MODES:
             raise ValueError(f"quantization must be one of {QUANTIZATION_MODES}, got {self.quantization!r}")
-        if self.quantization == "int8" and (self.device != "cpu" or self.dtype != "float32"):
-            raise ValueError("quantization int8 runs on CPU with dtype float32; use bfloat16 on GPUs")
+        if self.quantization in ("int8", "gguf") and (self.device != "cpu" or self.dtype != "float32"):
+            raise ValueError(f"quantization {self.quantization} runs on CPU with dtype float32; use bfloat16 on GPUs")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.max_num_seqs < 1:

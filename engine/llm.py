@@ -55,7 +55,7 @@ class LLM:
         path = resolve_or_download(config.model)
         config = dataclasses.replace(config, quantization=resolve_quantization(config, path))
         started = time.monotonic()
-        model_config, state_dict = load_checkpoint(path)
+        model_config, state_dict = load_checkpoint(path, keep_gguf_blocks=config.quantization == "gguf")
         tokenizer = Tokenizer.from_path(path, _config_eos_token_ids(model_config, path))
         grammar = tokenizer.grammar_compiler(model_config.vocab_size)
         engine = LLMEngine(config, model_config, state_dict, tokenizer.eos_token_ids, grammar)

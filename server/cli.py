@@ -156,7 +156,8 @@ FLAGS: tuple[Flag, ...] = (
         "quantization",
         "engine",
         str,
-        "none, int8 (weight-only int8 linear layers, CPU float32) or auto (int8 for a .gguf on CPU, else none)",
+        "none, int8 (weight-only int8 linear layers, CPU float32), gguf (a .gguf file's own Q4_0 / Q4_1 / Q8_0 "
+        "blocks, other types int8; CPU float32) or auto (gguf for a .gguf on CPU, else none)",
     ),
     _flag("device", "engine+embedder+reranker", str, "torch device of every model: cpu, cuda, cuda:1, ..."),
     _flag(

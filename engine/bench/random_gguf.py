@@ -27,7 +27,7 @@ from engine.hub.models_hub import DEFAULT_GENERATION_MODEL
 
 logger = logging.getLogger(__name__)
 
-WEIGHT_TYPES = ("Q4_0", "Q8_0", "F32")
+WEIGHT_TYPES = ("Q4_0", "Q4_1", "Q8_0", "F32")
 _INIT_STD = 0.02
 
 
@@ -94,18 +94,24 @@ def write_random_gguf(
     shape: LlamaShape = LlamaShape(),
     tokenizer_from: Path | None = None,
     seed: int = 0,
+    tensor_types: dict[str, str] | None = None,
+    weight_std: float = _INIT_STD,
 ) -> Path:
     """Write the model to `out` and return it. tokenizer_from: a GGUF whose tokenizer is copied
-    (None: the default generation model's, pulled if needed)."""
+    (None: the default generation model's, pulled if needed). tensor_types: a type other than
+    `weight_type` for some matrices, keyed by tensor name ("blk.1.attn_v.weight") or by the name
+    after the layer ("attn_v.weight"), e.g. to write a file that mixes types as real ones do.
+    weight_std: the matrices' standard deviation (larger makes a small model's predictions peakier)."""
     import gguf
 
-    if weight_type not in WEIGHT_TYPES:
-        raise ValueError(f"weight type must be one of {WEIGHT_TYPES}, got {weight_type!r}")
+    tensor_types = tensor_types or {}
+    for kind in (weight_type, *tensor_types.values()):
+        if kind not in WEIGHT_TYPES:
+            raise ValueError(f"weight type must be one of {WEIGHT_TYPES}, got {kind!r}")
     if tokenizer_from is None:
         from engine.bench.gguf_file import gguf_path
 
         tokenizer_from = gguf_path(DEFAULT_GENERATION_MODEL)
-    quant_type = gguf.GGMLQuantizationType[weight_type]
     writer = gguf.GGUFWriter(str(out), "llama")
     writer.add_name(f"random-llama-{shape.num_layers}x{shape.hidden_size}-{weight_type}")
     vocab_size = _copy_tokenizer(gguf.GGUFReader(str(tokenizer_from)), writer)
@@ -129,7 +135,9 @@ def write_random_gguf(
         if len(numpy_shape) == 1:  # norms: float32 ones, as a fresh model has them
             writer.add_tensor(name, np.ones(numpy_shape, dtype=np.float32))
             continue
-        weight = rng.normal(0.0, _INIT_STD, size=numpy_shape).astype(np.float32)
+        weight = rng.normal(0.0, weight_std, size=numpy_shape).astype(np.float32)
+        kind = tensor_types.get(name, tensor_types.get(name.split(".", 2)[-1], weight_type))
+        quant_type = gguf.GGMLQuantizationType[kind]
         if quant_type == gguf.GGMLQuantizationType.F32:
             writer.add_tensor(name, weight)
         else:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from engine.errors import ModelLoadError
+from engine.ops.gguf_linear import BlockWeight, GgufLinear, PackedWeight, cat_weights, pack
 
 
 def take(state: dict[str, torch.Tensor], name: str, *, where: str = "checkpoint") -> torch.Tensor:
@@ -19,6 +20,37 @@ def assign(param: torch.nn.Parameter | torch.Tensor, value: torch.Tensor, name: 
         raise ModelLoadError(f"weight {name!r} has shape {tuple(value.shape)}, expected {tuple(param.shape)}")
     with torch.no_grad():
         param.copy_(value.to(param.dtype))
+
+
+def cat_rows(parts: list[torch.Tensor | BlockWeight]) -> torch.Tensor | BlockWeight:
+    """Weights stacked by rows into one fused projection: still blocks when every part has the
+    same block type, else float (the blocks dequantized)."""
+    if all(isinstance(p, BlockWeight) for p in parts):
+        fused = cat_weights(parts)
+        if fused is not None:
+            return fused
+    return torch.cat([p.dequantize() if isinstance(p, BlockWeight) else p for p in parts])
+
+
+def load_linear(
+    owner: torch.nn.Module,
+    name: str,
+    weight: torch.Tensor | BlockWeight | PackedWeight,
+    bias: torch.Tensor | None,
+    label: str,
+) -> None:
+    """Fill `owner.<name>` (an nn.Linear) with a float weight, or replace it by a GgufLinear over blocks
+    (a PackedWeight is shared as is: a tied output layer reads the embedding table's blocks)."""
+    linear = getattr(owner, name)
+    if isinstance(weight, BlockWeight | PackedWeight):
+        shape = (weight.out_features, weight.in_features)
+        if tuple(linear.weight.shape) != shape:
+            raise ModelLoadError(f"weight {label!r} has shape {shape}, expected {tuple(linear.weight.shape)}")
+        setattr(owner, name, GgufLinear(weight if isinstance(weight, PackedWeight) else pack(weight), bias))
+        return
+    assign(linear.weight, weight, label)
+    if bias is not None:
+        assign(linear.bias, bias, f"{label}.bias")
 
 
 class RotaryEmbedding:

@@ -19,7 +19,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.models.common import RotaryEmbedding, apply_rotary, assign, take
+from engine.errors import ModelLoadError
+from engine.models.common import RotaryEmbedding, apply_rotary, assign, cat_rows, load_linear, take
+from engine.ops.gguf_linear import BlockWeight, GgufEmbedding, pack
 from engine.ops.rms_norm import rms_norm
 from engine.runner.attention import AttentionMetadata, paged_attention, write_kv
 
@@ -113,31 +115,40 @@ class LlamaForCausalLM(nn.Module):
         """[N, hidden] -> float32 logits [N, vocab]."""
         return self.lm_head(hidden).float()
 
-    def load_weights(self, state: dict[str, torch.Tensor]) -> None:
+    def load_weights(self, state: dict[str, torch.Tensor | BlockWeight]) -> None:
+        """Fill the model from HF-named tensors; GGUF blocks (BlockWeight) replace the layers they fill."""
         state = dict(state)
-        assign(self.embed_tokens.weight, take(state, "model.embed_tokens.weight"), "model.embed_tokens.weight")
+        embedding = take(state, "model.embed_tokens.weight")
         tied = getattr(self.config.hf_config, "tie_word_embeddings", False) or "lm_head.weight" not in state
-        lm_head = self.embed_tokens.weight if tied else take(state, "lm_head.weight")
-        assign(self.lm_head.weight, lm_head, "lm_head.weight")
+        lm_head = embedding if tied else take(state, "lm_head.weight")
         state.pop("lm_head.weight", None)
+        if isinstance(embedding, BlockWeight):
+            if embedding.shape != tuple(self.embed_tokens.weight.shape):
+                raise ModelLoadError(f"weight 'model.embed_tokens.weight' has shape {embedding.shape}")
+            self.embed_tokens = GgufEmbedding(pack(embedding))
+            if tied:  # one copy of the blocks serves both
+                lm_head = self.embed_tokens.packed
+        else:
+            assign(self.embed_tokens.weight, embedding, "model.embed_tokens.weight")
+        load_linear(self, "lm_head", lm_head, None, "lm_head.weight")
         assign(self.norm.weight, take(state, "model.norm.weight"), "model.norm.weight")
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
-            qkv = [take(state, f"{p}self_attn.{n}_proj.weight") for n in "qkv"]
-            assign(layer.qkv_proj.weight, torch.cat(qkv), f"{p}self_attn.qkv")
-            if layer.qkv_proj.bias is not None:
-                biases = [take(state, f"{p}self_attn.{n}_proj.bias") for n in "qkv"]
-                assign(layer.qkv_proj.bias, torch.cat(biases), f"{p}self_attn.qkv.bias")
-            assign(layer.o_proj.weight, take(state, f"{p}self_attn.o_proj.weight"), f"{p}self_attn.o_proj.weight")
-            if layer.o_proj.bias is not None:
-                assign(layer.o_proj.bias, take(state, f"{p}self_attn.o_proj.bias"), f"{p}self_attn.o_proj.bias")
-            gate_up = [take(state, f"{p}mlp.{n}_proj.weight") for n in ("gate", "up")]
-            assign(layer.gate_up_proj.weight, torch.cat(gate_up), f"{p}mlp.gate_up")
-            assign(layer.down_proj.weight, take(state, f"{p}mlp.down_proj.weight"), f"{p}mlp.down_proj.weight")
-            if layer.gate_up_proj.bias is not None:
-                gate_up_bias = [take(state, f"{p}mlp.{n}_proj.bias") for n in ("gate", "up")]
-                assign(layer.gate_up_proj.bias, torch.cat(gate_up_bias), f"{p}mlp.gate_up.bias")
-                assign(layer.down_proj.bias, take(state, f"{p}mlp.down_proj.bias"), f"{p}mlp.down_proj.bias")
+
+            def biases(names: list[str], prefix: str = p) -> torch.Tensor:
+                return torch.cat([take(state, f"{prefix}{n}.bias") for n in names])
+
+            qkv = cat_rows([take(state, f"{p}self_attn.{n}_proj.weight") for n in "qkv"])
+            qkv_bias = biases([f"self_attn.{n}_proj" for n in "qkv"]) if layer.qkv_proj.bias is not None else None
+            load_linear(layer, "qkv_proj", qkv, qkv_bias, f"{p}self_attn.qkv")
+            o_bias = biases(["self_attn.o_proj"]) if layer.o_proj.bias is not None else None
+            load_linear(layer, "o_proj", take(state, f"{p}self_attn.o_proj.weight"), o_bias, f"{p}self_attn.o_proj")
+            gate_up = cat_rows([take(state, f"{p}mlp.{n}_proj.weight") for n in ("gate", "up")])
+            has_mlp_bias = layer.gate_up_proj.bias is not None
+            gate_up_bias = biases(["mlp.gate_proj", "mlp.up_proj"]) if has_mlp_bias else None
+            load_linear(layer, "gate_up_proj", gate_up, gate_up_bias, f"{p}mlp.gate_up")
+            down_bias = biases(["mlp.down_proj"]) if has_mlp_bias else None
+            load_linear(layer, "down_proj", take(state, f"{p}mlp.down_proj.weight"), down_bias, f"{p}mlp.down_proj")
             assign(layer.input_norm.weight, take(state, f"{p}input_layernorm.weight"), f"{p}input_layernorm")
             assign(
                 layer.post_attention_norm.weight,
@@ -147,4 +158,4 @@ class LlamaForCausalLM(nn.Module):
         leftovers = [k for k in state if "rotary_emb" not in k]
         if leftovers:
             raise ValueError(f"unexpected weights in checkpoint: {leftovers[:5]}")
-        self.rotary = RotaryEmbedding(self.config.hf_config, self.config.head_dim, self.embed_tokens.weight.device)
+        self.rotary = RotaryEmbedding(self.config.hf_config, self.config.head_dim, self.norm.weight.device)

@@ -14,6 +14,7 @@ import torch
 
 from engine.config import ModelConfig
 from engine.errors import ModelLoadError
+from engine.ops.gguf_linear import BLOCK_TYPES, BlockWeight
 
 logger = logging.getLogger(__name__)
 
@@ -107,8 +108,11 @@ def _load_hf_directory(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]
     return model_config, state
 
 
-def _load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def _load_gguf(path: Path, keep_blocks: bool) -> tuple[ModelConfig, dict[str, torch.Tensor | BlockWeight]]:
     """Dequantize a GGUF file into Hugging Face-named float tensors via transformers' converter.
+
+    With `keep_blocks`, a LLaMA file's matrices of a type with a block kernel stay
+    as the file stores them (BlockWeight) instead.
 
     transformers maps GGUF names to its own and undoes llama.cpp's Q/K row
     permutation; it needs the target model's parameter names, so we build the
@@ -127,7 +131,7 @@ def _load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
         raise ModelLoadError(f"{path}: cannot read GGUF metadata: {exc}") from exc
     model_config = _model_config_from_hf(hf_config, path)
     if hf_config.model_type == "llama":
-        tensors = _read_llama_gguf_tensors(path, model_config)
+        tensors = _read_llama_gguf_tensors(path, model_config, keep_blocks)
         if tensors is not None:
             return model_config, tensors
     try:
@@ -163,15 +167,19 @@ def _unpermute_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     return weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
 
 
-def _read_llama_gguf_tensors(path: Path, model_config: ModelConfig) -> dict[str, torch.Tensor] | None:
+def _read_llama_gguf_tensors(
+    path: Path, model_config: ModelConfig, keep_blocks: bool = False
+) -> dict[str, torch.Tensor | BlockWeight] | None:
     """One pass over a LLaMA GGUF with the `gguf` package: dequantize and rename (~3x faster than
     transformers' converter, which parses the file again). None when a tensor is not one we know,
-    so the caller falls back to transformers."""
+    so the caller falls back to transformers. With `keep_blocks`, matrices of the types in
+    BLOCK_TYPES are copied as the file's bytes (BlockWeight), never dequantized."""
     import gguf
 
     try:
         reader = gguf.GGUFReader(str(path))
-        tensors: dict[str, torch.Tensor] = {}
+        tensors: dict[str, torch.Tensor | BlockWeight] = {}
+        dequantized_types: set[str] = set()
         for tensor in reader.tensors:
             name = tensor.name
             if name in _LLAMA_GGUF_TOP:
@@ -183,24 +191,42 @@ def _read_llama_gguf_tensors(path: Path, model_config: ModelConfig) -> dict[str,
                     logger.debug("%s: unknown GGUF tensor %s; using transformers' converter", path, name)
                     return None
                 hf_name = f"model.layers.{layer}.{_LLAMA_GGUF_NAMES[suffix]}"
-            weight = torch.from_numpy(gguf.quants.dequantize(tensor.data, tensor.tensor_type).copy()).float()
+            qtype = tensor.tensor_type.name
+            if keep_blocks and qtype in BLOCK_TYPES and len(tensor.data.shape) == 2:
+                in_features = int(tensor.shape[0])  # GGUF lists dimensions innermost first
+                weight = torch.from_numpy(tensor.data.copy())  # uint8 [rows, row_bytes]: the file's bytes
+            else:
+                weight = torch.from_numpy(gguf.quants.dequantize(tensor.data, tensor.tensor_type).copy()).float()
+                if keep_blocks and len(tensor.data.shape) == 2:
+                    dequantized_types.add(qtype)
             if hf_name.endswith("q_proj.weight"):
                 weight = _unpermute_rows(weight, model_config.num_heads)
             elif hf_name.endswith("k_proj.weight"):
                 weight = _unpermute_rows(weight, model_config.num_kv_heads)
-            tensors[hf_name] = weight
+            tensors[hf_name] = BlockWeight(qtype, weight, in_features) if weight.dtype == torch.uint8 else weight
+        if dequantized_types:
+            logger.warning(
+                "%s: GGUF types %s have no block kernel; those matrices are dequantized (then rounded to int8)",
+                path,
+                ", ".join(sorted(dequantized_types)),
+            )
         return tensors
     except Exception as exc:
         raise ModelLoadError(f"{path}: cannot dequantize GGUF tensors: {exc}") from exc
 
 
-def load_checkpoint(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """(ModelConfig, float state_dict in HF names) for a HF directory or a .gguf file."""
+def load_checkpoint(
+    path: str | Path, keep_gguf_blocks: bool = False
+) -> tuple[ModelConfig, dict[str, torch.Tensor | BlockWeight]]:
+    """(ModelConfig, state_dict in HF names) for a HF directory or a .gguf file.
+
+    Tensors are float, except that with `keep_gguf_blocks` a LLaMA GGUF's matrices of a
+    type with a block kernel (engine/ops/gguf_linear.py) stay in the file's blocks."""
     path = Path(path)
     if not path.exists():
         raise ModelLoadError(f"{path}: no such file or directory")
     if path.is_file():
         if path.suffix != ".gguf":
             raise ModelLoadError(f"{path}: a model file must be .gguf; otherwise pass the model directory")
-        return _load_gguf(path)
+        return _load_gguf(path, keep_gguf_blocks)
     return _load_hf_directory(path)

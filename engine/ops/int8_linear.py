@@ -151,11 +151,14 @@ class Int8Linear(nn.Module):
 
 
 def resolve_quantization(config: EngineConfig, model_path: Path) -> str:
-    """ "none" or "int8" for `config.quantization` (see engine.config.QUANTIZATION_MODES)."""
+    """ "none", "int8" or "gguf" for `config.quantization` (see engine.config.QUANTIZATION_MODES)."""
+    is_gguf = Path(model_path).suffix == ".gguf"
+    if config.quantization == "gguf" and not is_gguf:
+        raise ValueError(f"quantization gguf needs a .gguf model file, not {model_path}")
     if config.quantization != "auto":
         return config.quantization
     on_cpu_float32 = config.device == "cpu" and config.dtype == "float32"
-    return "int8" if on_cpu_float32 and Path(model_path).suffix == ".gguf" else "none"
+    return "gguf" if on_cpu_float32 and is_gguf else "none"
 
 
 def quantize_linears(model: nn.Module) -> int:

@@ -1,5 +1,6 @@
 /* Every layer of a LLaMA-family decode step (one new token per sequence) in one call,
- * for int8-quantized float32 CPU models (engine/ops/int8_linear.py).
+ * for float32 CPU models whose linear layers are int8 (engine/ops/int8_linear.py) or
+ * GGUF blocks (engine/ops/gguf_linear.py), in any mix.
  *
  * Why: after the int8 kernel, a SmolLM2 batch-1 step spent more time dispatching ~25
  * torch ops per layer (RoPE, residual adds, SiLU, views) than computing them. This runs
@@ -9,14 +10,16 @@
  * The torch path stays the reference; tests/engine/test_fused_decode.py holds them equal.
  */
 #include "decode_attention.c"
+#include "gguf_blocks.c"
 #include "int8_gemm.c"
 #include "rms_norm.c"
 
 typedef struct {
-    const int8_t *weight;
-    const float *scale;
-    const float *bias; /* NULL: no bias */
+    const void *weight; /* int8 [out_features, in_features], or GGUF blocks of block_type */
+    const float *scale; /* int8: one per output channel; unused for blocks */
+    const float *bias;  /* NULL: no bias */
     int64_t out_features;
+    int block_type; /* 0: int8 per channel; else the GGML type id of the blocks */
 } Int8Weight;
 
 typedef struct {
@@ -39,6 +42,8 @@ typedef struct {
 } DecodeStep;
 
 static int linear(const float *x, const Int8Weight *w, int64_t rows, int64_t in_features, float *out, int threads) {
+    if (w->block_type != 0)
+        return kv_gguf_gemm(x, rows, in_features, w->block_type, w->weight, w->bias, out, w->out_features, threads);
     return kv_int8_gemm(x, rows, in_features, w->weight, w->scale, w->bias, out, w->out_features, threads);
 }
 

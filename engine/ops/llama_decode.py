@@ -1,7 +1,7 @@
 """One native call for every layer of a LLaMA-family decode step (llama_decode.c).
 
 The model runner uses FusedLlamaDecode for decode-only steps when it chose the
-fused path at start-up (int8 linear layers, float32, CPU). Its torch reference
+fused path at start-up (int8 or GGUF-block linear layers, float32, CPU). Its torch reference
 is the model itself (LlamaForCausalLM.forward), and
 tests/engine/test_fused_decode.py holds the two equal.
 """
@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine.ops.gguf_linear import GgufLinear
 from engine.ops.int8_linear import Int8Linear
 from engine.ops.loader import I64, PTR, bind, unavailable_reason
 from engine.runner.attention import AttentionMetadata
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
 
 
 class _Int8Weight(ctypes.Structure):
-    _fields_ = [("weight", PTR), ("scale", PTR), ("bias", PTR), ("out_features", I64)]
+    _fields_ = [("weight", PTR), ("scale", PTR), ("bias", PTR), ("out_features", I64), ("block_type", ctypes.c_int)]
 
 
 class _LlamaLayer(ctypes.Structure):
@@ -78,8 +79,9 @@ def unsupported_reason(model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tens
     if not layers:
         return "the model has no layers"
     projections = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-    if not all(isinstance(getattr(layer, name), Int8Linear) for layer in layers for name in projections):
-        return "its linear layers are not int8 (the fused kernel reads int8 weights)"
+    kinds = (Int8Linear, GgufLinear)
+    if not all(isinstance(getattr(layer, name), kinds) for layer in layers for name in projections):
+        return "its linear layers are neither int8 nor GGUF blocks (the fused kernel reads only those)"
     cache = kv_caches[0][0]
     if cache.dtype != torch.float32 or cache.device.type != "cpu" or not cache.is_contiguous():
         return f"the KV cache is {cache.dtype} on {cache.device.type} (the kernel needs contiguous float32 on CPU)"
@@ -92,9 +94,11 @@ def unsupported_reason(model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tens
     return None
 
 
-def _weight(linear: Int8Linear) -> _Int8Weight:
+def _weight(linear: Int8Linear | GgufLinear) -> _Int8Weight:
     bias = linear.bias.data_ptr() if linear.bias is not None else None
-    return _Int8Weight(linear.quantized.data_ptr(), linear.scale.data_ptr(), bias, linear.out_features)
+    if isinstance(linear, GgufLinear):
+        return _Int8Weight(linear.blocks.data_ptr(), None, bias, linear.out_features, linear.kernel_type)
+    return _Int8Weight(linear.quantized.data_ptr(), linear.scale.data_ptr(), bias, linear.out_features, 0)
 
 
 class FusedLlamaDecode:

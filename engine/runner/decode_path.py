@@ -1,7 +1,7 @@
 """Which code runs a model's decode-only steps, chosen once when the runner starts.
 
 FUSED_NATIVE: every layer of the step in one native call (engine/ops/llama_decode.py),
-for LLaMA-family models with int8 linear layers in float32 on CPU where the kernel loads.
+for LLaMA-family models with int8 or GGUF-block linear layers in float32 on CPU where the kernel loads.
 TORCH_LAYERS: the model's own torch layers. Prefill and mixed steps always run those;
 on float32 CPU tensors they call the native per-op kernels (RMSNorm, decode attention,
 int8 products) where they load, and torch ops otherwise.
@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from engine.models.llama import LlamaForCausalLM, RMSNorm
-from engine.ops import decode_attention, int8_linear, llama_decode, rms_norm
+from engine.ops import decode_attention, gguf_linear, int8_linear, llama_decode, rms_norm
 
 
 class DecodePath(enum.Enum):
@@ -47,6 +47,7 @@ def native_ops(model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tenso
         "rms_norm": rms_norm.available() and any(isinstance(m, RMSNorm) for m in modules),
         "decode_attention": decode_attention.available(),
         "int8_linear": int8_linear.available() and any(isinstance(m, int8_linear.Int8Linear) for m in modules),
+        "gguf_linear": gguf_linear.available() and any(isinstance(m, gguf_linear.GgufLinear) for m in modules),
     }
     return tuple(name for name, is_used in used.items() if is_used)
 
@@ -59,4 +60,4 @@ def choose_decode_path(model: nn.Module, kv_caches: list[tuple[torch.Tensor, tor
     reason = llama_decode.unsupported_reason(model, kv_caches)
     if reason is not None:
         return DecodePlan(DecodePath.TORCH_LAYERS, reason, ops)
-    return DecodePlan(DecodePath.FUSED_NATIVE, "an int8 float32 LLaMA-family model on CPU", ops)
+    return DecodePlan(DecodePath.FUSED_NATIVE, "a quantized float32 LLaMA-family model on CPU", ops)

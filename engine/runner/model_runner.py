@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import traceback
+from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -20,6 +21,7 @@ from engine.core.scheduler import ScheduledBatch
 from engine.core.sequence import Sequence
 from engine.models.gpt2 import GPT2LMHeadModel
 from engine.models.llama import LlamaForCausalLM
+from engine.ops.gguf_linear import GgufEmbedding, GgufLinear
 from engine.ops.int8_linear import quantize_linears
 from engine.ops.llama_decode import FusedLlamaDecode
 from engine.outputs import TokenLogprob
@@ -87,8 +89,11 @@ class ModelRunner:
             model = _MODEL_CLASSES[model_config.architecture](model_config)
         model = model.to_empty(device=self.device).to(self.dtype)
         model.load_weights(state_dict)
-        if config.quantization == "int8":
-            logger.info("int8 weights: %d linear layers", quantize_linears(model))
+        if config.quantization in ("int8", "gguf"):
+            # In gguf mode the layers the file's blocks filled are GgufLinear already; the rest become int8.
+            blocks = Counter(m.qtype for m in model.modules() if isinstance(m, (GgufLinear, GgufEmbedding)))
+            int8 = quantize_linears(model)
+            logger.info("weights: GGUF blocks %s; int8 %d linear layers", dict(blocks) or "none", int8)
         self.model = model.eval().requires_grad_(False)
         shape = (num_blocks, config.block_size, model_config.num_kv_heads, model_config.head_dim)
         # One (key, value) pair per layer, allocated once for the whole life of the engine.

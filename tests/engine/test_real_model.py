@@ -54,24 +54,35 @@ def test_smollm2_greedy_matches_transformers(smollm2_path):
     assert "Paris" in ours[0].text
 
 
-def test_smollm2_int8_stays_close_to_float32(smollm2_path):
-    """`--quantization int8` (the server's default for a GGUF) answers like float32.
-
-    Measured on this model (README): over 8 chats of up to 64 greedy tokens, 5 are
-    token-identical and the others first differ after 8, 28 and 53 tokens. Here the
-    terse-assistant chat flips "white" to "blue" at token 5; the other two are identical.
-    """
+def test_smollm2_quantized_stays_close_to_float32(smollm2_path):
+    """`--quantization gguf` (the server's default for a GGUF: the file's Q4_1 blocks) and `int8` score
+    float32's own greedy answers almost as float32 does (teacher-forced, so one early flip on a near-tie
+    cannot hide the rest). Measured: mean |difference| of the answer tokens' logprobs 0.043 nats for the
+    blocks (max 0.17), 0.049 for int8 (max 0.38).
+    Free-running answers can part early: on "What is the capital of France?" float32 starts "The"
+    (-1.88) over "L" (-1.97), the Q4_1 blocks start "L" as llama.cpp does on the same file.
+    `python -m clients.quality_suite` measures both modes and llama.cpp over a longer text (README)."""
     from engine.params import SamplingParams
 
-    params = SamplingParams(temperature=0, max_tokens=32)
-    results = {}
-    for mode in ("none", "int8"):
+    reference = LLM.from_config(EngineConfig(model=str(smollm2_path), quantization="none"))
+    prompts = [reference.tokenizer.apply_chat_template(chat) for chat in CHATS]
+    answers = [r[0] for r in reference.generate(prompts, SamplingParams(temperature=0, max_tokens=32))]
+    assert "Paris" in answers[0].text
+    scored = [prompt + answer.token_ids for prompt, answer in zip(prompts, answers)]
+    params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)
+
+    def answer_logprobs(llm: LLM) -> list[float]:
+        values = []
+        for prompt, full in zip(prompts, scored):
+            entries = llm.generate([full], params)[0][0].prompt_logprobs
+            values += [entry.logprob for entry in entries[len(prompt) :]]
+        return values
+
+    exact = answer_logprobs(reference)
+    del reference
+    for mode in ("int8", "gguf"):
         engine = LLM.from_config(EngineConfig(model=str(smollm2_path), quantization=mode))
         assert engine.engine.config.quantization == mode
-        prompts = [engine.tokenizer.apply_chat_template(chat) for chat in CHATS]
-        results[mode] = [r[0] for r in engine.generate(prompts, params)]
+        differences = [abs(a - b) for a, b in zip(answer_logprobs(engine), exact)]
         del engine
-    pairs = list(zip(results["none"], results["int8"]))
-    assert sum(exact.token_ids == quantized.token_ids for exact, quantized in pairs) >= 2
-    assert all(exact.token_ids[:4] == quantized.token_ids[:4] for exact, quantized in pairs)
-    assert "Paris" in results["int8"][0].text
+        assert sum(differences) / len(differences) < 0.15 and max(differences) < 1.5, mode

@@ -34,7 +34,7 @@ def test_int8_llama_on_cpu_runs_the_fused_decode_and_says_so(tiny_model_dirs, ca
     lines = [r.getMessage() for r in caplog.records if r.name == "engine.runner.model_runner"]
     decode_lines = [line for line in lines if line.startswith("decode path:")]
     assert decode_lines == [runner.decode_plan.describe()]
-    assert "fused native decode" in decode_lines[0] and "int8 float32 LLaMA-family" in decode_lines[0]
+    assert "fused native decode" in decode_lines[0] and "quantized float32 LLaMA-family" in decode_lines[0]
 
 
 def test_float32_llama_runs_the_torch_layers(tiny_model_dirs, caplog):
@@ -42,7 +42,7 @@ def test_float32_llama_runs_the_torch_layers(tiny_model_dirs, caplog):
         runner = _runner(tiny_model_dirs["llama"])
     plan = runner.decode_plan
     assert plan.path is DecodePath.TORCH_LAYERS and runner.fused_decode is None
-    assert "not int8" in plan.reason
+    assert "neither int8 nor GGUF" in plan.reason
     assert plan.native_ops == (("rms_norm", "decode_attention") if KERNELS_EXPECTED else ())
     assert plan.describe() in [r.getMessage() for r in caplog.records]
     assert "decode path: torch layers" in plan.describe()

@@ -115,9 +115,14 @@ def test_quantize_linears_replaces_every_linear():
     assert model(torch.randn(3, 8)).shape == (3, 4)
 
 
-def test_auto_means_int8_for_gguf_on_cpu_float32():
+def test_auto_means_the_gguf_blocks_for_gguf_on_cpu_float32():
     gguf, folder = Path("model.Q4_1.gguf"), Path("some-model")
-    assert resolve_quantization(EngineConfig(model="m", quantization="auto"), gguf) == "int8"
+    assert resolve_quantization(EngineConfig(model="m", quantization="auto"), gguf) == "gguf"
+    assert resolve_quantization(EngineConfig(model="m", quantization="int8"), gguf) == "int8"
+    with pytest.raises(ValueError, match="needs a .gguf"):
+        resolve_quantization(EngineConfig(model="m", quantization="gguf"), folder)
+    with pytest.raises(ValueError, match="gguf runs on CPU"):
+        EngineConfig(model="m", quantization="gguf", device="cuda")
     assert resolve_quantization(EngineConfig(model="m", quantization="auto"), folder) == "none"
     assert resolve_quantization(EngineConfig(model="m", quantization="auto", dtype="bfloat16"), gguf) == "none"
     assert resolve_quantization(EngineConfig(model="m", quantization="none"), gguf) == "none"

@@ -1,0 +1,139 @@
+"""A GGUF served on its own blocks (`--quantization gguf`, the default for .gguf on CPU) against the
+same file dequantized to float32: every block type in one file, fused projections whose parts
+differ in type, the fused decode step, batching, and the bytes the weights take."""
+
+from __future__ import annotations
+
+import gguf
+import pytest
+
+from engine.bench.random_gguf import LlamaShape, write_random_gguf
+from engine.config import EngineConfig
+from engine.llm import LLM
+from engine.ops.gguf_linear import GgufEmbedding, GgufLinear
+from engine.ops.int8_linear import Int8Linear
+from engine.params import SamplingParams
+from engine.runner.decode_path import DecodePath, DecodePlan
+from tests.support.native_kernels import needs_kernels
+
+SHAPE = LlamaShape(num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=2, intermediate_size=256)
+# Every type with a block kernel, as real files mix them; layer 1's v differs from its q and k.
+TYPES = {
+    "token_embd.weight": "Q8_0",
+    "attn_q.weight": "Q4_0",
+    "attn_k.weight": "Q4_0",
+    "attn_v.weight": "Q4_0",
+    "blk.1.attn_v.weight": "Q8_0",
+    "attn_output.weight": "Q8_0",
+    "ffn_gate.weight": "Q4_1",
+    "ffn_up.weight": "Q4_1",
+    "ffn_down.weight": "Q8_0",
+    "output.weight": "Q4_1",
+}
+WORDS = "the quick brown fox jumps over lazy dog hello world paged cache blocks of weights".split()
+
+
+@pytest.fixture(scope="module")
+def mixed_gguf(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("gguf-blocks")
+    # 0.02, the usual initialisation, leaves the logits of 128-wide layers nearly flat: differences would hide.
+    return write_random_gguf(directory / "mixed.gguf", "Q4_0", SHAPE, seed=3, tensor_types=TYPES, weight_std=0.15)
+
+
+@pytest.fixture(scope="module")
+def engines(mixed_gguf):
+    """(the file on its blocks, the file dequantized to float32): the second is the reference."""
+    blocks = LLM.from_config(EngineConfig(model=str(mixed_gguf), quantization="gguf", block_size=4))
+    reference = LLM(
+        _float_engine(blocks, EngineConfig(model=str(mixed_gguf), quantization="none", block_size=4)),
+        blocks.tokenizer,
+    )
+    return blocks, reference
+
+
+def _float_engine(blocks: LLM, config: EngineConfig):
+    """An engine over the same weights dequantized: reads the file again without keeping blocks."""
+    from engine.core.llm_engine import LLMEngine
+    from engine.models.weights import load_checkpoint
+
+    model_config, state = load_checkpoint(config.model)
+    return LLMEngine(config, model_config, state, blocks.tokenizer.eos_token_ids)
+
+
+def _prompts(llm: LLM, count: int, extra: int = 0) -> list[list[int]]:
+    return [llm.tokenizer.encode(" ".join((WORDS * 8)[: 3 + 3 * i + extra])) for i in range(count)]
+
+
+def test_each_matrix_runs_on_the_files_blocks_and_takes_the_files_bytes(engines, mixed_gguf):
+    model = engines[0].engine.runner.model
+    layer0, layer1 = model.layers
+    assert isinstance(model.embed_tokens, GgufEmbedding) and model.embed_tokens.qtype == "Q8_0"
+    assert isinstance(model.lm_head, GgufLinear) and model.lm_head.qtype == "Q4_1"
+    kinds = {name: getattr(layer0, name).qtype for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")}
+    assert kinds == {"qkv_proj": "Q4_0", "o_proj": "Q8_0", "gate_up_proj": "Q4_1", "down_proj": "Q8_0"}
+    assert isinstance(layer1.qkv_proj, Int8Linear)  # q, k (Q4_0) and v (Q8_0) cannot share one block type
+    # Block bytes in memory are the file's bytes of those tensors, exactly.
+    file_tensors = {t.name: t for t in gguf.GGUFReader(str(mixed_gguf)).tensors}
+    layer1_qkv = {f"blk.1.attn_{n}.weight" for n in "qkv"}
+    expected = sum(int(t.n_bytes) for name, t in file_tensors.items() if t.tensor_type.name != "F32") - sum(
+        int(file_tensors[name].n_bytes) for name in layer1_qkv
+    )
+    held = {m.blocks.data_ptr(): m.blocks.nbytes for m in model.modules() if isinstance(m, GgufLinear | GgufEmbedding)}
+    assert sum(held.values()) == expected
+
+
+def test_prompt_logprobs_follow_the_float32_reference(engines):
+    """The only difference from float32 is the activations' rounding to 8-bit blocks."""
+    blocks, reference = engines
+    prompt = _prompts(blocks, 1, extra=60)[0]
+    assert len(prompt) > 64  # the prefill runs the tiled BLAS path, not the kernel
+    params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)
+    ours = blocks.generate([prompt], params)[0][0].prompt_logprobs
+    theirs = reference.generate([prompt], params)[0][0].prompt_logprobs
+    assert [a.token_id for a in ours[1:]] == [b.token_id for b in theirs[1:]] == prompt[1:]
+    differences = [abs(a.logprob - b.logprob) for a, b in zip(ours[1:], theirs[1:])]
+    # Measured: max 0.083, mean 0.029 nats; with q and k left in llama.cpp's row order, 6.0 and 1.6.
+    assert max(differences) < 0.3 and sum(differences) / len(differences) < 0.1
+
+
+@needs_kernels
+def test_the_fused_decode_step_equals_the_torch_layers(engines):
+    llm = engines[0]
+    runner = llm.engine.runner
+    assert runner.decode_plan.path is DecodePath.FUSED_NATIVE
+    params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
+    request_ids = [llm.engine.add_request(prompt, params) for prompt in _prompts(llm, 5)]
+    scheduler = llm.engine.scheduler
+    while any(seq.num_generated_tokens == 0 for seq in scheduler.running + list(scheduler.waiting)):
+        llm.engine.step()
+    batch = scheduler.schedule()
+    input_ids, positions, meta = runner.build_inputs(batch)
+    assert meta.is_decode_only
+    fused = runner.forward(input_ids, positions, meta)
+    reference = runner.model(input_ids, positions, runner.kv_caches, meta)
+    assert (fused - reference).abs().max() <= 1e-5 * reference.abs().max()
+    for request_id in request_ids:
+        llm.engine.abort(request_id)
+    llm.engine.step()
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_batched_generation_equals_one_at_a_time(engines):
+    llm = engines[0]
+    prompts = _prompts(llm, 6)
+    params = [SamplingParams(temperature=0.8, seed=i, max_tokens=12, ignore_eos=True) for i in range(len(prompts))]
+    batched = [out[0].token_ids for out in llm.generate(prompts, params)]
+    alone = [llm.generate([p], [s])[0][0].token_ids for p, s in zip(prompts, params)]
+    assert batched == alone
+    # and through the torch layers instead of the fused step
+    saved = llm.engine.runner.decode_plan
+    llm.engine.runner.decode_plan = DecodePlan(DecodePath.TORCH_LAYERS, "the reference", ())
+    try:
+        assert [out[0].token_ids for out in llm.generate(prompts, params)] == batched
+    finally:
+        llm.engine.runner.decode_plan = saved
+
+
+def test_gguf_quantization_needs_a_gguf_file(tiny_model_dirs):
+    with pytest.raises(ValueError, match="needs a .gguf"):
+        LLM.from_config(EngineConfig(model=tiny_model_dirs["llama"], quantization="gguf"))
