@@ -6,7 +6,8 @@ the machine's physical limits for the model (`engine.bench.machine_limits`, repo
 subprocesses too, their results read back as JSON. Results: a side-by-side Markdown table with ratios on
 stdout and in bench-results/ (JSON + Markdown + server logs).
 
-Usage: python -m clients.bench_suite [--only kvserve,llamacpp,transformers,limits] [--quick] [--workloads a,b,c]
+Usage: python -m clients.bench_suite [--only kvserve,llamacpp,transformers,limits] [--quick] [--workloads a,b,c,d]
+                                    [-- FLAGS FOR KVSERVE SERVE]
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ class SuiteWorkload:
 
 
 def suite_workloads(quick: bool) -> list[SuiteWorkload]:
-    """One stream, 32 streams (same lengths), and TTFT of a 512-token prompt."""
+    """One stream, 32 streams (same lengths), TTFT of a 512-token prompt, and 8 streams (for larger models)."""
     return [
         SuiteWorkload(
             "a",
@@ -100,6 +101,18 @@ def suite_workloads(quick: bool) -> list[SuiteWorkload]:
                 seed=3,
             ),
             1 if quick else 2,
+        ),
+        SuiteWorkload(
+            "d",
+            Workload(
+                name="8 streams, p110 o128",
+                num_requests=8 if quick else 16,
+                concurrency=8,
+                prompt_len=110,
+                output_len=128,
+                seed=4,
+            ),
+            0,
         ),
     ]
 
@@ -203,8 +216,8 @@ def ensure_llama_server() -> Path | None:
     return LLAMA_SERVER
 
 
-def kvserve_command(model: str, port: int) -> list[str]:
-    return [sys.executable, "-m", "server", "serve", "--model", model, "--port", str(port)]
+def kvserve_command(model: str, port: int, serve_args: Sequence[str] = ()) -> list[str]:
+    return [sys.executable, "-m", "server", "serve", "--model", model, "--port", str(port), *serve_args]
 
 
 def llama_server_command(binary: Path, gguf: Path, port: int, parallel: int = 32) -> list[str]:
@@ -413,7 +426,9 @@ def comparison_table(results: Sequence[BenchResult], workloads: Sequence[SuiteWo
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", default=",".join(SYSTEMS), help=f"comma-separated subset of {','.join(SYSTEMS)}")
-    parser.add_argument("--workloads", default="a,b,c", help="comma-separated subset of a,b,c")
+    parser.add_argument(
+        "--workloads", default="a,b,c", help="comma-separated subset of a,b,c,d (d: 8 streams, for larger models)"
+    )
     parser.add_argument("--quick", action="store_true", help="fewer requests per workload")
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--gguf", type=Path, default=None, help="GGUF for llama.cpp and transformers")
@@ -430,6 +445,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request would drown the report
+    argv, serve_args = split_serve_args(argv)
     args = parse_args(argv)
     keys = {k.strip() for k in args.workloads.split(",")}
     workloads = [sw for sw in suite_workloads(args.quick) if sw.key in keys]
@@ -464,7 +480,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         port = free_port()
         try:
             results += bench_server(
-                "kvserve", kvserve_command(args.model, port), port, args.model, workloads, out_dir, progress
+                "kvserve", kvserve_command(args.model, port, serve_args), port, args.model, workloads, out_dir, progress
             )
         except RuntimeError as exc:
             logger.error("kvserve run failed: %s", exc)

@@ -232,8 +232,14 @@ def test_comparison_table_has_ratios() -> None:
     from clients.bench_suite import comparison_table, llama_server_command, suite_workloads
 
     workloads = suite_workloads(quick=True)
-    assert [sw.key for sw in workloads] == ["a", "b", "c"]
+    assert [sw.key for sw in workloads] == ["a", "b", "c", "d"]
     assert workloads[1].workload.concurrency == 32 and workloads[2].workload.prompt_len == 512
+    assert workloads[3].workload.concurrency == 8
+
+    from clients.bench_suite import kvserve_command, split_serve_args
+
+    argv, serve_args = split_serve_args(["--quick", "--", "--embedding-model", "none"])
+    assert argv == ["--quick"] and kvserve_command("m", 1, serve_args)[-2:] == ["--embedding-model", "none"]
 
     def result(server: str, tokens: int, ttft: float) -> BenchResult:
         recs = [RequestRecord(start=0.0, end=1.0, chunk_times=[ttft, 1.0], output_tokens=tokens, ok=True)]
