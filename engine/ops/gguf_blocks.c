@@ -40,6 +40,7 @@
 enum { KV_Q4_0 = 2, KV_Q4_1 = 3, KV_Q8_0 = 8, KV_PAIRED = 0x100 };
 
 #define QK 32 /* weights per block */
+#define ROWS_PER_SLAB 16
 
 typedef struct {
     uint16_t d; /* fp16 scale */
@@ -239,11 +240,15 @@ int kv_gguf_gemm(const float *x, int64_t M, int64_t K, int type, const uint8_t *
                        (float *)(buffer + q_bytes + eight_bytes + float_bytes), (int16_t *)(buffer + q_bytes)};
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (M > 1)
     for (int64_t m = 0; m < M; m++) quantize_act_row(x + m * K, K, &act, m * nb);
+    /* Activation rows in slabs of ROWS_PER_SLAB (~2.25 K bytes a row: a slab stays in L2 while every
+     * weight row passes over it; all M rows at once spilled to memory once M * K passed ~1 MB). */
+    for (int64_t slab = 0; slab < M; slab += ROWS_PER_SLAB) {
+        int64_t slab_end = slab + ROWS_PER_SLAB < M ? slab + ROWS_PER_SLAB : M;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int64_t n = 0; n < N; n++) {
         const uint8_t *row = w + n * row_bytes;
-        for (int64_t m0 = 0; m0 < M; m0 += 4) {
-            int R = (int)(M - m0 < 4 ? M - m0 : 4);
+        for (int64_t m0 = slab; m0 < slab_end; m0 += 4) {
+            int R = (int)(slab_end - m0 < 4 ? slab_end - m0 : 4);
             int64_t first[4];
             for (int r = 0; r < 4; r++) first[r] = (m0 + (r < R ? r : 0)) * nb;
             float out[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -255,6 +260,7 @@ int kv_gguf_gemm(const float *x, int64_t M, int64_t K, int type, const uint8_t *
             }
             for (int r = 0; r < R; r++) y[(m0 + r) * N + n] = bias ? out[r] + bias[n] : out[r];
         }
+    }
     }
     free(buffer);
     return 0;
