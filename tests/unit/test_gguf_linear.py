@@ -127,3 +127,12 @@ def test_malformed_blocks_are_refused():
         BlockWeight("Q6_K", torch.zeros(2, 210, dtype=torch.uint8), 256)
     with pytest.raises(ValueError, match="do not hold"):
         BlockWeight("Q4_0", torch.zeros(2, 17, dtype=torch.uint8), 32)
+
+
+def test_the_benchmark_times_every_path_beside_float32(capsys):
+    from engine.bench import gguf_linear as bench
+
+    assert bench.main(["--shape", "64,128", "--types", "Q4_0,Q8_0", "--rows", "1,100", "--repeats", "1"]) == 0
+    table = capsys.readouterr().out
+    assert table.count("| Q4_0 |") == 2 and table.count("| Q8_0 |") == 2
+    assert "| Q8_0 | 100 |" in table and table.rstrip().endswith("| — |")  # 100 rows: past the int8 kernel's 48

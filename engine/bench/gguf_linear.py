@@ -1,0 +1,116 @@
+"""The GGUF block products against float32 BLAS and the int8 kernel, on one weight shape, same process.
+
+    python -m engine.bench.gguf_linear [--shape 11264,2048] [--types Q4_0,Q4_1,Q8_0] [--rows 1,8,64,128,512]
+
+For each block type and row count: the integer kernel (`gguf_linear_native`), the tiled dequantize-and-BLAS
+path (`gguf_linear_tiled`), float32 BLAS on the dequantized weight (the baseline) and the per-channel int8
+kernel (up to its 48 rows), best of --repeats, with GMAC/s and the speed-up over float32. The default shape is
+a 1.1B LLaMA's fused gate/up projection (TinyLlama's FFN 5632 x 2, hidden 2048). Weights are random normal,
+quantized by the `gguf` package. Ratios, not absolute times, are the point: this machine's speed varies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+import torch
+
+from engine.ops import gguf_linear, int8_linear
+from engine.ops.gguf_linear import BlockWeight, pack
+
+
+def _best_ms(fn: Callable[[], object], repeats: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - started)
+    return best * 1e3
+
+
+def _time_paths(
+    x: torch.Tensor,
+    weight: gguf_linear.PackedWeight,
+    dequantized: torch.Tensor,
+    quantized: torch.Tensor,
+    scale: torch.Tensor,
+    repeats: int,
+) -> dict[str, float | None]:
+    """Milliseconds of each path for the rows of x (None where a path does not run)."""
+    fits_int8 = int8_linear.available() and x.shape[0] <= int8_linear.MAX_KERNEL_ROWS
+    return {
+        "kernel_ms": _best_ms(lambda: gguf_linear.gguf_linear_native(x, weight, None), repeats)
+        if gguf_linear.available()
+        else None,
+        "tiled_ms": _best_ms(lambda: gguf_linear.gguf_linear_tiled(x, weight, None), repeats),
+        "float32_ms": _best_ms(lambda: x @ dequantized.t(), repeats),
+        "int8_ms": _best_ms(lambda: int8_linear.int8_linear_native(x, quantized, scale, None), repeats)
+        if fits_int8
+        else None,
+    }
+
+
+def measure(
+    out_features: int, in_features: int, qtypes: list[str], row_counts: list[int], repeats: int = 5
+) -> list[dict[str, float | int | str | None]]:
+    """One dict per (type, rows): milliseconds of each path (None where a path does not run)."""
+    import gguf
+
+    dense = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(0))
+    quantized, scale = int8_linear.quantize_int8(dense)
+    results = []
+    for qtype in qtypes:
+        raw = gguf.quants.quantize(dense.numpy(), gguf.GGMLQuantizationType[qtype])
+        weight = pack(BlockWeight(qtype, torch.from_numpy(raw.copy()), in_features))
+        dequantized = gguf_linear.dequantize_rows(weight)
+        for rows in row_counts:
+            row = {"type": qtype, "rows": rows, "macs": rows * out_features * in_features}
+            row.update(_time_paths(torch.randn(rows, in_features), weight, dequantized, quantized, scale, repeats))
+            results.append(row)
+    return results
+
+
+def markdown(results: list[dict[str, float | int | str | None]]) -> str:
+    def cell(ms: float | None, macs: int, baseline: float) -> str:
+        if ms is None:
+            return "—"
+        return f"{ms:.2f} ({macs / ms / 1e6:.0f} GMAC/s, {baseline / ms:.2f}×)"
+
+    lines = [
+        "| type | rows | GGUF kernel | GGUF tiled | float32 BLAS | int8 kernel |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in results:
+        macs, base = int(r["macs"]), float(r["float32_ms"])
+        lines.append(
+            f"| {r['type']} | {r['rows']} | {cell(r['kernel_ms'], macs, base)} | {cell(r['tiled_ms'], macs, base)} "
+            f"| {cell(r['float32_ms'], macs, base)} | {cell(r['int8_ms'], macs, base)} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", default="11264,2048", help="out_features,in_features of the weight")
+    parser.add_argument("--types", default="Q4_0,Q4_1,Q8_0")
+    parser.add_argument("--rows", default="1,8,64,128,512")
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args(argv)
+    out_features, in_features = (int(v) for v in args.shape.split(","))
+    results = measure(
+        out_features,
+        in_features,
+        [t.strip() for t in args.types.split(",")],
+        [int(r) for r in args.rows.split(",")],
+        args.repeats,
+    )
+    print(f"Weight [{out_features}, {in_features}], {torch.get_num_threads()} threads; ms (GMAC/s, × float32)\n")
+    print(markdown(results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
