@@ -12,13 +12,15 @@ from tests.support.tiny_models import make_tiny_llama
 
 
 def test_the_health_probes_run_against_a_live_server_and_print_ratios(tmp_path):
+    # Loads long enough (a few hundred ms) that the prober, sampling every ~10 ms, lands samples in each
+    # window even on a busy 2-core machine; 5,000 characters and 4 tokens once finished between samples.
     args = argparse.Namespace(
         skip_health=False,
         idle_seconds=0.3,
         tokenize_clients=2,
-        tokenize_chars=5_000,
+        tokenize_chars=300_000,
         streams=2,
-        max_tokens=4,
+        max_tokens=48,
         itl_tokens=8,
         embed_clients=2,
         embed_batch_clients=1,
@@ -31,7 +33,7 @@ def test_the_health_probes_run_against_a_live_server_and_print_ratios(tmp_path):
         ("/health", "streams"),
     ]  # no embedding model on this server: no inter-token probes
     assert all(p.values_ms and min(p.values_ms) > 0 for p in probes)
-    assert "2 x 0.0 MB" in probes[1].note
+    assert "2 x 0.3 MB" in probes[1].note
     table = format_table(probes)
     assert table.count("\n") == 4 and "| /health | idle |" in table and "1.00x" in table
 
