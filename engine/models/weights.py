@@ -192,18 +192,20 @@ def _read_llama_gguf_tensors(
                     return None
                 hf_name = f"model.layers.{layer}.{_LLAMA_GGUF_NAMES[suffix]}"
             qtype = tensor.tensor_type.name
-            if keep_blocks and qtype in BLOCK_TYPES and len(tensor.data.shape) == 2:
-                in_features = int(tensor.shape[0])  # GGUF lists dimensions innermost first
+            is_matrix = len(tensor.data.shape) == 2
+            keep = keep_blocks and is_matrix and qtype in BLOCK_TYPES
+            if keep:
                 weight = torch.from_numpy(tensor.data.copy())  # uint8 [rows, row_bytes]: the file's bytes
             else:
                 weight = torch.from_numpy(gguf.quants.dequantize(tensor.data, tensor.tensor_type).copy()).float()
-                if keep_blocks and len(tensor.data.shape) == 2:
+                if keep_blocks and is_matrix:
                     dequantized_types.add(qtype)
             if hf_name.endswith("q_proj.weight"):
                 weight = _unpermute_rows(weight, model_config.num_heads)
             elif hf_name.endswith("k_proj.weight"):
                 weight = _unpermute_rows(weight, model_config.num_kv_heads)
-            tensors[hf_name] = BlockWeight(qtype, weight, in_features) if weight.dtype == torch.uint8 else weight
+            # GGUF lists dimensions innermost first: shape[0] is a row's length.
+            tensors[hf_name] = BlockWeight(qtype, weight, int(tensor.shape[0])) if keep else weight
         if dequantized_types:
             logger.warning(
                 "%s: GGUF types %s have no block kernel; those matrices are dequantized (then rounded to int8)",

@@ -254,21 +254,28 @@ def gguf_linear_tiled(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor 
     return out
 
 
-class GgufLinear(nn.Module):
-    """Drop-in for nn.Linear over a weight kept as GGUF blocks (CPU, float32 activations)."""
+class _BlockBuffers(nn.Module):
+    """What GgufLinear and GgufEmbedding hold: a PackedWeight's blocks as a buffer, with its type."""
 
-    def __init__(self, weight: PackedWeight, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, weight: PackedWeight) -> None:
         super().__init__()
         self.qtype = weight.qtype
         self.kernel_type = weight.kernel_type
         self.in_features = weight.in_features
         self.out_features = weight.out_features
         self.register_buffer("blocks", weight.blocks)
-        self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
 
     @property
     def packed(self) -> PackedWeight:
         return PackedWeight(self.qtype, self.blocks, self.in_features, self.kernel_type)
+
+
+class GgufLinear(_BlockBuffers):
+    """Drop-in for nn.Linear over a weight kept as GGUF blocks (CPU, float32 activations)."""
+
+    def __init__(self, weight: PackedWeight, bias: torch.Tensor | None = None) -> None:
+        super().__init__(weight)
+        self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         leading = x.shape[:-1]
@@ -283,19 +290,12 @@ class GgufLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, GGUF {self.qtype} blocks"
 
 
-class GgufEmbedding(nn.Module):
+class GgufEmbedding(_BlockBuffers):
     """Drop-in for nn.Embedding over a table kept as GGUF blocks: looked-up rows are dequantized."""
 
     def __init__(self, weight: PackedWeight) -> None:
-        super().__init__()
-        self.qtype = weight.qtype
-        self.kernel_type = weight.kernel_type
+        super().__init__(weight)
         self.num_embeddings, self.embedding_dim = weight.out_features, weight.in_features
-        self.register_buffer("blocks", weight.blocks)
-
-    @property
-    def packed(self) -> PackedWeight:
-        return PackedWeight(self.qtype, self.blocks, self.embedding_dim, self.kernel_type)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)
