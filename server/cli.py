@@ -502,7 +502,10 @@ def _serve(args: argparse.Namespace) -> int:
     server.run()
     for sig in STOP_SIGNALS:
         signal.signal(sig, _ignore_signal)
-    if state.shutdown.interrupted_load:
+    if state.shutdown.interrupted_load or server.started:
+        # The stop is done: requests answered, engine and workers stopped (or a load that cannot be joined).
+        # The interpreter's own teardown of torch and the models would take another second here, out of the
+        # grace an orchestrator gives before SIGKILL: end the process now, logs flushed.
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()

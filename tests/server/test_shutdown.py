@@ -183,3 +183,49 @@ def test_a_stop_before_the_server_runs_exits_at_once(model_dir, tmp_path):
         assert proc.wait(timeout=30) == 0
         assert time.monotonic() - stopped < 3
         _assert_clean_log(proc)
+
+
+def _catches_sigterm(pid: int) -> bool:
+    status = open(f"/proc/{pid}/status").read()
+    caught = int(re.search(r"^SigCgt:\s*([0-9a-f]+)$", status, re.MULTILINE).group(1), 16)
+    return bool(caught & (1 << (signal.SIGTERM - 1)))
+
+
+def test_a_stop_during_the_start_up_imports_exits_at_once(model_dir, tmp_path):
+    """As pid 1 in a container a process ignores a signal it has no handler for: `kvserve` must have one from
+    its first line, not only once the server's seconds of imports are done."""
+    args = ["--model", str(model_dir), "--embedding-model", "none", "--max-model-len", "256"]
+    proc = ServerProcess(args, tmp_path / "server.log", program=("-m", "server", "serve"))  # the `kvserve` command
+    try:
+        deadline = time.monotonic() + 30
+        while not _catches_sigterm(proc.process.pid):
+            assert proc.process.poll() is None and time.monotonic() < deadline, proc.log()
+            time.sleep(0.005)
+        # The handler is there before torch is (the imports take seconds): the stop below lands during them.
+        assert "libtorch" not in open(f"/proc/{proc.process.pid}/maps").read()
+        proc.terminate()
+        stopped = time.monotonic()
+        assert proc.wait(timeout=30) == 0
+        assert time.monotonic() - stopped < 3
+        _assert_clean_log(proc)
+    finally:
+        proc.kill()
+
+
+def test_the_kvserve_command_handles_sigterm_before_it_imports_the_server(monkeypatch):
+    import server.__main__ as kvserve_main
+
+    seen = {}
+
+    def parser_that_records_the_handler(argv):
+        seen["handler"] = signal.getsignal(signal.SIGTERM)
+        raise SystemExit(0)
+
+    previous = signal.getsignal(signal.SIGTERM)
+    monkeypatch.setattr(kvserve_main, "build_parser", parser_that_records_the_handler)
+    try:
+        with pytest.raises(SystemExit):
+            kvserve_main.main(["serve"])
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert seen["handler"] is kvserve_main._exit_while_starting
