@@ -1,5 +1,6 @@
 """`kvserve serve`: flags (each also read from KVSERVE_<NAME>), the uvicorn run, and its stop on
-SIGTERM/SIGINT (drain, then cut, then exit: server/shutdown.py).
+SIGTERM/SIGINT (drain, then cut, then exit: server/shutdown.py). With --replicas N the same app runs as
+N replicas on a local Ray Serve instance instead (server/ray_local.py).
 
 server/__main__.py calls add_arguments(parser) and run(args); `python -m server.cli` works too.
 """
@@ -37,6 +38,7 @@ from server.config import (
     parse_bytes,
 )
 from server.http_protocol import with_request_head_timeout
+from server.scale_out import ROUTINGS, ScaleOut
 from server.shutdown import DRAINING, SERVING, STOPPING
 
 if TYPE_CHECKING:
@@ -100,12 +102,15 @@ class Flag:
     targets: where its value goes, as (config, field) pairs; config is "server" (ServerConfig),
     "engine" (EngineConfig), "embedder" (EmbedderConfig) or "reranker" (RerankerConfig). Its default is
     the first target's (a reranker field's: None, since no rerank model is served by default).
+    scale_out: instead of targets, the ScaleOut field it sets (server/scale_out.py): how many replicas
+    run, not how each one serves, so no replica's config holds it.
     """
 
     name: str
     targets: tuple[tuple[str, str], ...]
     kind: Callable[[str], Any]
     help: str
+    scale_out: str | None = None
 
 
 def _flag(name: str, target: str, kind: Callable[[str], Any], help_text: str) -> Flag:
@@ -116,6 +121,10 @@ def _flag(name: str, target: str, kind: Callable[[str], Any], help_text: str) ->
         config_name, _, field_name = part.partition(".")
         targets.append((config_name, field_name or name))
     return Flag(name, tuple(targets), kind, help_text)
+
+
+def _scale_flag(name: str, field_name: str, kind: Callable[[str], Any], help_text: str) -> Flag:
+    return Flag(name, (), kind, help_text, scale_out=field_name)
 
 
 FLAGS: tuple[Flag, ...] = (
@@ -291,6 +300,34 @@ FLAGS: tuple[Flag, ...] = (
         "and vLLM's tooling both work with no flag, for a /metrics page about twice as long)",
     ),
     _flag("num_threads", "engine", _optional(int), "torch CPU threads (default: torch's choice)"),
+    _scale_flag(
+        "replicas",
+        "replicas",
+        int,
+        "run this many replicas (one engine each) on a local Ray Serve instance behind one address; "
+        "0: one process, no Ray. Needs pip install 'kvserve[ray]'",
+    ),
+    _scale_flag(
+        "max_replicas",
+        "max_replicas",
+        _optional(int),
+        "with --replicas N: autoscale between N and this many replicas on ongoing requests per replica "
+        "(target: --max-num-seqs); none: exactly N",
+    ),
+    _scale_flag(
+        "replica_routing",
+        "routing",
+        _one_of(*ROUTINGS),
+        "with --replicas: prefix (requests sharing a prompt prefix go to one replica, so its prefix cache "
+        "pays off; the least-loaded one when that replica is busy) or least-loaded",
+    ),
+    _scale_flag(
+        "replica_metrics_port",
+        "metrics_port",
+        int,
+        "with --replicas: port of the Prometheus endpoint carrying every replica's series, on 127.0.0.1 "
+        "(0: a free port, logged at start)",
+    ),
 )
 
 
@@ -299,8 +336,12 @@ def _defaults() -> dict[str, Any]:
     server = ServerConfig()
     configs = {"server": server, "engine": default_engine_config(), "embedder": default_embedder_config()}
     configs["reranker"] = server.reranker  # None: no rerank model unless --rerank-model names one
+    scale_out = ScaleOut()
     defaults = {}
     for flag in FLAGS:
+        if flag.scale_out is not None:
+            defaults[flag.name] = getattr(scale_out, flag.scale_out)
+            continue
         config_name, field_name = flag.targets[0]
         config = configs[config_name]
         defaults[flag.name] = getattr(config, field_name) if config is not None else None
@@ -354,6 +395,13 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     embedder = EmbedderConfig(**values["embedder"]) if values["embedder"]["model"] else None
     reranker = RerankerConfig(**values["reranker"]) if values["reranker"]["model"] else None
     return ServerConfig(engine=engine, embedder=embedder, reranker=reranker, **values["server"])
+
+
+def scale_out_from_args(args: argparse.Namespace) -> ScaleOut:
+    """The ScaleOut from parsed flags (a flag `args` lacks takes its default). Raises ValueError."""
+    defaults = _defaults()
+    values = {f.scale_out: getattr(args, f.name, defaults[f.name]) for f in FLAGS if f.scale_out is not None}
+    return ScaleOut(**values)
 
 
 def _setup_logging(level: str) -> None:
@@ -455,10 +503,19 @@ def run(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args)
+        scale_out = scale_out_from_args(args)
     except ValueError as exc:
         print(f"kvserve serve: {exc}", file=sys.stderr)
         return 2
     _setup_logging(config.log_level)
+    if scale_out.is_distributed:
+        from server import ray_local
+
+        missing = ray_local.missing_ray()
+        if missing is not None:
+            print(f"kvserve serve: {missing}", file=sys.stderr)
+            return 2
+        return ray_local.serve_replicas(config, scale_out)
     # Three threads share the GIL: the event loop, the text worker and the torch worker. A decode
     # step gives the GIL up at every native call (a torch op, a kernel) and must win it back each
     # time; under load the holder keeps it for up to the switch interval (5 ms by default), so a

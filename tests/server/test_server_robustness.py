@@ -625,6 +625,10 @@ SERVE_FLAGS = (
     "log_level",
     "metrics_names",
     "num_threads",
+    "replicas",
+    "max_replicas",
+    "replica_routing",
+    "replica_metrics_port",
 )
 
 
