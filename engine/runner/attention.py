@@ -13,6 +13,8 @@ each sequence's queries read, and the boolean mask (causal, window, sinks).
 
 from __future__ import annotations
 
+import functools
+import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,6 +23,8 @@ import torch.nn.functional as F
 
 from engine.config import cdiv
 from engine.ops.decode_attention import decode_attention, gather_blocks
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -36,6 +40,14 @@ class AttentionMetadata:
     is_decode_only: every sequence has exactly one new token (Q == 1, query_index is arange)
     is_causal:      every sequence starts at position 0 and no window cuts in: query q sees keys
                     0..q, which SDPA's is_causal computes without a mask, skipping the masked half
+
+    The same step described without a dense mask, for kernels that compute visibility themselves:
+    key_block_logical: [B, N] int32  logical block number of each key_blocks entry (-1: padding); slot j
+                                     of entry n holds position key_block_logical[b, n] * block_size + j
+    query_starts:      [B] int32     position of each sequence's first new token
+    query_lens:        [B] int32     new tokens of each sequence
+    query_offsets:     [B] int32     flat index of each sequence's first new token
+    sliding_window, num_sink_tokens: the masking rule (visible_mask) those positions obey
     """
 
     slot_mapping: torch.Tensor
@@ -43,7 +55,13 @@ class AttentionMetadata:
     attn_mask: torch.Tensor | None
     query_index: torch.Tensor
     is_decode_only: bool
-    is_causal: bool = False
+    is_causal: bool
+    key_block_logical: torch.Tensor
+    query_starts: torch.Tensor
+    query_lens: torch.Tensor
+    query_offsets: torch.Tensor
+    sliding_window: int | None
+    num_sink_tokens: int
 
     @property
     def num_seqs(self) -> int:
@@ -134,6 +152,7 @@ def build_attention_metadata(
         mask[:, :, 0] |= torch.from_numpy(query_positions < 0)
         # An all-visible mask (e.g. one decoding sequence) is dropped: SDPA is faster without one.
         attn_mask = None if bool(mask.all()) else mask.to(device)
+    query_offsets = np.cumsum([0, *counts[:-1]])
     return AttentionMetadata(
         slot_mapping=torch.from_numpy(np.concatenate(new_slots)).to(device),
         key_blocks=torch.from_numpy(key_blocks).to(device),
@@ -141,6 +160,12 @@ def build_attention_metadata(
         query_index=torch.from_numpy(query_index).to(device),
         is_decode_only=is_decode_only,
         is_causal=is_causal,
+        key_block_logical=torch.from_numpy(logical_blocks.astype(np.int32)).to(device),
+        query_starts=torch.tensor(starts, dtype=torch.int32, device=device),
+        query_lens=torch.tensor(counts, dtype=torch.int32, device=device),
+        query_offsets=torch.from_numpy(query_offsets.astype(np.int32)).to(device),
+        sliding_window=sliding_window,
+        num_sink_tokens=num_sink_tokens,
     )
 
 
@@ -166,14 +191,41 @@ def paged_attention(
 ) -> torch.Tensor:
     """Attention of T flat queries [T, H_q, D] over the paged cache -> [T, H_q, D].
 
-    The new tokens' K/V must already be written (write_kv). Decode-only steps run
-    engine/ops/decode_attention.py (its native kernel on float32 CPU tensors);
-    every other step runs `paged_attention_torch`.
+    The new tokens' K/V must already be written (write_kv). On CUDA, with triton installed and
+    shapes its kernels take, the Triton kernels run (engine/ops/triton_decode_attention.py for
+    decode-only steps, engine/ops/triton_prefill_attention.py for every other step). Otherwise
+    decode-only steps run engine/ops/decode_attention.py (its native kernel on float32 CPU
+    tensors) and every other step runs `paged_attention_torch`.
     """
+    if query.is_cuda and use_triton_kernels(query, key_cache, value_cache):
+        from engine.ops.triton_decode_attention import triton_paged_decode
+        from engine.ops.triton_prefill_attention import triton_paged_prefill
+
+        kernel = triton_paged_decode if meta.is_decode_only else triton_paged_prefill
+        return kernel(query, key_cache, value_cache, meta, scale)
     if meta.is_decode_only:
         visible = meta.attn_mask[:, 0] if meta.attn_mask is not None else None
         return decode_attention(query, key_cache, value_cache, meta.key_blocks, visible, scale)
     return paged_attention_torch(query, key_cache, value_cache, meta, scale)
+
+
+def use_triton_kernels(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
+    """Whether the Triton kernels can compute attention for these tensors here (triton installed, a CUDA
+    device or Triton's interpreter, and shapes and dtypes within their limits). The first refusal of each
+    kind is logged, so a GPU server says once why it runs the torch path."""
+    from engine.ops import triton_prefill_attention
+
+    reason = triton_prefill_attention.unavailable_reason() or triton_prefill_attention.unsupported_reason(
+        query, key_cache, value_cache
+    )
+    if reason is not None:
+        _log_torch_fallback(reason)
+    return reason is None
+
+
+@functools.cache
+def _log_torch_fallback(reason: str) -> None:
+    logger.info("attention runs in torch ops, not the Triton kernels: %s", reason)
 
 
 def paged_attention_torch(

@@ -1,0 +1,68 @@
+"""Every attention path on the same inputs, in one test: the dense reference, the CPU paged paths (the
+torch path and the decode kernel the CPU runs) and both Triton kernels (in Triton's interpreter), plus the
+dispatch that picks the Triton kernels on CUDA.
+
+A mixed step (a prompt continuing a cached prefix, a short prompt, a decode) runs through the reference,
+paged_attention_torch and the Triton prefill kernel; then each sequence's last token, as a decode-only
+step over the same cache, runs through the CPU decode path and the Triton decode kernel (1 and 2 splits).
+Each of those last tokens must get the same answer from every path.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # read when a @triton.jit decorator runs: kernels then take CPU tensors
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from engine.runner.attention import build_attention_metadata, paged_attention, paged_attention_torch, use_triton_kernels
+from tests.engine.test_triton_prefill_attention import BLOCK_SIZE, CPU, dense_expected, make_step
+
+decode_kernels = importlib.import_module("engine.ops.triton_decode_attention")
+prefill_kernels = importlib.import_module("engine.ops.triton_prefill_attention")
+if not decode_kernels._interpreted():  # imported earlier in this process without the interpreter
+    decode_kernels = importlib.reload(decode_kernels)
+if not prefill_kernels._interpreted():
+    prefill_kernels = importlib.reload(prefill_kernels)
+
+
+@pytest.mark.parametrize("window,sinks", [(None, 0), (24, 4)], ids=["full", "window_sinks"])
+def test_dense_cpu_paged_and_both_triton_kernels_agree(window, sinks):
+    # 6 query heads over 2 KV heads: a wrong GQA mapping shows. Sequence 0 continues 20 cached tokens.
+    step = make_step([20, 0, 37], [13, 9, 1], num_heads=6, num_kv_heads=2, window=window, sinks=sinks, seed=3)
+    tolerance = {"atol": 1e-5, "rtol": 1e-5}
+    reference = torch.cat(dense_expected(step))
+    torch_paged = paged_attention_torch(step.query, step.key_cache, step.value_cache, step.meta, step.scale)
+    triton_prefill = prefill_kernels.triton_paged_prefill(
+        step.query, step.key_cache, step.value_cache, step.meta, step.scale
+    )
+    torch.testing.assert_close(torch_paged, reference, **tolerance)
+    torch.testing.assert_close(triton_prefill, reference, **tolerance)
+
+    # The last token of each sequence as a decode-only step over the same cache (its K/V are written).
+    last = [start + count - 1 for start, count in zip(step.starts, step.counts)]
+    rows = torch.tensor([sum(step.counts[: i + 1]) - 1 for i in range(len(step.counts))])
+    decode_meta = build_attention_metadata(last, [1, 1, 1], step.tables, BLOCK_SIZE, window, sinks, CPU)
+    decode_query = step.query[rows]
+    cpu_decode = paged_attention(decode_query, step.key_cache, step.value_cache, decode_meta, step.scale)
+    for num_splits in (1, 2):
+        triton_decode = decode_kernels.triton_paged_decode(
+            decode_query, step.key_cache, step.value_cache, decode_meta, step.scale, num_splits=num_splits
+        )
+        torch.testing.assert_close(triton_decode, reference[rows], **tolerance)
+    torch.testing.assert_close(cpu_decode, reference[rows], **tolerance)
+    torch.testing.assert_close(triton_prefill[rows], torch_paged[rows], **tolerance)
+
+
+def test_the_triton_kernels_are_chosen_only_where_they_can_run():
+    step = make_step([0], [5], num_heads=2, num_kv_heads=2)
+    assert use_triton_kernels(step.query, step.key_cache, step.value_cache)  # the interpreter takes CPU tensors
+    odd_head_dim = make_step([0], [5], head_dim=24)  # not a power of two: the torch path
+    assert not use_triton_kernels(odd_head_dim.query, odd_head_dim.key_cache, odd_head_dim.value_cache)
+    mixed = step.query.to(torch.float16)
+    assert not use_triton_kernels(mixed, step.key_cache, step.value_cache)
