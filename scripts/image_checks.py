@@ -243,9 +243,36 @@ def check_stop_while_loading(image: str) -> None:
         ok(f"docker stop while loading: exit 0 after {took:.1f} s")
 
 
+def check_ray_image(image: str) -> None:
+    """An `EXTRAS=ray` image: `kvserve serve --replicas 2` in one container, both replicas answering, a clean stop."""
+    port = free_port()
+    docker_args = ["--network", "host", "--shm-size", "1g", "--read-only", "--tmpfs", "/tmp"]
+    command = ["kvserve", "serve", "--port", str(port), "--replicas", "2", "--embedding-model", "none"]
+    with running(image, "kvserve-check-ray", port, docker_args=docker_args, command=command) as container:
+        ok(f"--replicas 2 in a container: /health 200 after {wait_healthy(container):.1f} s")
+        models = httpx.get(f"{container.base}/v1/models", timeout=30).json()["data"]
+        model = next(m["id"] for m in models if m["task"] == "generate")
+        replicas = set()
+        for i in range(12):  # different prompts: the prefix router spreads them over both replicas
+            body = {"model": model, "prompt": f"{i} {'apple ' * i}Once upon a time", "max_tokens": 4}
+            response = httpx.post(f"{container.base}/v1/completions", json=body, timeout=60)
+            response.raise_for_status()
+            replicas.add(response.headers["x-kvserve-replica"])
+        if len(replicas) != 2:
+            raise CheckFailed(f"12 different prompts reached {len(replicas)} replica(s): {replicas}")
+        ok(f"12 completions answered by both replicas: {sorted(replicas)}")
+        start = time.monotonic()
+        docker("stop", "-t", str(DOCKER_STOP_GRACE_S), container.name, timeout=60)
+        took, exit_code = time.monotonic() - start, container.state(".State.ExitCode")
+        if exit_code != "0" or took >= DOCKER_STOP_GRACE_S:
+            raise CheckFailed(f"docker stop of --replicas 2 took {took:.1f} s, exit code {exit_code}")
+        ok(f"docker stop of --replicas 2: exit 0 after {took:.1f} s")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--image", default="kvserve:test")
+    parser.add_argument("--ray-image", help="also check this EXTRAS=ray image with --replicas 2")
     args = parser.parse_args()
     image = args.image
     # Fast health checks for the test only; the command checked is the image's own HEALTHCHECK.
@@ -295,6 +322,10 @@ def main() -> int:
 
         # 4. SIGTERM while the models load: exits at once.
         check_stop_while_loading(image)
+
+        # 5. Optionally, the Ray Serve image with two replicas.
+        if args.ray_image:
+            check_ray_image(args.ray_image)
     except CheckFailed as exc:
         print(f"FAIL {exc}", file=sys.stderr)
         return 1

@@ -17,8 +17,19 @@
 #
 # KVSERVE_IMAGE_TEST_DIR (default /tmp/kvserve-image-test) keeps the engine's data and the stand-in
 # rootfs between runs, so a second run reuses the base images and the build cache.
+#
+# --ray also builds the `EXTRAS=ray` image (its wheelhouse from deploy/requirements-ray.lock) and checks
+# `kvserve serve --replicas 2` in a container; CI leaves it out for time (a second venv layer to build).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+WITH_RAY=0
+for arg in "$@"; do
+  case "$arg" in
+    --ray) WITH_RAY=1 ;;
+    *) echo "unknown argument: $arg (known: --ray)" >&2; exit 2 ;;
+  esac
+done
 
 PYTHON=${PYTHON:-.venv/bin/python}
 IMAGE=${IMAGE:-kvserve:test}
@@ -98,17 +109,28 @@ fi
 
 # ------------------------------------------------------------------ 3. a hermetic build, then a rebuild
 t=$(date +%s)
-make --no-print-directory wheelhouse PYTHON="$PYTHON" >"$WORK/wheelhouse.log" 2>&1 \
+wheelhouse_lock=deploy/requirements.lock
+[ "$WITH_RAY" = 1 ] && wheelhouse_lock=deploy/requirements-ray.lock  # a superset: serves both builds
+make --no-print-directory wheelhouse PYTHON="$PYTHON" WHEELHOUSE_LOCK="$wheelhouse_lock" >"$WORK/wheelhouse.log" 2>&1 \
   || { tail -20 "$WORK/wheelhouse.log" >&2; exit 1; }
 log "wheelhouse: $(find deploy/wheelhouse -name '*.whl' | wc -l) wheels, $(du -sh deploy/wheelhouse | cut -f1) ($(seconds_since "$t") s)"
 
-build() {  # build <context> <tag>
-  docker build --network none --build-arg WHEELHOUSE=1 "${BUILD_ARGS[@]}" -t "$2" "$1" >"$WORK/build.log" 2>&1 \
-    || { tail -40 "$WORK/build.log" >&2; exit 1; }
+build() {  # build <context> <tag> [docker build arguments]
+  local context=$1 tag=$2
+  shift 2
+  docker build --network none --build-arg WHEELHOUSE=1 "${BUILD_ARGS[@]}" "$@" -t "$tag" "$context" \
+    >"$WORK/build.log" 2>&1 || { tail -40 "$WORK/build.log" >&2; exit 1; }
 }
 t=$(date +%s)
 build . "$IMAGE"
 log "built $IMAGE with --network none in $(seconds_since "$t") s"
+CHECK_ARGS=()
+if [ "$WITH_RAY" = 1 ]; then
+  t=$(date +%s)
+  build . "$IMAGE-ray" --build-arg EXTRAS=ray
+  log "built $IMAGE-ray (EXTRAS=ray) with --network none in $(seconds_since "$t") s"
+  CHECK_ARGS+=(--ray-image "$IMAGE-ray")
+fi
 
 # A copy of the build context with one comment changed in server/app.py: only the source layers may change.
 context="$WORK/edited-context"
@@ -137,5 +159,5 @@ EOF
 docker rmi -f "$IMAGE-edited" >/dev/null
 
 # ------------------------------------------------------------------ 4. the image in containers
-"$PYTHON" scripts/image_checks.py --image "$IMAGE"
+"$PYTHON" scripts/image_checks.py --image "$IMAGE" "${CHECK_ARGS[@]}"
 log "all image checks passed in $(seconds_since "$started_all") s"

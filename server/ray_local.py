@@ -19,8 +19,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import secrets
 import signal
 import threading
+from collections.abc import Mapping
 from types import FrameType
 from typing import TYPE_CHECKING
 
@@ -38,6 +40,8 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 # as the node's address, so each Ray server binds 127.0.0.1 instead of every interface. Its only other
 # effect is refusing to join a multi-node cluster, which a private instance never does.
 RAY_LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+RAY_AUTH_TOKEN_ENV = "RAY_AUTH_TOKEN"
+RAY_AUTH_TOKEN_PATH_ENV = "RAY_AUTH_TOKEN_PATH"
 WAIT_TICK_S = 0.5
 
 
@@ -94,6 +98,18 @@ def replica_share(config: ServerConfig, scale_out: ScaleOut) -> tuple[ServerConf
     return config, cores / scale_out.most_replicas
 
 
+def private_auth_token(environ: Mapping[str, str]) -> dict[str, str]:
+    """The environment to add so the private instance's token lives in memory: {} when one is configured.
+
+    With no token configured, Ray's token authentication writes a new one to ~/.ray/auth_token, which a
+    read-only root filesystem (a hardened container) cannot hold, and which would outlive the process. A
+    token in RAY_AUTH_TOKEN is read first instead, and every Ray process this one starts inherits it.
+    """
+    if environ.get(RAY_AUTH_TOKEN_ENV) or environ.get(RAY_AUTH_TOKEN_PATH_ENV):
+        return {}
+    return {RAY_AUTH_TOKEN_ENV: secrets.token_hex(32)}  # 256 bits, the size Ray's own tokens have
+
+
 def serve_replicas(config: ServerConfig, scale_out: ScaleOut) -> int:
     """Run until SIGTERM/SIGINT, then stop cleanly and return 0; 1 if the application failed to start."""
     import ray
@@ -103,6 +119,7 @@ def serve_replicas(config: ServerConfig, scale_out: ScaleOut) -> int:
 
     config, num_cpus = replica_share(config, scale_out)
     level = config.log_level.upper()
+    os.environ.update(private_auth_token(os.environ))
     ray.init(
         address="local",
         num_cpus=os.cpu_count() or 1,

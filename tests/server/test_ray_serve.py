@@ -15,10 +15,12 @@ import sys
 import threading
 import time
 from collections import Counter
+from pathlib import Path
 
 import httpx
 import pytest
 
+from engine.hub.models_hub import kvserve_home
 from tests.support.server_harness import ServerProcess, parse_sse
 from tests.support.tiny_models import make_tiny_llama
 
@@ -39,11 +41,18 @@ SYSTEM_PROMPT = (SENTENCE * 5)[:420]
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
+def ray_home(tmp_path_factory) -> Path:
+    """The served process's HOME: the private instance must keep nothing there (test_ray_keeps_nothing_in_home)."""
+    return tmp_path_factory.mktemp("home")
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, ray_home):
     pytest.importorskip("ray.serve")
     psutil = pytest.importorskip("psutil")
     model = make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
-    proc = ServerProcess(["--model", str(model), *SERVE_ARGS], tmp_path_factory.mktemp("ray") / "server.log")
+    env = {"HOME": str(ray_home), "KVSERVE_HOME": str(kvserve_home())}  # the native kernels already built there
+    proc = ServerProcess(["--model", str(model), *SERVE_ARGS], tmp_path_factory.mktemp("ray") / "server.log", env=env)
     try:
         proc.wait_ready(timeout=240)
         yield proc
@@ -88,6 +97,12 @@ def test_both_replicas_answer(served):
         if len(seen) == 2:
             break
     assert len(seen) == 2
+
+
+def test_ray_keeps_nothing_in_home(served, ray_home):
+    """Ray's token would otherwise go to ~/.ray/auth_token, which a read-only root (a container's) cannot hold."""
+    assert _complete(served, "Hello", max_tokens=2).status_code == 200
+    assert not (ray_home / ".ray").exists(), sorted(p.name for p in (ray_home / ".ray").iterdir())
 
 
 def test_a_repeated_prompt_prefix_goes_to_one_replica(served):
@@ -234,6 +249,15 @@ def test_a_stop_drains_then_cuts_what_is_left_and_exits_0(served):
 
 
 # ---- without a server ----
+
+
+def test_the_private_instance_gets_its_token_in_the_environment():
+    from server.ray_local import private_auth_token
+
+    token = private_auth_token({})["RAY_AUTH_TOKEN"]
+    assert len(token) == 64 and int(token, 16) >= 0 and private_auth_token({}) != {"RAY_AUTH_TOKEN": token}
+    assert private_auth_token({"RAY_AUTH_TOKEN": "given"}) == {}  # a configured token is kept
+    assert private_auth_token({"RAY_AUTH_TOKEN_PATH": "/run/secrets/ray"}) == {}
 
 
 def test_replicas_without_ray_say_how_to_install_it(monkeypatch, capsys, tmp_path):
