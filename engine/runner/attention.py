@@ -209,15 +209,23 @@ def paged_attention(
     return paged_attention_torch(query, key_cache, value_cache, meta, scale)
 
 
+# The dtypes the Triton kernels' results have been checked in (Triton's interpreter, against the dense
+# reference). bfloat16 compiles and runs, but the interpreter computes bfloat16 dot products wrongly, so its
+# results are unverified: bfloat16 steps keep the torch path until they are checked on a GPU.
+TRITON_CHECKED_DTYPES = (torch.float32, torch.float16)
+
+
 def use_triton_kernels(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
-    """Whether the Triton kernels can compute attention for these tensors here (triton installed, a CUDA
-    device or Triton's interpreter, and shapes and dtypes within their limits). The first refusal of each
-    kind is logged, so a GPU server says once why it runs the torch path."""
+    """Whether the Triton kernels compute attention for these tensors here (triton installed, a CUDA device
+    or Triton's interpreter, shapes within their limits, a dtype in TRITON_CHECKED_DTYPES). The first
+    refusal of each kind is logged, so a GPU server says once why it runs the torch path."""
     from engine.ops import triton_prefill_attention
 
     reason = triton_prefill_attention.unavailable_reason() or triton_prefill_attention.unsupported_reason(
         query, key_cache, value_cache
     )
+    if reason is None and query.dtype not in TRITON_CHECKED_DTYPES:
+        reason = f"{query.dtype} results of the kernels are not yet checked (only {TRITON_CHECKED_DTYPES} are)"
     if reason is not None:
         _log_torch_fallback(reason)
     return reason is None

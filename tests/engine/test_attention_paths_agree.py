@@ -66,3 +66,8 @@ def test_the_triton_kernels_are_chosen_only_where_they_can_run():
     assert not use_triton_kernels(odd_head_dim.query, odd_head_dim.key_cache, odd_head_dim.value_cache)
     mixed = step.query.to(torch.float16)
     assert not use_triton_kernels(mixed, step.key_cache, step.value_cache)
+    half = make_step([0], [5], dtype=torch.float16)
+    assert use_triton_kernels(half.query, half.key_cache, half.value_cache)
+    # bfloat16 runs, but the interpreter cannot check its results: the torch path until a GPU has.
+    bf16 = [t.to(torch.bfloat16) for t in (step.query, step.key_cache, step.value_cache)]
+    assert not use_triton_kernels(*bf16)
