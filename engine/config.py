@@ -31,6 +31,45 @@ def check_dtype(dtype: str, device: str) -> None:
         raise ValueError("dtype float16 is only supported on CUDA; use float32 or bfloat16 on CPU")
 
 
+SPECULATIVE_METHODS = ("ngram", "draft")
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding: propose up to `num_speculative_tokens` tokens per step, verify them in one forward.
+
+    method: "ngram" (prompt lookup: the tokens that followed the latest earlier occurrence of the last
+        n tokens, n from ngram_max down to ngram_min) or "draft" (a smaller model with the same
+        tokenizer, `draft_model`, proposing greedily from its own paged KV cache).
+    draft_quantization: the draft model's QUANTIZATION_MODES entry (a quantized copy of the target
+        itself is a draft that agrees with it most of the time and reads a fraction of its bytes).
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 3
+    ngram_min: int = 2
+    ngram_max: int = 4
+    draft_model: str | None = None
+    draft_quantization: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.draft_quantization not in QUANTIZATION_MODES:
+            raise ValueError(f"draft quantization must be one of {QUANTIZATION_MODES}, got {self.draft_quantization!r}")
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative method must be one of {SPECULATIVE_METHODS}, got {self.method!r}")
+        if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], got {self.num_speculative_tokens}"
+            )
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min} and {self.ngram_max}")
+        if self.method == "draft" and not self.draft_model:
+            raise ValueError("speculative method draft needs a draft model (--draft-model)")
+        if self.method != "draft" and self.draft_model:
+            raise ValueError("a draft model is only used with speculative method draft")
+
+
 def cdiv(numerator: int, denominator: int) -> int:
     """Ceiling division: how many blocks of `denominator` tokens hold `numerator` tokens."""
     return -(-numerator // denominator)
@@ -46,6 +85,7 @@ class EngineConfig:
     sliding_window: force a window on any model (None: the model's own, if any).
     num_sink_tokens: with a window, the first S tokens stay visible forever.
     quantization: one of QUANTIZATION_MODES; LLM.from_config (engine/llm.py) resolves auto.
+    speculative: speculative decoding (None: off).
     """
 
     model: str
@@ -62,6 +102,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     num_threads: int | None = None
     quantization: str = "none"
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if not self.model:

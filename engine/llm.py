@@ -18,6 +18,7 @@ import torch
 
 from engine.config import EngineConfig, ModelConfig
 from engine.core.llm_engine import LLMEngine
+from engine.errors import ModelLoadError
 from engine.hub.models_hub import resolve_or_download
 from engine.models.weights import load_checkpoint
 from engine.ops.int8_linear import resolve_quantization
@@ -41,6 +42,29 @@ def _config_eos_token_ids(model_config: ModelConfig, path: Path) -> tuple[int, .
     return tuple(int(i) for i in ids)
 
 
+def _load_draft_model(config: EngineConfig, tokenizer: Tokenizer) -> tuple[EngineConfig, ModelConfig, dict]:
+    """The draft model of config.speculative: its config, architecture and weights, checked to share the
+    target's tokenizer (a draft token must mean the same text to both models)."""
+    assert config.speculative is not None and config.speculative.draft_model
+    path = resolve_or_download(config.speculative.draft_model)
+    draft_config = dataclasses.replace(
+        config,
+        model=config.speculative.draft_model,
+        speculative=None,
+        quantization=config.speculative.draft_quantization,
+    )
+    draft_config = dataclasses.replace(draft_config, quantization=resolve_quantization(draft_config, path))
+    model_config, state_dict = load_checkpoint(path, keep_gguf_blocks=draft_config.quantization == "gguf")
+    draft_vocabulary = Tokenizer.from_path(path).vocabulary()
+    if draft_vocabulary != tokenizer.vocabulary():
+        raise ModelLoadError(
+            f"the draft model {config.speculative.draft_model} has a different tokenizer from {config.model}; "
+            "speculative decoding needs a draft model with the same vocabulary"
+        )
+    logger.info("draft model %s (%s) loaded", config.speculative.draft_model, model_config.architecture)
+    return draft_config, model_config, state_dict
+
+
 @dataclass
 class LLM:
     """A loaded generation model: the engine core and the tokenizer that goes with it."""
@@ -58,7 +82,8 @@ class LLM:
         model_config, state_dict = load_checkpoint(path, keep_gguf_blocks=config.quantization == "gguf")
         tokenizer = Tokenizer.from_path(path, _config_eos_token_ids(model_config, path))
         grammar = tokenizer.grammar_compiler(model_config.vocab_size)
-        engine = LLMEngine(config, model_config, state_dict, tokenizer.eos_token_ids, grammar)
+        draft = _load_draft_model(config, tokenizer) if config.speculative and config.speculative.draft_model else None
+        engine = LLMEngine(config, model_config, state_dict, tokenizer.eos_token_ids, grammar, draft)
         logger.info(
             "loaded %s (%s, quantization %s) in %.1f s",
             config.model,

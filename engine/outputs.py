@@ -24,6 +24,15 @@ class TokenLogprob:
 
 
 @dataclass
+class EmittedTokens:
+    """What one sequence that sampled appends in a step: one token, or accepted drafts and the token after them."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None]  # one per token id (None entries when the request asked for none)
+    num_accepted_drafts: int = 0
+
+
+@dataclass
 class CompletionOutput:
     """The new part of one sample (index among the request's n) since the last step."""
 
@@ -99,6 +108,12 @@ class EngineStats:
     num_generation_tokens: int
     num_cached_prompt_tokens: int = 0
     num_computed_prompt_tokens: int = 0
+    # Speculative decoding (all 0 when it is off): verifications, tokens proposed and verified, of
+    # those accepted, and per draft position j the verifications whose token j+1 was accepted.
+    num_spec_drafts: int = 0
+    num_spec_draft_tokens: int = 0
+    num_spec_accepted_tokens: int = 0
+    spec_accepted_per_position: tuple[int, ...] = ()
 
     @property
     def kv_cache_usage(self) -> float:

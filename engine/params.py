@@ -65,6 +65,8 @@ class SamplingParams:
     with the same salt, or none, share as usual (tenant isolation).
     `structured`: what the output must match (a JSON schema, regex, choice or grammar), enforced
     token by token; the sequence ends when the grammar is complete.
+    `speculative`: False opts this request out of the engine's speculative decoding (it changes
+    no token: greedy output is identical and sampled output has the same distribution).
     """
 
     n: int = 1
@@ -88,6 +90,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     cache_salt: str | None = None
     structured: StructuredOutput | None = None
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         # Accept lists / a single string for convenience; store tuples (frozen).
@@ -141,6 +144,7 @@ class SamplingParams:
             _require_int(self.prompt_logprobs, "prompt_logprobs", 0, MAX_TOP_LOGPROBS)
         if self.seed is not None:
             _require_int(self.seed, "seed", 0, MAX_SEED)
+        _require(isinstance(self.speculative, bool), "speculative", f"must be a boolean, got {self.speculative!r}")
         if self.cache_salt is not None:
             _require(
                 isinstance(self.cache_salt, str) and 0 < len(self.cache_salt) <= MAX_CACHE_SALT_CHARS,

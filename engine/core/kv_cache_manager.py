@@ -121,6 +121,15 @@ class KVCacheManager:
             seq.block_table.append(self.pool.allocate())
         return True
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Give back the blocks past the first num_tokens positions (rejected draft tokens' blocks).
+
+        They were never published to the prefix cache: only blocks full of computed tokens are.
+        """
+        keep = self.num_blocks_for(num_tokens)
+        while len(seq.block_table) > keep:
+            self.pool.release(seq.block_table.pop())
+
     def free(self, seq: Sequence) -> None:
         """Release every block of the table (in reverse, so the tail is evicted first)."""
         for block in reversed(seq.block_table):

@@ -37,6 +37,8 @@ from engine.outputs import (
 )
 from engine.params import SamplingParams
 from engine.runner.model_runner import ModelRunner, kv_bytes_per_block
+from engine.spec.draft import DraftModelProposer
+from engine.spec.speculator import Speculator, build_proposer
 from engine.structured.grammar import GrammarCompiler
 
 logger = logging.getLogger(__name__)
@@ -77,8 +79,12 @@ class LLMEngine:
         state_dict: dict,
         eos_token_ids: tuple[int, ...],
         grammar: GrammarCompiler | None = None,
+        draft_model: tuple[EngineConfig, ModelConfig, dict] | None = None,
     ) -> None:
-        """grammar: compiles the structured-output specs of requests (None: such requests are refused)."""
+        """grammar: compiles the structured-output specs of requests (None: such requests are refused).
+
+        draft_model: (its config, architecture, weights) for config.speculative's method "draft".
+        """
         self.config = config
         self.grammar = grammar
         self.model_config = model_config
@@ -111,8 +117,14 @@ class LLMEngine:
         )
         self.pool = BlockPool(num_blocks, config.enable_prefix_caching)
         self.kv_manager = KVCacheManager(self.pool, config.block_size, self.sliding_window, self.num_sink_tokens)
+        self.speculator = self._build_speculator(draft_model)
         self.scheduler = Scheduler(
-            self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens, eos_token_ids, self.max_model_len
+            self.kv_manager,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            eos_token_ids,
+            self.max_model_len,
+            plan_drafts=self.speculator.plan if self.speculator is not None else None,
         )
         self._requests: dict[str, _Request] = {}
         self._seq_ids = itertools.count()
@@ -122,6 +134,26 @@ class LLMEngine:
         self.num_cached_prompt_tokens_total = 0
         self.num_computed_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
+
+    def _build_speculator(self, draft_model: tuple[EngineConfig, ModelConfig, dict] | None) -> Speculator | None:
+        spec = self.config.speculative
+        if spec is None:
+            return None
+        draft = None
+        if spec.method == "draft":
+            if draft_model is None:
+                raise ValueError("speculative method draft needs the draft model loaded")
+            draft_config, draft_model_config, draft_weights = draft_model
+            draft = DraftModelProposer(
+                draft_model_config, draft_weights, draft_config, spec.num_speculative_tokens, self.config.max_num_seqs
+            )
+        logger.info(
+            "speculative decoding: %s, up to %d tokens per step%s",
+            spec.method,
+            spec.num_speculative_tokens,
+            f", n-grams of {spec.ngram_min} to {spec.ngram_max}" if spec.method == "ngram" else "",
+        )
+        return Speculator(spec, build_proposer(spec, draft), self.max_model_len, self.vocab_size)
 
     def _derive_max_model_len(self) -> int:
         model_limit = self.model_config.max_position_embeddings
@@ -224,6 +256,7 @@ class LLMEngine:
         for seq in request.seqs:
             if not seq.is_finished:
                 self.scheduler.finish(seq, FINISH_ABORT)
+        self._forget_speculation(request.seqs)
         self._pending_outputs.append(self._request_output(request, request.seqs, num_new_tokens=0))
 
     def has_unfinished_requests(self) -> bool:
@@ -237,6 +270,7 @@ class LLMEngine:
         if request is None:
             return
         self.scheduler.finish(request.seqs[index], FINISH_STOP, stop_reason)
+        self._forget_speculation([request.seqs[index]])
         if request.is_finished:
             del self._requests[request_id]
 
@@ -246,21 +280,41 @@ class LLMEngine:
         outputs, self._pending_outputs = self._pending_outputs, []
         if batch.is_empty:
             return outputs
+        started = time.perf_counter()
+        if self.speculator is not None and any(batch.num_draft_slots):
+            batch.set_drafts(self.speculator.propose(batch.seqs, batch.num_draft_slots))
         try:
             run = self.runner.execute_isolating_failures(batch)
         except Exception:
             # No request explains it; nothing advanced. The notices taken above go out with a later step.
             self._pending_outputs[:0] = outputs
             raise
+        if self.speculator is not None and batch.decodes_only and not run.failed:
+            self.speculator.observe_step(len(batch.seqs), batch.num_drafts, time.perf_counter() - started)
         for request_id, error in run.failed.items():
             outputs.extend(self._fail_request(request_id, error))
-        sampled_seqs = self.scheduler.update(
-            run.batch, run.sampled.token_ids, run.sampled.logprobs, run.prompt_logprobs
-        )
+        # (sequence, drafts verified, drafts accepted), taken before update advances the sequences
+        sampling = [i for i in range(len(run.batch.seqs)) if run.batch.samples(i)]
+        verified = [
+            (run.batch.seqs[i], len(run.batch.draft_token_ids[i]), tokens.num_accepted_drafts)
+            for i, tokens in zip(sampling, run.sampled, strict=True)
+            if run.batch.draft_token_ids[i]
+        ]
+        appended = self.scheduler.update(run.batch, run.sampled, run.prompt_logprobs)
+        sampled_seqs = [seq for seq, _ in appended]
         self._count_prompt_tokens(run.batch, sampled_seqs)
-        self.num_generation_tokens_total += len(sampled_seqs)
-        outputs.extend(self._collect_outputs(sampled_seqs))
+        self.num_generation_tokens_total += sum(count for _, count in appended)
+        if self.speculator is not None:
+            for seq, num_proposed, num_accepted in verified:
+                self.speculator.record(seq, num_proposed, num_accepted)
+            self._forget_speculation([seq for seq in run.batch.seqs if seq.is_finished])
+        outputs.extend(self._collect_outputs(appended))
         return outputs
+
+    def _forget_speculation(self, finished: list[Sequence]) -> None:
+        """Finished sequences' speculation state (and a draft model's K/V for them) goes."""
+        if self.speculator is not None and finished:
+            self.speculator.forget(finished)
 
     def probe(self) -> None:
         """One greedy token of a one-token prompt, alone in its step; raises whatever the model raises.
@@ -309,6 +363,7 @@ class LLMEngine:
         for seq in request.seqs:
             if not seq.is_finished:
                 self.scheduler.finish(seq, FINISH_ERROR)
+        self._forget_speculation(request.seqs)
         output = self._request_output(request, request.seqs, num_new_tokens=0)
         return [dataclasses.replace(output, error=f"internal error while generating: {error!r}")]
 
@@ -334,24 +389,28 @@ class LLMEngine:
                 if request is not None and request.num_cached_prompt_tokens:
                     self.num_cached_prompt_tokens_total += request.num_cached_prompt_tokens
 
-    def _collect_outputs(self, sampled_seqs: list[Sequence]) -> list[RequestOutput]:
-        by_request: dict[str, list[Sequence]] = {}
-        for seq in sampled_seqs:
-            by_request.setdefault(seq.request_id, []).append(seq)
+    def _collect_outputs(self, appended: list[tuple[Sequence, int]]) -> list[RequestOutput]:
+        by_request: dict[str, list[tuple[Sequence, int]]] = {}
+        for seq, count in appended:
+            by_request.setdefault(seq.request_id, []).append((seq, count))
         outputs = []
         for request_id, seqs in by_request.items():
             request = self._requests.get(request_id)
             if request is None:
                 continue
-            outputs.append(self._request_output(request, seqs, num_new_tokens=1))
+            outputs.append(self._request_output(request, [s for s, _ in seqs], num_new_tokens=[n for _, n in seqs]))
             if request.is_finished:
                 del self._requests[request_id]
         return outputs
 
-    def _request_output(self, request: _Request, seqs: list[Sequence], num_new_tokens: int) -> RequestOutput:
-        """Each sample's newest `num_new_tokens` token ids (text is filled in on the async side)."""
+    def _request_output(
+        self, request: _Request, seqs: list[Sequence], num_new_tokens: int | list[int]
+    ) -> RequestOutput:
+        """Each sample's newest `num_new_tokens` token ids (per sample, or one count for all; text is
+        filled in on the async side)."""
         completions = []
-        for seq in seqs:
+        counts = num_new_tokens if isinstance(num_new_tokens, list) else [num_new_tokens] * len(seqs)
+        for seq, num_new_tokens in zip(seqs, counts, strict=True):
             new_ids = seq.token_ids[len(seq.token_ids) - num_new_tokens :] if num_new_tokens else []
             new_logprobs = None
             if seq.params.logprobs is not None:
@@ -393,4 +452,16 @@ class LLMEngine:
             num_generation_tokens=self.num_generation_tokens_total,
             num_cached_prompt_tokens=self.num_cached_prompt_tokens_total,
             num_computed_prompt_tokens=self.num_computed_prompt_tokens_total,
+            **self._speculation_stats(),
         )
+
+    def _speculation_stats(self) -> dict[str, object]:
+        if self.speculator is None:
+            return {}
+        spec = self.speculator.stats
+        return {
+            "num_spec_drafts": spec.num_drafts,
+            "num_spec_draft_tokens": spec.num_draft_tokens,
+            "num_spec_accepted_tokens": spec.num_accepted_tokens,
+            "spec_accepted_per_position": tuple(spec.accepted_per_position),
+        }

@@ -16,21 +16,46 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.sequence import Sequence, SequenceStatus
-from engine.outputs import FINISH_LENGTH, FINISH_STOP, TokenLogprob
+from engine.outputs import FINISH_LENGTH, FINISH_STOP, EmittedTokens, TokenLogprob
 from engine.params import SamplingParams
 
 
 @dataclass
 class ScheduledBatch:
-    """Which sequences run this step and how many new tokens each computes."""
+    """Which sequences run this step and how many new tokens each computes.
+
+    A speculating sequence computes its one uncomputed token and then the draft tokens proposed for it
+    (`draft_token_ids[i]`, not in seq.token_ids); num_new_tokens[i] counts both. `num_draft_slots[i]` is
+    how many drafts the scheduler made room for (blocks and token budget); the proposer may fill fewer.
+    """
 
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
+    num_draft_slots: list[int] = field(default_factory=list)
+    draft_token_ids: list[list[int]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.num_draft_slots = self.num_draft_slots or [0] * len(self.seqs)
+        self.draft_token_ids = self.draft_token_ids or [[] for _ in self.seqs]
+
+    def append(self, seq: Sequence, num_new: int, num_draft_slots: int = 0) -> None:
+        self.seqs.append(seq)
+        self.num_new_tokens.append(num_new)
+        self.num_draft_slots.append(num_draft_slots)
+        self.draft_token_ids.append([])
+
+    def set_drafts(self, drafts: list[list[int]]) -> None:
+        """Put the proposed tokens in (each at most its slots); they join the sequences' new tokens."""
+        for i, draft in enumerate(drafts):
+            if len(draft) > self.num_draft_slots[i]:
+                raise ValueError(f"{len(draft)} drafts proposed for {self.num_draft_slots[i]} slots")
+            self.num_new_tokens[i] += len(draft) - len(self.draft_token_ids[i])
+            self.draft_token_ids[i] = list(draft)
 
     @property
     def is_empty(self) -> bool:
@@ -40,15 +65,32 @@ class ScheduledBatch:
     def num_tokens(self) -> int:
         return sum(self.num_new_tokens)
 
+    @property
+    def num_drafts(self) -> int:
+        return sum(len(d) for d in self.draft_token_ids)
+
+    @property
+    def decodes_only(self) -> bool:
+        """Every sequence computes its one uncomputed token (and maybe drafts after it): no prompt chunk."""
+        return all(
+            seq.num_uncomputed_tokens == 1 and n - len(d) == 1
+            for seq, n, d in zip(self.seqs, self.num_new_tokens, self.draft_token_ids)
+        )
+
     def samples(self, i: int) -> bool:
         """Does sequence i reach its last token this step (so its logits are sampled)?"""
         seq = self.seqs[i]
-        return seq.num_computed_tokens + self.num_new_tokens[i] == len(seq.token_ids)
+        return seq.num_computed_tokens + self.num_new_tokens[i] - len(self.draft_token_ids[i]) == len(seq.token_ids)
 
     def only(self, request_ids: Collection[str]) -> ScheduledBatch:
         """The part of this batch that belongs to these requests, in batch order."""
         keep = [i for i, seq in enumerate(self.seqs) if seq.request_id in request_ids]
-        return ScheduledBatch([self.seqs[i] for i in keep], [self.num_new_tokens[i] for i in keep])
+        return ScheduledBatch(
+            [self.seqs[i] for i in keep],
+            [self.num_new_tokens[i] for i in keep],
+            [self.num_draft_slots[i] for i in keep],
+            [self.draft_token_ids[i] for i in keep],
+        )
 
 
 class Scheduler:
@@ -59,8 +101,12 @@ class Scheduler:
         max_num_batched_tokens: int,
         eos_token_ids: tuple[int, ...],
         max_model_len: int,
+        plan_drafts: Callable[[list[Sequence], int], list[int]] | None = None,
     ) -> None:
+        """plan_drafts(candidates, num_seqs): how many draft tokens each decoding candidate of a step of
+        num_seqs sequences verifies (None: no speculation)."""
         self.kv_manager = kv_manager
+        self.plan_drafts = plan_drafts
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
@@ -118,10 +164,10 @@ class Scheduler:
                     break
             if seq.status is not SequenceStatus.RUNNING:
                 break  # seq preempted itself: nothing newer is left to run
-            batch.seqs.append(seq)
-            batch.num_new_tokens.append(num_new)
+            batch.append(seq, num_new)
             budget -= num_new
             i += 1
+        budget -= self._make_draft_room(batch, budget)
 
         # 2. Waiting sequences in arrival order (preempted ones were put in front).
         now = time.monotonic()
@@ -156,34 +202,76 @@ class Scheduler:
                 stats.queries += seq.num_prompt_tokens
                 stats.hits += min(seq.num_computed_tokens, seq.num_prompt_tokens)
             self.running.append(seq)
-            batch.seqs.append(seq)
-            batch.num_new_tokens.append(num_new)
+            batch.append(seq, num_new)
             budget -= num_new
         self.waiting.extendleft(reversed(skipped))
         return batch
 
+    def _make_draft_room(self, batch: ScheduledBatch, budget_left: int) -> int:
+        """Give the batch's decoding sequences their planned draft slots, within the budget and free blocks;
+        returns the slots given.
+
+        Room for drafts never preempts anyone: without free blocks for them a sequence decodes plainly.
+        """
+        if self.plan_drafts is None:
+            return 0
+        candidates = [
+            i for i, seq in enumerate(batch.seqs) if batch.num_new_tokens[i] == 1 and seq.num_uncomputed_tokens == 1
+        ]
+        if not candidates:
+            return 0
+        planned = self.plan_drafts([batch.seqs[i] for i in candidates], len(batch.seqs))
+        given = 0
+        for i, slots in zip(candidates, planned, strict=True):
+            seq = batch.seqs[i]
+            slots = min(slots, budget_left - given)
+            while slots > 0 and not self.kv_manager.grow(seq, seq.num_computed_tokens + 1 + slots):
+                slots -= 1
+            if slots > 0:
+                batch.num_draft_slots[i] = slots
+                given += slots
+        return given
+
     def update(
         self,
         batch: ScheduledBatch,
-        token_ids: list[int],
-        logprobs: list[TokenLogprob | None],
+        emitted: list[EmittedTokens],
         prompt_logprobs: dict[Sequence, list[TokenLogprob]] | None = None,
-    ) -> list[Sequence]:
-        """Advance every sequence of the batch; append one sampled token to each that sampled.
+    ) -> list[tuple[Sequence, int]]:
+        """Advance every sequence of the batch; append the tokens each sampling sequence emitted.
 
-        token_ids / logprobs: one per sampling sequence, in batch order. Returns those sequences.
+        emitted: one entry per sampling sequence, in batch order: one sampled token, or accepted drafts
+        and the token after them (their K/V were computed this step; the rest of the drafts' K/V is
+        dropped: the table is trimmed and only accepted tokens' blocks reach the prefix cache).
         prompt_logprobs: the prompt tokens this step scored, per sequence that owes them, in order.
+        Returns each sampling sequence with the number of tokens it appended (fewer than emitted when
+        a stop came first).
         """
-        sampled: list[Sequence] = []
+        sampled: list[int] = []
         for i, (seq, num_new) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             is_sampling = batch.samples(i)
-            seq.num_computed_tokens += num_new
+            seq.num_computed_tokens += num_new - len(batch.draft_token_ids[i])
             if prompt_logprobs and seq in prompt_logprobs:
                 seq.prompt_logprobs.extend(prompt_logprobs[seq])
             self.kv_manager.register_computed_blocks(seq)
             if is_sampling:
-                sampled.append(seq)
-        for seq, token_id, logprob in zip(sampled, token_ids, logprobs, strict=True):
+                sampled.append(i)
+        appended: list[tuple[Sequence, int]] = []
+        for i, tokens in zip(sampled, emitted, strict=True):
+            seq = batch.seqs[i]
+            count = self._append_tokens(seq, tokens)
+            appended.append((seq, count))
+            if batch.num_draft_slots[i] and not seq.is_finished:
+                # Every appended token but the newest had its K/V computed this step (the accepted
+                # drafts): they count, their full blocks are published, and blocks past them go back.
+                seq.num_computed_tokens = len(seq.token_ids) - 1
+                self.kv_manager.register_computed_blocks(seq)
+                self.kv_manager.trim(seq, len(seq.token_ids))
+        return appended
+
+    def _append_tokens(self, seq: Sequence, tokens: EmittedTokens) -> int:
+        """Append the emitted tokens one by one, applying the stop check after each; returns how many."""
+        for count, (token_id, logprob) in enumerate(zip(tokens.token_ids, tokens.logprobs, strict=True), 1):
             seq.token_ids.append(token_id)
             if logprob is not None:
                 seq.logprobs.append(logprob)
@@ -200,7 +288,8 @@ class Scheduler:
             )
             if stop is not None:
                 self.finish(seq, *stop)
-        return sampled
+                return count
+        return len(tokens.token_ids)
 
 
 def check_stop(

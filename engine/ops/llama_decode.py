@@ -136,16 +136,33 @@ class FusedLlamaDecode:
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: [B] (one new token per sequence) -> final hidden states [B, hidden]."""
+        mask = meta.attn_mask[:, 0] if meta.attn_mask is not None else None
+        return self.run_rows(input_ids, positions, meta.key_blocks, mask, meta.slot_mapping)
+
+    def run_rows(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        blocks: torch.Tensor,
+        mask: torch.Tensor | None,
+        slots: torch.Tensor,
+    ) -> torch.Tensor:
+        """Final hidden states [T, hidden] of T new tokens, each one query row with its own keys.
+
+        blocks: [T, N] the cache blocks row t reads; mask: bool [T, N * block_size] the keys it sees (None:
+        all); slots: [T] where its K/V go. Every row's K/V are written before any row attends, so several
+        rows of one sequence (a token and the drafts after it) see each other as the mask allows.
+        """
         hidden = self.model.embed_tokens(input_ids).contiguous()  # a fresh tensor: the kernel updates it in place
         cos, sin = self.model.rotary.cos_sin(positions, hidden.dtype)
-        num_seqs, hidden_size = hidden.shape
-        cos = cos.reshape(num_seqs, self.head_dim).contiguous()
-        sin = sin.reshape(num_seqs, self.head_dim).contiguous()
-        blocks = meta.key_blocks.contiguous()
-        mask = meta.attn_mask[:, 0].contiguous().view(torch.uint8) if meta.attn_mask is not None else None
-        slots = meta.slot_mapping.contiguous()
+        num_rows, hidden_size = hidden.shape
+        cos = cos.reshape(num_rows, self.head_dim).contiguous()
+        sin = sin.reshape(num_rows, self.head_dim).contiguous()
+        blocks = blocks.contiguous()
+        mask = mask.contiguous().view(torch.uint8) if mask is not None else None
+        slots = slots.contiguous()
         step = _DecodeStep(
-            num_seqs,
+            num_rows,
             hidden_size,
             self.intermediate,
             self.num_heads,

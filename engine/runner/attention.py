@@ -169,6 +169,36 @@ def build_attention_metadata(
     )
 
 
+def per_token_rows(meta: AttentionMetadata, block_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The step as one query row per new token: (blocks [T, N], mask bool [T, N * block_size] or None).
+
+    Row t reads its sequence's blocks and sees exactly what query t sees in `meta`, for kernels that
+    take one query per row (a decoding token followed by its speculative drafts is several rows).
+    """
+    num_tokens = meta.slot_mapping.shape[0]
+    valid = meta.query_index < num_tokens  # [B, Q]
+    num_seqs, max_queries = valid.shape
+    device = valid.device
+    token = meta.query_index[valid]
+    seq = torch.arange(num_seqs, device=device).unsqueeze(1).expand(num_seqs, max_queries)[valid]
+    query = torch.arange(max_queries, device=device).unsqueeze(0).expand(num_seqs, max_queries)[valid]
+    blocks = torch.empty((num_tokens, meta.key_blocks.shape[1]), dtype=meta.key_blocks.dtype, device=device)
+    blocks[token] = meta.key_blocks[seq]
+    mask = meta.attn_mask
+    if mask is None and meta.is_causal:
+        # The plain causal case was left to SDPA without a mask; rows need it spelled out.
+        offsets = torch.arange(block_size, device=device)
+        key_positions = (meta.key_block_logical.long().unsqueeze(2) * block_size + offsets).flatten(1)
+        key_positions[meta.key_block_logical.long().repeat_interleave(block_size, dim=1) < 0] = -1
+        query_positions = meta.query_starts.long().unsqueeze(1) + torch.arange(max_queries, device=device)
+        mask = visible_mask(query_positions, key_positions, meta.sliding_window, meta.num_sink_tokens)
+    if mask is None:
+        return blocks, None
+    rows = torch.empty((num_tokens, mask.shape[2]), dtype=torch.bool, device=device)
+    rows[token] = mask[seq, query]
+    return blocks, rows
+
+
 def write_kv(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,

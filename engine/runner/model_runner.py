@@ -24,14 +24,19 @@ from engine.models.llama import LlamaForCausalLM
 from engine.ops.gguf_linear import GgufEmbedding, GgufLinear
 from engine.ops.int8_linear import quantize_linears
 from engine.ops.llama_decode import FusedLlamaDecode
-from engine.outputs import TokenLogprob
-from engine.runner.attention import AttentionMetadata, build_attention_metadata
+from engine.outputs import EmittedTokens, TokenLogprob
+from engine.runner.attention import AttentionMetadata, build_attention_metadata, per_token_rows
 from engine.runner.decode_path import DecodePath, choose_decode_path
 from engine.runner.prompt_logprobs import prompt_rows, score_prompt_tokens
-from engine.runner.sampler import SamplerOutput, SamplingRow, sample
+from engine.runner.sampler import SamplingRow, sample
+from engine.spec.verify import verify_drafts
 from engine.structured.masks import apply_grammar_masks
 
 logger = logging.getLogger(__name__)
+
+# Steps whose sequences each compute at most this many tokens run on the fused kernel, one query row per
+# token; longer queries (prompt chunks) run the torch layers, whose attention handles them as a block.
+FUSED_ROWS_MAX_QUERY = 32
 
 _MODEL_CLASSES = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -45,10 +50,10 @@ _MODEL_CLASSES = {
 class StepResult:
     """What one forward of a batch gives."""
 
-    sampled: SamplerOutput  # one row per sequence that samples, in batch order
+    sampled: list[EmittedTokens]  # one per sequence that samples, in batch order
     prompt_logprobs: dict[Sequence, list[TokenLogprob]]  # the prompt tokens scored this step, per sequence
 
-    def parts(self) -> tuple[SamplerOutput, dict[Sequence, list[TokenLogprob]]]:
+    def parts(self) -> tuple[list[EmittedTokens], dict[Sequence, list[TokenLogprob]]]:
         return self.sampled, self.prompt_logprobs
 
 
@@ -57,7 +62,7 @@ class IsolatedExecution:
     """A batch's results once the requests that make it fail are taken out of it."""
 
     batch: ScheduledBatch  # the sequences whose results are used, in batch order
-    sampled: SamplerOutput  # one row per sequence of `batch` that samples, in order
+    sampled: list[EmittedTokens]  # one per sequence of `batch` that samples, in order
     prompt_logprobs: dict[Sequence, list[TokenLogprob]] = field(default_factory=dict)  # see StepResult
     failed: dict[str, Exception] = field(default_factory=dict)  # request id -> what its part raised
 
@@ -116,8 +121,12 @@ class ModelRunner:
         window, sinks = self.sliding_window, self.num_sink_tokens
         starts = [seq.num_computed_tokens for seq in batch.seqs]
         counts = batch.num_new_tokens
+        # A speculating sequence's new tokens end with its drafts, which are not in its token_ids.
         input_ids = np.concatenate(
-            [np.asarray(s.token_ids[st : st + n]) for s, st, n in zip(batch.seqs, starts, counts)]
+            [
+                np.asarray(s.token_ids[st : st + n - len(d)] + d, dtype=np.int64)
+                for s, st, n, d in zip(batch.seqs, starts, counts, batch.draft_token_ids)
+            ]
         )
         positions = np.concatenate([np.arange(st, st + n) for st, n in zip(starts, counts)])
 
@@ -126,33 +135,57 @@ class ModelRunner:
         dev = self.device
         return torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev), meta
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Final hidden states [T, hidden]; decode-only steps on the fused path run every layer in one native call."""
-        if meta.is_decode_only and self.decode_plan.path is DecodePath.FUSED_NATIVE:
-            return self.fused_decode(input_ids, positions, meta)
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, short_queries: bool = False
+    ) -> torch.Tensor:
+        """Final hidden states [T, hidden]. On the fused path, decode-only steps run every layer in one
+        native call, and so do steps where no sequence computes more than FUSED_ROWS_MAX_QUERY tokens
+        (short_queries: a token and its speculative drafts, a draft model catching up): each token is then
+        one query row, seeing what the step's mask lets it see."""
+        if self.fused_decode is not None and self.decode_plan.path is DecodePath.FUSED_NATIVE:
+            if meta.is_decode_only:
+                return self.fused_decode(input_ids, positions, meta)
+            if short_queries:
+                blocks, mask = per_token_rows(meta, self.block_size)
+                return self.fused_decode.run_rows(input_ids, positions, blocks, mask, meta.slot_mapping)
         return self.model(input_ids, positions, self.kv_caches, meta)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> StepResult:
-        """Forward the batch and sample: one token id (and logprobs) per sequence that samples this step,
-        and the prompt tokens this step scores for the sequences that asked for prompt logprobs."""
+        """Forward the batch and sample: the tokens each sequence that samples appends this step (one,
+        or accepted drafts and the token after them), and the prompt tokens this step scores for the
+        sequences that asked for prompt logprobs."""
         hidden = self.run_model(batch)
         scored_prompts = {}
         wanted_prompt_rows = prompt_rows(batch)
         if wanted_prompt_rows:
             scored_prompts = score_prompt_tokens(hidden, wanted_prompt_rows, self.model.compute_logits)
-        logits = self._sampling_logits(batch, hidden)
-        sampling_seqs = [seq for i, seq in enumerate(batch.seqs) if batch.samples(i)]
-        if not sampling_seqs:
-            return StepResult(SamplerOutput(token_ids=[], logprobs=[]), scored_prompts)
-        rows = [
-            SamplingRow(s.params, s.token_ids, s.num_prompt_tokens, self.eos_token_ids, s.generator)
-            for s in sampling_seqs
-        ]
-        matchers = [s.matcher for s in sampling_seqs]
-        if any(m is not None for m in matchers):
-            apply_grammar_masks(logits, matchers, self.eos_token_ids)
-        return StepResult(sample(logits, rows), scored_prompts)
+        sampling = [i for i in range(len(batch.seqs)) if batch.samples(i)]
+        if not sampling:
+            return StepResult([], scored_prompts)
+        ends = np.cumsum(batch.num_new_tokens) - 1
+        emitted: dict[int, EmittedTokens] = {}
+        plain = [i for i in sampling if not batch.draft_token_ids[i]]
+        if plain:
+            logits = self.model.compute_logits(hidden[torch.tensor([int(ends[i]) for i in plain], device=self.device)])
+            seqs = [batch.seqs[i] for i in plain]
+            matchers = [s.matcher for s in seqs]
+            if any(m is not None for m in matchers):
+                apply_grammar_masks(logits, matchers, self.eos_token_ids)
+            output = sample(logits, [self._sampling_row(s) for s in seqs])
+            for i, token_id, logprob in zip(plain, output.token_ids, output.logprobs, strict=True):
+                emitted[i] = EmittedTokens([token_id], [logprob])
+        for i in sampling:
+            drafts = batch.draft_token_ids[i]
+            if drafts:
+                # The logits of its last k+1 positions: after the last accepted token and after each draft.
+                end = int(ends[i])
+                logits = self.model.compute_logits(hidden[end - len(drafts) : end + 1])
+                emitted[i] = verify_drafts(logits, self._sampling_row(batch.seqs[i]), drafts)
+        return StepResult([emitted[i] for i in sampling], scored_prompts)
+
+    def _sampling_row(self, seq: Sequence) -> SamplingRow:
+        return SamplingRow(seq.params, seq.token_ids, seq.num_prompt_tokens, self.eos_token_ids, seq.generator)
 
     def execute_isolating_failures(self, batch: ScheduledBatch) -> IsolatedExecution:
         """`execute`, except that a failure pinned to some requests fails only those.
@@ -177,7 +210,7 @@ class ModelRunner:
         logger.warning(
             "a batch of %d requests raised %r; running it again split by request", len(request_ids), first_error
         )
-        sampled: dict[Sequence, tuple[int, TokenLogprob | None]] = {}
+        sampled: dict[Sequence, EmittedTokens] = {}
         scored_prompts: dict[Sequence, list[TokenLogprob]] = {}
         succeeded: set[str] = set()
         failed: dict[str, Exception] = {}
@@ -199,18 +232,18 @@ class ModelRunner:
             succeeded.update(part_ids)
             scored_prompts.update(part_prompts)
             sampling_seqs = [seq for i, seq in enumerate(part.seqs) if part.samples(i)]
-            sampled.update(zip(sampling_seqs, zip(output.token_ids, output.logprobs, strict=True), strict=True))
+            sampled.update(zip(sampling_seqs, output, strict=True))
         if not succeeded:
             raise first_error
         survivors = batch.only(succeeded)
         rows = [sampled[seq] for i, seq in enumerate(survivors.seqs) if survivors.samples(i)]
-        output = SamplerOutput(token_ids=[t for t, _ in rows], logprobs=[lp for _, lp in rows])
-        return IsolatedExecution(survivors, output, scored_prompts, failed)
+        return IsolatedExecution(survivors, rows, scored_prompts, failed)
 
     def run_model(self, batch: ScheduledBatch) -> torch.Tensor:
         """The batch's final hidden states [T, hidden], one row per new token in batch order."""
         input_ids, positions, meta = self.build_inputs(batch)
-        return self.forward(input_ids, positions, meta)
+        short_queries = max(batch.num_new_tokens) <= FUSED_ROWS_MAX_QUERY
+        return self.forward(input_ids, positions, meta, short_queries=short_queries)
 
     def _sampling_logits(self, batch: ScheduledBatch, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [R, vocab]: one row per sequence that samples this step."""

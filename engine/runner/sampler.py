@@ -131,35 +131,49 @@ def candidate_distribution(
     return _apply_min_p(probs, min_p), token_ids, decided
 
 
-def _draw(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """One index per row from probs [R, N] by inverse CDF (torch.multinomial is slow on CPU).
-
-    Seeded rows take their uniform from their own generator, so their draws do
-    not depend on the rest of the batch.
-    """
-    uniform = torch.empty(probs.shape[0], 1, dtype=probs.dtype, device=probs.device)
+def draw_uniforms(rows: list[SamplingRow], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """One uniform per row [R, 1], in row order: a seeded row takes the next draw of its own generator
+    (so its draws do not depend on the rest of the batch), the others share torch's global one."""
+    uniform = torch.empty(len(rows), 1, dtype=dtype, device=device)
     unseeded = [i for i, r in enumerate(rows) if r.generator is None]
     if unseeded:
-        uniform[unseeded] = torch.rand(len(unseeded), 1, dtype=probs.dtype, device=probs.device)
+        uniform[unseeded] = torch.rand(len(unseeded), 1, dtype=dtype, device=device)
     for i, row in enumerate(rows):
         if row.generator is not None:
-            uniform[i] = torch.rand(1, generator=row.generator, dtype=probs.dtype, device=probs.device)
+            uniform[i] = torch.rand(1, generator=row.generator, dtype=dtype, device=device)
+    return uniform
+
+
+def _draw(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """One index per row from probs [R, N] by inverse CDF with uniform [R, 1] (torch.multinomial is slow on CPU)."""
     cdf = probs.cumsum(dim=-1)
     # right=True: the first index whose cdf exceeds u, so a zero-probability token is never picked.
     picks = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True).squeeze(1)
     return picks.clamp_(max=probs.shape[1] - 1)
 
 
-def _sample_random(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """Temperature, top-k, top-p, min-p, then one draw per row -> token ids [R]."""
+def _shaping(
+    logits: torch.Tensor, rows: list[SamplingRow]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(logits / temperature, top_k [R] with "off" as the vocabulary size, top_p [R], min_p [R])."""
     device = logits.device
     temperature = torch.tensor([r.params.temperature for r in rows], dtype=logits.dtype, device=device)
-    logits = logits / temperature.unsqueeze(1)
     vocab = logits.shape[1]
     top_k = torch.tensor([r.params.top_k if r.params.top_k > 0 else vocab for r in rows], device=device)
     top_p = torch.tensor([r.params.top_p for r in rows], dtype=logits.dtype, device=device)
     min_p = torch.tensor([r.params.min_p for r in rows], dtype=logits.dtype, device=device)
+    return logits / temperature.unsqueeze(1), top_k, top_p, min_p
+
+
+def _sample_random(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Temperature, top-k, top-p, min-p, then one draw per row -> token ids [R]."""
+    device = logits.device
+    logits, top_k, top_p, min_p = _shaping(logits, rows)
+    vocab = logits.shape[1]
     token_ids = torch.empty(len(rows), dtype=torch.long, device=device)
+    # Drawn first, in row order: rows of one sequence (a token and its speculative drafts) take their
+    # generator's draws in position order, as one-at-a-time decoding would.
+    uniform = draw_uniforms(rows, logits.dtype, device)
     unrestricted = (top_k >= vocab) & (top_p >= 1.0) & (min_p <= 0.0)
     dense_rows = (~unrestricted).nonzero().flatten().tolist()
     # Few candidates first; a flat row gets a second, wider look before the full sort.
@@ -171,7 +185,7 @@ def _sample_random(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
         )
         done = decided.nonzero().flatten().tolist()
         if done:
-            picks = _draw(probs[done], [rows[dense_rows[i]] for i in done])
+            picks = _draw(probs[done], uniform[[dense_rows[i] for i in done]])
             chosen = candidates[done].gather(1, picks.unsqueeze(1)).squeeze(1)
             token_ids[[dense_rows[i] for i in done]] = chosen
         dense_rows = [dense_rows[i] for i in (~decided).nonzero().flatten().tolist()]
@@ -182,13 +196,14 @@ def _sample_random(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
             dense = reference_distribution(sub, top_k[dense_rows], top_p[dense_rows], min_p[dense_rows])
         else:  # no nucleus to find: a plain softmax, no sort
             dense = _apply_min_p(sub.softmax(dim=-1), min_p[dense_rows])
-        token_ids[dense_rows] = _draw(dense, [rows[i] for i in dense_rows])
+        token_ids[dense_rows] = _draw(dense, uniform[dense_rows])
     return token_ids
 
 
-def _logprobs(
+def token_logprobs(
     raw_logprobs: torch.Tensor, token_ids: torch.Tensor, rows: list[SamplingRow]
 ) -> list[TokenLogprob | None]:
+    """Each row's TokenLogprob of token_ids[row] under raw_logprobs [R, V] (None where the row asked for none)."""
     wanted = [r.params.logprobs for r in rows]
     if all(w is None for w in wanted):
         return [None] * len(rows)
@@ -205,17 +220,36 @@ def _logprobs(
     return out
 
 
+def adjusted_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """A copy of logits [R, V] with penalties, logit bias and the min_tokens ban applied (the greedy argmax)."""
+    logits = logits.clone()
+    _apply_penalties(logits, rows)
+    _apply_bias_and_bans(logits, rows)
+    return logits
+
+
+def sampling_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """The full distribution [R, V] that `sample` draws each random row from (rows must not be greedy).
+
+    The plain full-vocabulary form of what `sample` computes: adjusted logits, temperature, then
+    top-k, top-p and min-p (the p of speculative decoding's reference rejection rule).
+    """
+    logits, top_k, top_p, min_p = _shaping(adjusted_logits(logits, rows), rows)
+    vocab = logits.shape[1]
+    if bool((top_k < vocab).any()) or bool((top_p < 1.0).any()):
+        return reference_distribution(logits, top_k, top_p, min_p)
+    return _apply_min_p(logits.softmax(dim=-1), min_p)
+
+
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
     """logits: float32 [R, V], one row per sequence that samples this step."""
     raw_logprobs = None
     if any(r.params.logprobs is not None for r in rows):
         raw_logprobs = logits.log_softmax(dim=-1)
-    logits = logits.clone()
-    _apply_penalties(logits, rows)
-    _apply_bias_and_bans(logits, rows)
+    logits = adjusted_logits(logits, rows)
     token_ids = logits.argmax(dim=-1)
     random_rows = [i for i, r in enumerate(rows) if not r.params.is_greedy]
     if random_rows:
         token_ids[random_rows] = _sample_random(logits[random_rows], [rows[i] for i in random_rows])
-    logprobs = _logprobs(raw_logprobs, token_ids, rows) if raw_logprobs is not None else [None] * len(rows)
+    logprobs = token_logprobs(raw_logprobs, token_ids, rows) if raw_logprobs is not None else [None] * len(rows)
     return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs)

@@ -9,7 +9,7 @@ step runs turns the last step's token ids into text with the output processor
 (on the event-loop thread: the tokenizer is only ever used there) and hands
 each `RequestOutput` to its request's asyncio.Queue. A stop string found in the
 text stops its sample in the engine before the step after (the core may
-compute one or two tokens more, which the output processor drops).
+compute a few tokens more, which the output processor drops).
 
 Guarantees (the contract shared with the embedder, see engine/serving/torch_worker.py):
 - validation errors from `LLMEngine.add_request` reach the caller of `submit()`

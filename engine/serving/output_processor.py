@@ -6,8 +6,9 @@ length, abort), with empty text. The output processor owns one detokenizer per
 sample and turns those deltas into text deltas. Stop strings are text, so they
 are found here: the sample is finished at once (its text cut at the stop) and
 the processor reports it in `stopped_samples`, for its driver to stop the
-sample in the core before the next step (the core may have computed one more
-token meanwhile; that token is dropped here). A RequestOutput with an `error`
+sample in the core before the next step (the core may have computed more tokens
+meanwhile: one, or up to k+1 with speculative decoding; they are dropped here,
+and so are the tokens after the stop within the step that found it). A RequestOutput with an `error`
 (the core failed that request alone) is passed on as the request's last output.
 
 Runs on one thread only (the event loop in the server), so the tokenizer is
@@ -103,13 +104,21 @@ class OutputProcessor:
             return None
         finish_reason, stop_reason = delta.finish_reason, delta.stop_reason
         num_generated = delta.num_generated_tokens - len(delta.token_ids)
-        for token_id in delta.token_ids:
+        for i, token_id in enumerate(delta.token_ids):
             num_generated += 1
             stop_string = sample.detokenizer.add_token(token_id, num_generated)
             if stop_string is not None:
                 finish_reason, stop_reason = FINISH_STOP, stop_string
                 if delta.finish_reason is None:  # the core does not know yet
                     processed.stopped_samples.append(StoppedSample(request_id, delta.index, stop_string))
+                # A step may carry several tokens (accepted speculative drafts): the ones after the
+                # stop are not output, in text, token ids, logprobs or counts.
+                delta = dataclasses.replace(
+                    delta,
+                    token_ids=delta.token_ids[: i + 1],
+                    logprobs=delta.logprobs[: i + 1] if delta.logprobs is not None else None,
+                    num_generated_tokens=num_generated,
+                )
                 break
         if finish_reason is not None:
             sample.is_finished = True

@@ -51,6 +51,10 @@ class Tokenizer:
         """An independent tokenizer (its own Rust backend and state) for another thread to own."""
         return Tokenizer(copy.deepcopy(self._tok), self.eos_token_ids)
 
+    def vocabulary(self) -> dict[str, int]:
+        """Every token's text and id, added tokens included."""
+        return dict(self._tok.get_vocab())
+
     def grammar_compiler(self, vocab_size: int) -> GrammarCompiler:
         """Compiles structured-output grammars over this tokenizer's tokens, for logits `vocab_size` wide."""
         return GrammarCompiler(self._tok, vocab_size, self.eos_token_ids)

@@ -52,6 +52,44 @@ def test_fused_step_equals_torch_layers(tiny_model_dirs, arch):
     assert (fused - reference).abs().max() <= 1e-5 * reference.abs().max()
 
 
+def _verification_metadata(engine: LLM, prompts: list[list[int]], drafts: list[list[int]]):
+    """Prefill the prompts, then build the next step with each sequence's drafts after its token."""
+    params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
+    for prompt in prompts:
+        engine.engine.add_request(prompt, params)
+    scheduler = engine.engine.scheduler
+    while any(seq.num_generated_tokens == 0 for seq in scheduler.running + list(scheduler.waiting)):
+        engine.engine.step()
+    batch = scheduler.schedule()
+    for i, seq in enumerate(batch.seqs):
+        assert engine.engine.kv_manager.grow(seq, seq.num_computed_tokens + 1 + len(drafts[i]))
+        batch.num_draft_slots[i] = len(drafts[i])
+    batch.set_drafts(drafts)
+    assert batch.decodes_only
+    return batch
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_fused_verification_step_equals_torch_layers(tiny_model_dirs, arch):
+    """A decoding token and its speculative drafts as one row each: the fused kernel sees exactly the
+    keys the torch layers' mask shows each of them (drafts of one sequence see the ones before them;
+    mistral: under a window of 16, with a sink token)."""
+    overrides = {"num_sink_tokens": 1} if arch == "mistral" else {}
+    engine = _engine(tiny_model_dirs[arch], **overrides)
+    runner = engine.engine.runner
+    prompts = _prompts(engine, 5)
+    drafts = [[5, 9, 13], [], [7], [11, 12, 13, 14], [3, 3]]
+    batch = _verification_metadata(engine, prompts, drafts)
+    input_ids, positions, meta = runner.build_inputs(batch)
+    assert not meta.is_decode_only and meta.attn_mask is not None
+    fused = runner.forward(input_ids, positions, meta, short_queries=True)
+    reference = runner.model(input_ids, positions, runner.kv_caches, meta)  # the torch layers
+    assert fused.shape == (len(prompts) + sum(map(len, drafts)), reference.shape[1])
+    # int8 activations round at each layer, so float32 differences in attention can move a rounding;
+    # a wrong mask (a draft seeing the ones after it) is off by orders of magnitude more.
+    assert (fused - reference).abs().max() <= 1e-4 * reference.abs().max()
+
+
 def test_fused_generation_matches_torch_generation(tiny_model_dirs):
     fused_engine = _engine(tiny_model_dirs["llama"])
     torch_engine = _engine(tiny_model_dirs["llama"])

@@ -14,7 +14,7 @@ from engine.config import EngineConfig
 from engine.llm import LLM
 from engine.params import SamplingParams
 from engine.runner.decode_path import DecodePath
-from engine.runner.model_runner import ModelRunner
+from engine.runner.model_runner import FUSED_ROWS_MAX_QUERY, ModelRunner
 from tests.support.native_kernels import KERNELS_EXPECTED, needs_kernels
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -85,7 +85,8 @@ def test_native_kernels_off_runs_the_torch_layers_with_torch_ops(tiny_model_dirs
     ids=["torch layers", "fused"],
 )
 def test_the_runner_performs_its_chosen_path(tiny_model_dirs, monkeypatch, quantization, expected_forwards):
-    """model.forward runs every step on the torch path, only the prefill on the fused one."""
+    """model.forward runs every step on the torch path, only the prefill on the fused one (a prompt longer
+    than FUSED_ROWS_MAX_QUERY: shorter ones run on the fused kernel too, a row per token)."""
     llm = LLM.from_config(EngineConfig(model=tiny_model_dirs["llama"], block_size=4, quantization=quantization))
     model = llm.engine.runner.model
     forward = model.forward
@@ -96,5 +97,9 @@ def test_the_runner_performs_its_chosen_path(tiny_model_dirs, monkeypatch, quant
         return forward(input_ids, positions, kv_caches, meta)
 
     monkeypatch.setattr(model, "forward", recording_forward)
-    llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    long_prompt = [5 + i % 50 for i in range(FUSED_ROWS_MAX_QUERY + 8)]
+    llm.generate([long_prompt], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     assert forwards == expected_forwards
+    forwards.clear()
+    llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    assert forwards == (expected_forwards if quantization == "none" else [])

@@ -10,6 +10,7 @@ from engine.core.block_pool import BlockPool
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.scheduler import ScheduledBatch, Scheduler
 from engine.core.sequence import Sequence, SequenceStatus
+from engine.outputs import EmittedTokens
 from engine.params import SamplingParams
 
 SAMPLED_TOKEN = 7
@@ -45,7 +46,7 @@ def _add(scheduler: Scheduler, *num_prompt_tokens: int) -> list[Sequence]:
 def _run(scheduler: Scheduler, batch: ScheduledBatch) -> None:
     """What the engine does once the model ran: advance progress, append a token where one was sampled."""
     num_sampled = sum(batch.samples(i) for i in range(len(batch.seqs)))
-    scheduler.update(batch, [SAMPLED_TOKEN] * num_sampled, [None] * num_sampled)
+    scheduler.update(batch, [EmittedTokens([SAMPLED_TOKEN], [None]) for _ in range(num_sampled)])
 
 
 def _plan(batch: ScheduledBatch) -> list[tuple[Sequence, int]]:
