@@ -16,18 +16,20 @@ import signal
 import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from types import FrameType
+from types import FrameType, SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
 from engine.config import (
     POOLING_MODES,
+    SPECULATIVE_METHODS,
     SUPPORTED_DTYPES,
     TOKEN_ID_INPUT_MODES,
     EmbedderConfig,
     EngineConfig,
     RerankerConfig,
+    SpeculativeConfig,
 )
 from server.config import (
     LOG_LEVELS,
@@ -62,6 +64,8 @@ def _optional(kind: Callable[[str], Any]) -> Callable[[str], Any]:
         return None if text.strip().lower() in ("", "none", "null") else kind(text)
 
     parse.__name__ = kind.__name__
+    if hasattr(kind, "metavar"):
+        parse.metavar = kind.metavar  # type: ignore[attr-defined]
     return parse
 
 
@@ -100,8 +104,9 @@ class Flag:
     """One `kvserve serve` flag: `--<name>` and KVSERVE_<NAME>.
 
     targets: where its value goes, as (config, field) pairs; config is "server" (ServerConfig),
-    "engine" (EngineConfig), "embedder" (EmbedderConfig) or "reranker" (RerankerConfig). Its default is
-    the first target's (a reranker field's: None, since no rerank model is served by default).
+    "engine" (EngineConfig), "embedder" (EmbedderConfig), "reranker" (RerankerConfig) or "speculative"
+    (SpeculativeConfig, the engine's `speculative`). Its default is the first target's (a reranker field's:
+    None, since no rerank model is served by default; the speculative method's: None, speculation off).
     scale_out: instead of targets, the ScaleOut field it sets (server/scale_out.py): how many replicas
     run, not how each one serves, so no replica's config holds it.
     """
@@ -114,8 +119,8 @@ class Flag:
 
 
 def _flag(name: str, target: str, kind: Callable[[str], Any], help_text: str) -> Flag:
-    """target: "server", "engine", "embedder", "reranker", or several joined by "+"; the field is `name` unless the
-    target says "config.field"."""
+    """target: "server", "engine", "embedder", "reranker", "speculative", or several joined by "+"; the field
+    is `name` unless the target says "config.field"."""
     targets = []
     for part in target.split("+"):
         config_name, _, field_name = part.partition(".")
@@ -300,6 +305,44 @@ FLAGS: tuple[Flag, ...] = (
         "and vLLM's tooling both work with no flag, for a /metrics page about twice as long)",
     ),
     _flag("num_threads", "engine", _optional(int), "torch CPU threads (default: torch's choice)"),
+    _flag(
+        "speculative_method",
+        "speculative.method",
+        _optional(_one_of(*SPECULATIVE_METHODS)),
+        "speculative decoding: ngram (drafts copied from the prompt and the output so far) or draft (drafts "
+        "from --draft-model); none: off. Greedy output is unchanged, sampled output keeps its distribution",
+    ),
+    _flag(
+        "num_speculative_tokens",
+        "speculative",
+        int,
+        "with --speculative-method: most draft tokens verified per sequence and step (1 to 16)",
+    ),
+    _flag(
+        "ngram_min",
+        "speculative",
+        int,
+        "with --speculative-method ngram: the shortest tail of the text looked up for an earlier occurrence",
+    ),
+    _flag(
+        "ngram_max",
+        "speculative",
+        int,
+        "with --speculative-method ngram: the longest tail looked up first (at least --ngram-min)",
+    ),
+    _flag(
+        "draft_model",
+        "speculative",
+        _optional(str),
+        "with --speculative-method draft: the draft model (same forms as --model), small, with --model's tokenizer",
+    ),
+    _flag(
+        "draft_quantization",
+        "speculative",
+        str,
+        "with --speculative-method draft: the draft model's --quantization (a quantized copy of --model "
+        "itself is a draft that reads a fraction of its bytes)",
+    ),
     _scale_flag(
         "replicas",
         "replicas",
@@ -331,11 +374,18 @@ FLAGS: tuple[Flag, ...] = (
 )
 
 
+def _speculative_defaults() -> SimpleNamespace:
+    """SpeculativeConfig's defaults, but no method: speculation is off unless --speculative-method names one."""
+    defaults = {field.name: field.default for field in dataclasses.fields(SpeculativeConfig)}
+    return SimpleNamespace(**{**defaults, "method": None})
+
+
 def _defaults() -> dict[str, Any]:
     """flag name -> the default `kvserve serve` uses when neither the flag nor its variable is set."""
     server = ServerConfig()
     configs = {"server": server, "engine": default_engine_config(), "embedder": default_embedder_config()}
     configs["reranker"] = server.reranker  # None: no rerank model unless --rerank-model names one
+    configs["speculative"] = _speculative_defaults()
     scale_out = ScaleOut()
     defaults = {}
     for flag in FLAGS:
@@ -380,18 +430,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         )
 
 
+def _speculative_config(values: dict[str, Any]) -> SpeculativeConfig | None:
+    """The engine's SpeculativeConfig, or None without --speculative-method. The other speculative flags are
+    checked either way: a bad value, or a --draft-model that nothing would load, is an error, not ignored."""
+    if values["method"] is not None:
+        return SpeculativeConfig(**values)
+    if values["draft_model"]:
+        raise ValueError("--draft-model is only used with --speculative-method draft")
+    SpeculativeConfig(**{**values, "method": "ngram"})  # the checks alone
+    return None
+
+
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
     """The nested ServerConfig from parsed flags (a flag `args` lacks takes its default); an empty
-    --embedding-model serves no embeddings, an empty --rerank-model (the default) no reranking.
+    --embedding-model serves no embeddings, an empty --rerank-model (the default) no reranking, no
+    --speculative-method (the default) no speculative decoding.
 
     Raises ValueError (from the configs' own checks) on a value or combination that cannot work.
     """
     defaults = _defaults()
-    values: dict[str, dict[str, Any]] = {"server": {}, "engine": {}, "embedder": {}, "reranker": {}}
+    values: dict[str, dict[str, Any]] = {"server": {}, "engine": {}, "embedder": {}, "reranker": {}, "speculative": {}}
     for flag in FLAGS:
         for config_name, field_name in flag.targets:
             values[config_name][field_name] = getattr(args, flag.name, defaults[flag.name])
-    engine = EngineConfig(**values["engine"])
+    engine = EngineConfig(**values["engine"], speculative=_speculative_config(values["speculative"]))
     embedder = EmbedderConfig(**values["embedder"]) if values["embedder"]["model"] else None
     reranker = RerankerConfig(**values["reranker"]) if values["reranker"]["model"] else None
     return ServerConfig(engine=engine, embedder=embedder, reranker=reranker, **values["server"])

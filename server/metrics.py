@@ -197,7 +197,8 @@ class RequestTimer:
             if scheduled is not None and output.arrival_time:
                 metrics.request_queue_time.observe(max(scheduled - output.arrival_time, 0.0))
         else:
-            # One step produced `num_new_tokens` (one per sample): each token waited this long.
+            # One observation per step that brought tokens: a step brings one token per
+            # sample, or several when speculative decoding accepted drafts (they all arrive together).
             metrics.inter_token_latency.observe(now - self._last_token_time)
         self._last_token_time = now
 

@@ -3,6 +3,11 @@
 Each series goes out under the names server/metric_names.py gives it. The prompt-token counters
 count as EngineStats (engine/outputs.py) says: every prompt token of every request once, cached
 ones included, and separately the part found in the prefix cache.
+
+The speculative-decoding counters (vLLM's spec_decode_* names) are exported only while the engine
+speculates (--speculative-method): EngineStats then carries one accepted count per draft position
+(spec_accepted_per_position, as many as --num-speculative-tokens, zeros at first); without
+speculation that tuple is empty and none of the four series appears, not even as zeros.
 """
 
 from __future__ import annotations
@@ -21,6 +26,11 @@ def _prefix_cache_hit_rate(stats: EngineStats) -> float:
     return stats.prefix_cache_hits / stats.prefix_cache_queries if stats.prefix_cache_queries else 0.0
 
 
+def is_speculating(stats: EngineStats) -> bool:
+    """Does the engine speculate? Its per-position counts exist (one per draft position) only then."""
+    return bool(stats.spec_accepted_per_position)
+
+
 @dataclass(frozen=True)
 class _StatSeries:
     """One gauge or counter of the snapshot: its names (server/metric_names.py) and its value."""
@@ -30,6 +40,11 @@ class _StatSeries:
     vllm: tuple[str, ...]
     doc: str
     value: Callable[[EngineStats], float]
+    # None: always exported; else only when it holds for the snapshot (the speculative counters)
+    exported_if: Callable[[EngineStats], bool] | None = None
+
+    def is_exported(self, stats: EngineStats) -> bool:
+        return self.exported_if is None or self.exported_if(stats)
 
 
 def _gauge(kvserve: str | None, vllm: tuple[str, ...], doc: str, value: Callable[[EngineStats], float]) -> _StatSeries:
@@ -38,6 +53,11 @@ def _gauge(kvserve: str | None, vllm: tuple[str, ...], doc: str, value: Callable
 
 def _counter(name: str, vllm: tuple[str, ...], doc: str, value: Callable[[EngineStats], float]) -> _StatSeries:
     return _StatSeries(True, name, vllm, doc, value)
+
+
+def _spec_counter(name: str, doc: str, value: Callable[[EngineStats], float]) -> _StatSeries:
+    """A speculative-decoding counter: vLLM's name under both prefixes, exported only while speculating."""
+    return _StatSeries(True, name, (name,), doc, value, exported_if=is_speculating)
 
 
 ENGINE_SERIES = (
@@ -85,7 +105,25 @@ ENGINE_SERIES = (
         lambda s: s.num_cached_prompt_tokens,
     ),
     _counter("generation_tokens", ("generation_tokens",), "Tokens generated.", lambda s: s.num_generation_tokens),
+    _spec_counter(
+        "spec_decode_num_drafts",
+        "Speculative verifications: steps in which a sequence had at least one draft token checked.",
+        lambda s: s.num_spec_drafts,
+    ),
+    _spec_counter(
+        "spec_decode_num_draft_tokens",
+        "Draft tokens proposed and verified.",
+        lambda s: s.num_spec_draft_tokens,
+    ),
+    _spec_counter(
+        "spec_decode_num_accepted_tokens",
+        "Draft tokens the target model accepted.",
+        lambda s: s.num_spec_accepted_tokens,
+    ),
 )
+# Its one sample per draft position j (label `position`, from 0) counts the verifications that accepted
+# draft token j+1; exported with the counters above.
+SPEC_ACCEPTED_PER_POSITION = "spec_decode_num_accepted_tokens_per_pos"
 
 
 class EngineStatsCollector(Collector):
@@ -101,6 +139,8 @@ class EngineStatsCollector(Collector):
         if stats is None:
             return
         for series in ENGINE_SERIES:
+            if not series.is_exported(stats):
+                continue
             value = series.value(stats)
             for target in self._naming.targets(series.kvserve, series.vllm):
                 kind = CounterMetricFamily if series.is_counter else GaugeMetricFamily
@@ -108,6 +148,7 @@ class EngineStatsCollector(Collector):
                 family.add_metric(target.labelvalues, value)
                 yield family
         yield from self._prompt_tokens_by_source(stats)
+        yield from self._spec_accepted_per_position(stats)
 
     def _prompt_tokens_by_source(self, stats: EngineStats) -> Iterator[Metric]:
         """vLLM's split of the prompt-token counter: computed here, or found in the local prefix cache."""
@@ -118,4 +159,18 @@ class EngineStatsCollector(Collector):
             cached = stats.num_cached_prompt_tokens
             family.add_metric((*target.labelvalues, "local_compute"), stats.num_prompt_tokens - cached)
             family.add_metric((*target.labelvalues, "local_cache_hit"), cached)
+            yield family
+
+    def _spec_accepted_per_position(self, stats: EngineStats) -> Iterator[Metric]:
+        """Per draft position (0-based, as vLLM labels it): verifications whose draft token there was accepted."""
+        if not is_speculating(stats):
+            return
+        for target in self._naming.targets(SPEC_ACCEPTED_PER_POSITION, (SPEC_ACCEPTED_PER_POSITION,)):
+            family = CounterMetricFamily(
+                target.name,
+                "Verifications that accepted the draft token at this position (0: the first draft token).",
+                labels=(*target.labelnames, "position"),
+            )
+            for position, count in enumerate(stats.spec_accepted_per_position):
+                family.add_metric((*target.labelvalues, str(position)), count)
             yield family

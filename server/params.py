@@ -155,4 +155,5 @@ def sampling_params(
         skip_special_tokens=body.skip_special_tokens,
         cache_salt=cache_salt,
         structured=structured,
+        speculative=body.speculative,
     )

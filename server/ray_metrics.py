@@ -6,7 +6,8 @@ it cannot see the others. Each KVServe replica therefore mirrors the series of s
 processes on it at its metrics export port (`kvserve serve --replicas` logs the address; on a Ray
 cluster, the port Ray was started with). Ray prefixes each name with `ray_` and Serve adds the tags
 `deployment`, `replica` and `application`: e.g. `ray_kvserve_prefix_cache_hits{replica="..."}`.
-Sum over `replica` for the whole application.
+Sum over `replica` for the whole application. The labelled series (vLLM's prompt_tokens_by_source, the
+speculative per-position counts) are not mirrored; the speculative counters are, once the engine speculates.
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ class MetricsMirror:
         if stats is None:
             return
         for series, name, metric in self._series:
+            if not series.is_exported(stats):
+                continue  # the speculative counters, on an engine that does not speculate
             value = float(series.value(stats))
             if not series.is_counter:
                 metric.set(value)

@@ -37,6 +37,8 @@ Count = Annotated[int, Field(strict=True, ge=0, le=MAX_COUNT)]
 PositiveCount = Annotated[int, Field(strict=True, ge=1, le=MAX_COUNT)]  # max_tokens, dimensions
 NumSamples = Annotated[int, Field(strict=True, ge=1, le=MAX_SAMPLES)]
 TopLogprobs = Annotated[int, Field(strict=True, ge=0, le=MAX_TOP_LOGPROBS)]
+# A switch that must be a JSON boolean: "yes", 1 or "true" are 400s, not True.
+StrictSwitch = Annotated[bool, Field(strict=True)]
 
 
 def _number(low: float, high: float, low_open: bool = False) -> Any:
@@ -138,6 +140,9 @@ class SamplingFields(StrictRequest):
     skip_special_tokens: bool = True
     # vLLM's: the logprob, rank and top alternatives of every prompt token (the first is null)
     prompt_logprobs: TopLogprobs | None = None
+    # kvserve's: false keeps this request out of speculative decoding (--speculative-method); its tokens
+    # are the same either way (greedy: identical; sampled: the same distribution)
+    speculative: StrictSwitch = True
 
 
 class PromptTokenLogprob(BaseModel):

@@ -18,6 +18,7 @@ from server.protocol.common import (
     PositiveCount,
     Seed,
     StrictRequest,
+    StrictSwitch,
     Temperature,
     TopP,
     described_union,
@@ -194,6 +195,7 @@ class ResponsesRequest(StrictRequest):
     temperature: Temperature | None = None
     top_p: TopP | None = None
     seed: Seed | None = None  # not in OpenAI's Responses API; the SDK sends it through extra_body
+    speculative: StrictSwitch = True  # kvserve's, as chat's: false keeps it out of speculative decoding
     stream: bool = False
     stream_options: ResponsesStreamOptions | None = None
     store: bool | None = None  # accepted; responses are never stored

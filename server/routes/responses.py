@@ -154,6 +154,7 @@ def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
         temperature=body.temperature,
         top_p=body.top_p,
         seed=body.seed,
+        speculative=body.speculative,
         user=body.user,
         stream=body.stream,
         tools=tools or None,

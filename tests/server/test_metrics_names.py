@@ -233,8 +233,12 @@ def test_embedding_series_carry_the_embedding_model_name(server, scraped):
 
 
 def _page(metrics_names: str) -> str:
-    """The page of a ServerMetrics that saw one two-token request and one embedding request."""
-    stats = EngineStats(0, 0, 0, 10, 44, 32, 0, 44, 2, num_cached_prompt_tokens=32, num_computed_prompt_tokens=12)
+    """The page of a ServerMetrics that saw one two-token request and one embedding request (on an engine
+    that speculates, so the spec_decode series are there too)."""
+    stats = EngineStats(
+        0, 0, 0, 10, 44, 32, 0, 44, 2, num_cached_prompt_tokens=32, num_computed_prompt_tokens=12,
+        num_spec_drafts=1, num_spec_draft_tokens=2, num_spec_accepted_tokens=1, spec_accepted_per_position=(1, 0),
+    )  # fmt: skip
     metrics = ServerMetrics(MODEL, lambda: stats, metrics_names, embedding_model_name=EMBEDDING_MODEL)
     timer = metrics.start_request()
     timer.on_submit(SamplingParams(max_tokens=2))

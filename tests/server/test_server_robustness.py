@@ -625,6 +625,12 @@ SERVE_FLAGS = (
     "log_level",
     "metrics_names",
     "num_threads",
+    "speculative_method",
+    "num_speculative_tokens",
+    "ngram_min",
+    "ngram_max",
+    "draft_model",
+    "draft_quantization",
     "replicas",
     "max_replicas",
     "replica_routing",
@@ -648,11 +654,17 @@ def test_help_documents_every_flag_and_its_env_var(capsys):
 def test_every_flag_feeds_a_real_config_field_and_every_server_setting_has_a_flag():
     import dataclasses
 
-    from engine.config import EmbedderConfig, EngineConfig, RerankerConfig
+    from engine.config import EmbedderConfig, EngineConfig, RerankerConfig, SpeculativeConfig
     from server import cli
     from server.config import ServerConfig
 
-    classes = {"server": ServerConfig, "engine": EngineConfig, "embedder": EmbedderConfig, "reranker": RerankerConfig}
+    classes = {
+        "server": ServerConfig,
+        "engine": EngineConfig,
+        "embedder": EmbedderConfig,
+        "reranker": RerankerConfig,
+        "speculative": SpeculativeConfig,
+    }
     targets = {(config, field) for flag in cli.FLAGS for config, field in flag.targets}
     for config, field in targets:
         assert field in {f.name for f in dataclasses.fields(classes[config])}, (config, field)
