@@ -44,6 +44,34 @@ _WORDS_TEXT = """the of and to in is was for that on as with by he it at from hi
     village island forest mountain valley bridge station church castle museum library kitchen bottle coffee
     bread apple orange silver golden quiet happy strong young ancient modern public private central common"""
 WORDS: tuple[str, ...] = tuple(_WORDS_TEXT.split())
+# The tasks a workload's prompts can be. words: a completion prompt of seeded words. rewrite: a chat
+# request to rewrite a seeded passage with misspellings, correcting the spelling (the answer copies its
+# input: what speculative decoding speeds up). chat: a free-form chat question (nothing to copy).
+TASKS = ("words", "rewrite", "chat")
+_ADJECTIVES = """quiet happy strong young ancient modern public private central common green blue red black white
+    golden silver small great early old famous narrow busy""".split()
+_NOUNS = """river garden teacher farmer village island forest mountain valley bridge station church castle museum
+    library kitchen bottle horse ship train doctor letter window market tower""".split()
+_VERBS = """visited crossed painted described followed remembered repaired opened watched found built left
+    reached cleaned""".split()
+_PLACES = (
+    "near the harbour",
+    "after the long winter",
+    "before the storm",
+    "behind the old mill",
+    "along the northern road",
+    "during the summer fair",
+    "beside the quiet lake",
+    "under the stone arch",
+)
+_CHAT_QUESTIONS = (
+    "Write a short story about a {adj} {noun} and the people who live around it.",
+    "Explain to a child why the {noun} in the {noun2} looks so {adj} in the evening.",
+    "Give me five ideas for a weekend trip to a {adj} {noun}, with one sentence on each.",
+    "What would you tell a {noun} who wants to become a {noun2}? Answer in a few paragraphs.",
+    "Describe a day in the life of a {adj} {noun} in a small town.",
+)
+REWRITE_INSTRUCTION = "Rewrite the following text, correcting the spelling:\n\n"
 # The structured workload's schema: one free string, so an output can be as long as an unconstrained one.
 STRUCTURED_SCHEMA = json.dumps(
     {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"], "additionalProperties": False}
@@ -67,8 +95,12 @@ class Workload:
     seed: int = 0
     warmup_requests: int = 1
     json_schema: str | None = None  # JSON text: every request's output must match it (`structured_outputs`)
+    task: str = "words"  # one of TASKS; rewrite and chat go to /v1/chat/completions
+    speculative: bool | None = None  # False: ask each request to opt out of speculative decoding
 
     def __post_init__(self) -> None:
+        if self.task not in TASKS:
+            raise ValueError(f"task must be one of {TASKS}")
         if self.num_requests < 1 or self.concurrency < 1:
             raise ValueError("num_requests and concurrency must be >= 1")
         if self.prompt_len < 1 or self.output_len < 1:
@@ -81,9 +113,10 @@ class Workload:
 
 @dataclass(frozen=True)
 class RequestSpec:
-    prompt: str
+    prompt: str  # the completion prompt, or the one user message of a chat task
     prompt_tokens: int  # as counted by the tokenizer used to size it (-1: estimated, no tokenizer)
     max_tokens: int
+    chat: bool = False  # send `prompt` as a user message to /v1/chat/completions
 
 
 @dataclass
@@ -242,13 +275,57 @@ def fit_prompt(words: Sequence[str], target: int, count_tokens: Callable[[str], 
     return text, best_count
 
 
+def misspell(word: str, rng: random.Random, rate: float = 0.15) -> str:
+    """The word with two neighbouring inner letters swapped, at `rate` for words of 4+ letters."""
+    if len(word) < 4 or rng.random() >= rate:
+        return word
+    i = rng.randrange(1, len(word) - 2)
+    return word[:i] + word[i + 1] + word[i] + word[i + 2 :]
+
+
+def rewrite_passage(rng: random.Random, target: int, count_tokens: Callable[[str], int] | None) -> tuple[str, int]:
+    """A seeded passage of simple sentences with misspelled words, about `target` tokens long.
+
+    Sentences are added until the passage reaches the target (counted every few sentences; without a
+    tokenizer, words stand in for tokens, at about 1.3 tokens each).
+    """
+    sentences: list[str] = []
+    count = 0
+    while count < target:
+        for _ in range(4):
+            sentence = (
+                f"The {rng.choice(_ADJECTIVES)} {rng.choice(_NOUNS)} {rng.choice(_VERBS)} the "
+                f"{rng.choice(_ADJECTIVES)} {rng.choice(_NOUNS)} {rng.choice(_PLACES)}."
+            )
+            sentences.append(" ".join(misspell(w, rng) for w in sentence.split()))
+        text = " ".join(sentences)
+        count = count_tokens(text) if count_tokens is not None else round(1.3 * len(text.split()))
+    return text, count
+
+
+def chat_question(rng: random.Random) -> str:
+    """A seeded free-form question: the answer has nothing in the prompt to copy."""
+    template = rng.choice(_CHAT_QUESTIONS)
+    return template.format(adj=rng.choice(_ADJECTIVES), noun=rng.choice(_NOUNS), noun2=rng.choice(_NOUNS))
+
+
 def build_requests(workload: Workload, count_tokens: Callable[[str], int] | None) -> list[RequestSpec]:
     """Deterministic prompts: the same seed gives the same word sequences on every server.
 
     Each prompt starts with a distinct request number so no server can reuse another request's prompt cache.
     Without a tokenizer the word count stands in for the token count (these words are mostly one token).
+    A rewrite task's passage is about prompt_len tokens (the chat template and instruction come on top);
+    a chat task's question is a sentence, whatever prompt_len says.
     """
     rng = random.Random(workload.seed + 1)
+    if workload.task == "rewrite":
+        specs = []
+        for _, output_len in draw_lengths(workload):
+            passage, n = rewrite_passage(rng, workload.prompt_len, count_tokens)
+            specs.append(RequestSpec(REWRITE_INSTRUCTION + passage, n, output_len, chat=True))
+        return specs
+    if workload.task == "chat":
+        return [RequestSpec(chat_question(rng), -1, output_len, chat=True) for _, output_len in draw_lengths(workload)]
     specs = []
     for i, (prompt_len, output_len) in enumerate(draw_lengths(workload)):
         # Twice the target in words is always enough text; each word is at least one token.
@@ -334,18 +411,25 @@ def _root_url(base_url: str) -> str:
 
 
 def completion_body(model: str, spec: RequestSpec, workload: Workload) -> dict[str, Any]:
-    body = {
-        "model": model,
-        "prompt": spec.prompt,
-        "max_tokens": spec.max_tokens,
-        "temperature": workload.temperature,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        # vLLM, llama.cpp and kvserve all spell it `ignore_eos` (llama.cpp: tools/server/server-schema.cpp).
-        "ignore_eos": workload.ignore_eos,
-    }
+    body: dict[str, Any] = {"model": model}
+    if spec.chat:
+        body["messages"] = [{"role": "user", "content": spec.prompt}]
+    else:
+        body["prompt"] = spec.prompt
+    body.update(
+        {
+            "max_tokens": spec.max_tokens,
+            "temperature": workload.temperature,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            # vLLM, llama.cpp and kvserve all spell it `ignore_eos` (llama.cpp: tools/server/server-schema.cpp).
+            "ignore_eos": workload.ignore_eos,
+        }
+    )
     if workload.json_schema is not None:  # vLLM's and kvserve's spelling
         body["structured_outputs"] = {"json": json.loads(workload.json_schema)}
+    if workload.speculative is not None:  # kvserve's per-request switch
+        body["speculative"] = workload.speculative
     return body
 
 
@@ -355,7 +439,8 @@ async def stream_one(client: httpx.AsyncClient, body: dict[str, Any], t0: float)
     num_text_chunks = 0
     usage_tokens: int | None = None
     try:
-        async with client.stream("POST", "/v1/completions", json=body) as resp:
+        path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+        async with client.stream("POST", path, json=body) as resp:
             if resp.status_code != 200:
                 text = (await resp.aread()).decode(errors="replace")
                 raise RuntimeError(f"HTTP {resp.status_code}: {text[:200]}")
@@ -365,7 +450,7 @@ async def stream_one(client: httpx.AsyncClient, body: dict[str, Any], t0: float)
                 if "error" in chunk:
                     raise RuntimeError(f"stream error: {json.dumps(chunk['error'])[:200]}")
                 for choice in chunk.get("choices") or []:
-                    if choice.get("text"):
+                    if choice.get("text") or (choice.get("delta") or {}).get("content"):
                         record.chunk_times.append(now)
                         num_text_chunks += 1
                 usage = chunk.get("usage")
@@ -599,6 +684,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="every output must match this JSON schema (JSON text; without a value: an object holding one "
         "free string, so outputs can run to --output-len)",
     )
+    parser.add_argument(
+        "--task",
+        choices=TASKS,
+        default="words",
+        help="words: completion prompts of seeded words; rewrite: chat requests to correct the spelling of a "
+        "seeded ~--prompt-len-token passage (the answer copies its input); chat: free-form chat questions",
+    )
+    parser.add_argument(
+        "--no-speculative", action="store_true", help="ask each request to opt out of speculative decoding"
+    )
     parser.add_argument("--server-pid", type=int, default=None, help="server PID for peak-memory sampling")
     parser.add_argument("--json", type=Path, default=None, help="write the result as JSON here")
     parser.add_argument("--markdown", type=Path, default=None, help="write the Markdown table here")
@@ -610,7 +705,9 @@ def workload_from_args(args: argparse.Namespace) -> Workload:
     output_len, output_max = _length_range(args.output_len)
     return Workload(
         name=f"n{args.num_requests}-c{args.concurrency}-p{args.prompt_len}-o{args.output_len}"
-        + ("-json" if args.json_schema else ""),
+        + ("-json" if args.json_schema else "")
+        + (f"-{args.task}" if args.task != "words" else "")
+        + ("-nospec" if args.no_speculative else ""),
         num_requests=args.num_requests,
         concurrency=args.concurrency,
         prompt_len=prompt_len,
@@ -622,6 +719,8 @@ def workload_from_args(args: argparse.Namespace) -> Workload:
         seed=args.seed,
         warmup_requests=args.warmup,
         json_schema=args.json_schema,
+        task=args.task,
+        speculative=False if args.no_speculative else None,
     )
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from clients.bench import (
     BenchResult,
@@ -155,23 +155,34 @@ def _fake_openai_app(tokenize_shape: str) -> FastAPI:
         n = fake_count(body["prompt"])
         return JSONResponse({"tokens": list(range(n)), "count": n, "max_model_len": 8192})
 
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        sent = sum(1 for b in app.state.bodies if b.get("speculative", True))
+        lines = [
+            f'kvserve:spec_decode_num_drafts_total{{model_name="m"}} {10.0 * sent}',
+            f'kvserve:spec_decode_num_draft_tokens_total{{model_name="m"}} {30.0 * sent}',
+            f'kvserve:spec_decode_num_accepted_tokens_total{{model_name="m"}} {24.0 * sent}',
+            f'vllm:spec_decode_num_drafts_total{{model_name="m",engine="0"}} {10.0 * sent}',
+        ]
+        return PlainTextResponse("\n".join(lines) + "\n")
+
+    @app.post("/v1/chat/completions")
     @app.post("/v1/completions")
     async def completions(request: Request) -> StreamingResponse:
         body = await request.json()
         app.state.bodies.append(body)
+        is_chat = "messages" in body
 
         async def events():
             for i in range(body["max_tokens"]):
                 await asyncio.sleep(0.002)
-                chunk = {
-                    "id": "x",
-                    "object": "text_completion",
-                    "choices": [{"index": 0, "text": f" t{i}", "finish_reason": None}],
-                }
+                choice = {"index": 0, "delta": {"content": f" t{i}"}} if is_chat else {"index": 0, "text": f" t{i}"}
+                chunk = {"id": "x", "choices": [{**choice, "finish_reason": None}]}
                 yield f"data: {json.dumps(chunk)}\n\n"
             last = {"id": "x", "choices": [{"index": 0, "text": "", "finish_reason": "length"}]}
             yield f"data: {json.dumps(last)}\n\n"
-            usage = {"prompt_tokens": fake_count(body["prompt"]), "completion_tokens": body["max_tokens"]}
+            prompt = body["messages"][0]["content"] if is_chat else body["prompt"]
+            usage = {"prompt_tokens": fake_count(prompt), "completion_tokens": body["max_tokens"]}
             yield f"data: {json.dumps({'id': 'x', 'choices': [], 'usage': usage})}\n\n"
             yield "data: [DONE]\n\n"
 
@@ -223,6 +234,76 @@ def test_run_benchmark_end_to_end(fake_server: tuple[str, object]) -> None:
     assert sorted(b["prompt"] for b in bodies) == sorted(s.prompt for s in expected)
     assert all(b["ignore_eos"] is True and b["stream"] is True for b in bodies)
     assert all(b["stream_options"] == {"include_usage": True} for b in bodies)
+
+
+def test_rewrite_task_streams_chat_requests_that_opt_out(fake_server: tuple[str, object]) -> None:
+    url, app = fake_server
+    wl = Workload(
+        name="rw", task="rewrite", num_requests=3, concurrency=2, prompt_len=60, output_len=7, seed=2, speculative=False
+    )
+    result = asyncio.run(run_benchmark(url, "m", wl, server_label="fake", progress=False))
+    assert result.num_failed == 0, result.errors
+    assert result.total_output_tokens == 3 * 7  # chat deltas are counted like completion text
+    bodies = app.state.bodies[wl.warmup_requests :]
+    expected = build_requests(wl, fake_count)
+    assert sorted(b["messages"][0]["content"] for b in bodies) == sorted(s.prompt for s in expected)
+    assert all(b["speculative"] is False and "prompt" not in b for b in bodies)
+
+
+# --------------------------------------------------------------------------- tasks
+
+
+def test_rewrite_passages_are_seeded_sized_and_misspelled() -> None:
+    from clients.bench import _ADJECTIVES, _NOUNS, _PLACES, _VERBS, REWRITE_INSTRUCTION
+
+    wl = Workload(task="rewrite", num_requests=4, prompt_len=300, output_len=256, seed=5)
+    specs = build_requests(wl, fake_count)
+    assert specs == build_requests(wl, fake_count)  # deterministic
+    assert len({s.prompt for s in specs}) == 4
+    known = {*(w.lower() for w in _ADJECTIVES + _NOUNS + _VERBS), *" ".join(_PLACES).split()}
+    for spec in specs:
+        assert spec.chat and spec.max_tokens == 256
+        assert spec.prompt.startswith(REWRITE_INSTRUCTION)
+        passage = spec.prompt[len(REWRITE_INSTRUCTION) :]
+        assert 300 <= spec.prompt_tokens == fake_count(passage) < 370  # sentences are added four at a time
+        words = [w.strip(".").lower() for w in passage.split()]
+        long_words = [w for w in words if len(w) >= 4]
+        misspelled = [w for w in long_words if w not in known and w.isalpha()]
+        # About 15% of the long words, each one of a known word with two neighbouring letters swapped.
+        assert 0.05 < len(misspelled) / len(long_words) < 0.4
+        assert all(any(sorted(m) == sorted(k) and len(m) == len(k) for k in known) for m in misspelled if m[:1] != "t")
+
+
+def test_chat_task_asks_free_form_questions() -> None:
+    wl = Workload(task="chat", num_requests=5, output_len=128, seed=1)
+    specs = build_requests(wl, None)
+    assert all(s.chat and s.max_tokens == 128 and s.prompt.endswith((".", "?")) for s in specs)
+    assert len({s.prompt for s in specs}) > 1
+    with pytest.raises(ValueError, match="task"):
+        Workload(task="poetry")
+
+
+def test_speculative_report_reads_counters_and_prints_ratios(fake_server: tuple[str, object]) -> None:
+    from clients.bench_speculative import Comparison, _acceptance, comparison_table, spec_counters, workloads
+
+    url, app = fake_server
+    app.state.bodies.extend([{"speculative": True}, {"speculative": False}])
+    counters = spec_counters(url)
+    assert counters == {
+        "spec_decode_num_drafts": 10.0,
+        "spec_decode_num_draft_tokens": 30.0,
+        "spec_decode_num_accepted_tokens": 24.0,
+    }
+    assert _acceptance({}, counters) == (0.8, 2.4)
+    assert _acceptance(counters, {}) == (None, None)  # a server that does not speculate
+    result = summarize([], 1.0, server="s", model="m", workload=Workload())
+    row = Comparison("ngram", "rewrite, 1 stream", 50.0, 110.0, 0.8, 2.4, result, result)
+    table = comparison_table([row])
+    assert "| ngram | rewrite, 1 stream | 50.0 | 110.0 | 2.20x | 80% | 2.40 |" in table
+    names = [w.name for w in workloads(quick=False)]
+    assert names == ["rewrite, 1 stream", "rewrite, 8 streams", "chat, 1 stream"]
+    rewrite = workloads(quick=False)[0]
+    assert (rewrite.task, rewrite.prompt_len, rewrite.output_len, rewrite.temperature) == ("rewrite", 300, 256, 0.0)
 
 
 # --------------------------------------------------------------------------- suite report
