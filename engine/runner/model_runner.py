@@ -164,24 +164,32 @@ class ModelRunner:
         if not sampling:
             return StepResult([], scored_prompts)
         ends = np.cumsum(batch.num_new_tokens) - 1
-        emitted: dict[int, EmittedTokens] = {}
         plain = [i for i in sampling if not batch.draft_token_ids[i]]
+        speculating = [i for i in sampling if batch.draft_token_ids[i]]
+        # One output-head product for every row sampled: each plain sequence's last position, then each
+        # speculating sequence's last k+1 (after its last accepted token and after each draft).
+        row_index = [int(ends[i]) for i in plain]
+        for i in speculating:
+            end = int(ends[i])
+            row_index.extend(range(end - len(batch.draft_token_ids[i]), end + 1))
+        logits = self.model.compute_logits(hidden[torch.tensor(row_index, device=self.device)])
+        emitted: dict[int, EmittedTokens] = {}
         if plain:
-            logits = self.model.compute_logits(hidden[torch.tensor([int(ends[i]) for i in plain], device=self.device)])
+            plain_logits = logits[: len(plain)]
             seqs = [batch.seqs[i] for i in plain]
             matchers = [s.matcher for s in seqs]
             if any(m is not None for m in matchers):
-                apply_grammar_masks(logits, matchers, self.eos_token_ids)
-            output = sample(logits, [self._sampling_row(s) for s in seqs])
+                apply_grammar_masks(plain_logits, matchers, self.eos_token_ids)
+            output = sample(plain_logits, [self._sampling_row(s) for s in seqs])
             for i, token_id, logprob in zip(plain, output.token_ids, output.logprobs, strict=True):
                 emitted[i] = EmittedTokens([token_id], [logprob])
-        for i in sampling:
-            drafts = batch.draft_token_ids[i]
-            if drafts:
-                # The logits of its last k+1 positions: after the last accepted token and after each draft.
-                end = int(ends[i])
-                logits = self.model.compute_logits(hidden[end - len(drafts) : end + 1])
-                emitted[i] = verify_drafts(logits, self._sampling_row(batch.seqs[i]), drafts)
+        if speculating:
+            verified = verify_drafts(
+                logits[len(plain) :],
+                [self._sampling_row(batch.seqs[i]) for i in speculating],
+                [batch.draft_token_ids[i] for i in speculating],
+            )
+            emitted.update(zip(speculating, verified, strict=True))
         return StepResult([emitted[i] for i in sampling], scored_prompts)
 
     def _sampling_row(self, seq: Sequence) -> SamplingRow:

@@ -120,12 +120,21 @@ class Speculator:
         return state.acceptance if state is not None else PRIOR_ACCEPTANCE
 
     def propose(self, seqs: list[Sequence], num_slots: list[int]) -> list[list[int]]:
-        """Drafts for the sequences with slots (at most their slots); [] for the rest."""
+        """Drafts for the sequences with slots (at most their slots); [] for the rest.
+
+        A proposer that raises (a draft model out of memory, say) costs the step its drafts, not its
+        requests: they decode plainly, the proposer's state for them is dropped, and the error is logged.
+        """
         wanted = [i for i, slots in enumerate(num_slots) if slots > 0]
         drafts: list[list[int]] = [[] for _ in seqs]
         if not wanted:
             return drafts
-        proposed = self.proposer.propose([seqs[i] for i in wanted], [num_slots[i] for i in wanted])
+        try:
+            proposed = self.proposer.propose([seqs[i] for i in wanted], [num_slots[i] for i in wanted])
+        except Exception:  # noqa: BLE001 - speculation is optional: the step goes on without drafts
+            logger.exception("the %s proposer failed; this step decodes without drafts", self.config.method)
+            self.proposer.forget([seqs[i].seq_id for i in wanted])
+            return drafts
         for i, draft in zip(wanted, proposed, strict=True):
             draft = draft[: num_slots[i]]
             outside = [j for j, token_id in enumerate(draft) if not 0 <= token_id < self.vocab_size]

@@ -91,19 +91,32 @@ def _position_rows(row: SamplingRow, draft_token_ids: list[int]) -> list[Samplin
     ]
 
 
-def verify_drafts(logits: torch.Tensor, row: SamplingRow, draft_token_ids: list[int]) -> EmittedTokens:
-    """The tokens one sequence emits; logits: float32 [k+1, V] of its last k+1 positions."""
-    rows = _position_rows(row, draft_token_ids)
-    generator_state = row.generator.get_state() if row.generator is not None and not row.params.is_greedy else None
-    sampled = sample(logits, rows)  # the target's own token at every position, one draw each in order
-    choices = sampled.token_ids
-    num_accepted = 0
-    while num_accepted < len(draft_token_ids) and choices[num_accepted] == draft_token_ids[num_accepted]:
-        num_accepted += 1
-    used = num_accepted + 1
-    if generator_state is not None and used < len(rows):
-        # Give back the draws of the positions past the first mismatch: the generator is where decoding
-        # the emitted tokens one at a time leaves it.
-        row.generator.set_state(generator_state)
-        draw_uniforms(rows[:used], logits.dtype, logits.device)
-    return EmittedTokens(choices[:used], sampled.logprobs[:used], num_accepted)
+def verify_drafts(
+    logits: torch.Tensor, rows: list[SamplingRow], draft_token_ids: list[list[int]]
+) -> list[EmittedTokens]:
+    """The tokens each speculating sequence emits.
+
+    logits: float32 [sum of (k_i + 1), V], sequence i's last k_i + 1 positions in order; rows[i] and
+    draft_token_ids[i]: its sampling row and its k_i drafts. All positions are sampled in one call.
+    """
+    position_rows = [r for row, drafts in zip(rows, draft_token_ids, strict=True) for r in _position_rows(row, drafts)]
+    states = [
+        row.generator.get_state() if row.generator is not None and not row.params.is_greedy else None for row in rows
+    ]
+    sampled = sample(logits, position_rows)  # the target's own token at every position, one draw each in order
+    emitted = []
+    offset = 0
+    for drafts, state, row in zip(draft_token_ids, states, rows):
+        choices = sampled.token_ids[offset : offset + len(drafts) + 1]
+        num_accepted = 0
+        while num_accepted < len(drafts) and choices[num_accepted] == drafts[num_accepted]:
+            num_accepted += 1
+        used = num_accepted + 1
+        if state is not None and used < len(choices):
+            # Give back the draws of the positions past the first mismatch: the generator is where
+            # decoding the emitted tokens one at a time leaves it.
+            row.generator.set_state(state)
+            draw_uniforms(position_rows[offset : offset + used], logits.dtype, logits.device)
+        emitted.append(EmittedTokens(choices[:used], sampled.logprobs[offset : offset + used], num_accepted))
+        offset += len(choices)
+    return emitted

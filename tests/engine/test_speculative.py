@@ -251,3 +251,27 @@ def test_drafts_outside_the_target_vocabulary_are_cut_off():
     speculator = Speculator(NGRAM, _FixedProposer(), max_model_len=1000, vocab_size=100)
     seqs = [_decoding_seq(SamplingParams()), _decoding_seq(SamplingParams())]
     assert speculator.propose(seqs, [4, 0]) == [[5], []]
+
+
+def test_a_failing_draft_model_costs_drafts_not_requests(tiny_llama_dir, plain, monkeypatch, caplog):
+    """The draft model raising mid-proposal: those steps decode without drafts, output unchanged, nothing held."""
+    spec_config = SpeculativeConfig(method="draft", draft_model=tiny_llama_dir, num_speculative_tokens=3)
+    spec = LLM.from_config(EngineConfig(model=tiny_llama_dir, block_size=4, speculative=spec_config))
+    proposer = spec.engine.speculator.proposer
+    calls = {"n": 0}
+    original = proposer.runner.compute_logits
+
+    def flaky(batch):
+        calls["n"] += 1
+        if calls["n"] % 3 == 0:
+            raise RuntimeError("draft model out of memory")
+        return original(batch)
+
+    monkeypatch.setattr(proposer.runner, "compute_logits", flaky)
+    prompts = random_prompts(plain, 4, seed=8)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    with caplog.at_level("ERROR"):
+        assert _tokens(spec.generate(prompts, params)) == _tokens(plain.generate(prompts, params))
+    assert "proposer failed" in caplog.text
+    assert spec.engine.stats().num_spec_accepted_tokens > 0  # the other steps still speculated
+    _assert_nothing_held(spec)

@@ -95,19 +95,49 @@ def _row(params: SamplingParams, history=(5, 6, 7), num_prompt=2, generator=None
     return SamplingRow(params, list(history), num_prompt, eos_token_ids=(0,), generator=generator)
 
 
+def _verify_one(logits: torch.Tensor, row: SamplingRow, drafts: list[int]):
+    return verify_drafts(logits, [row], [drafts])[0]
+
+
+def test_verifying_sequences_together_equals_each_alone():
+    torch.manual_seed(5)
+    drafts = [[3, 4, 1], [], [7, 7], [2]]
+    logits = torch.randn(sum(len(d) + 1 for d in drafts), 12)
+    logits[0, 3] = logits[1, 4] = 9.0  # the first sequence's first two drafts are likely kept
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.9, seed=1),
+        SamplingParams(temperature=1.0, top_k=3),
+        SamplingParams(temperature=0.7, top_p=0.8),
+    ]
+
+    def rows(seed: int):
+        return [_row(p, generator=torch.Generator().manual_seed(seed + i)) for i, p in enumerate(params)]
+
+    for seed in range(30):
+        together = verify_drafts(logits, rows(seed), drafts)
+        alone, offset = [], 0
+        for row, d in zip(rows(seed), drafts):
+            alone.append(_verify_one(logits[offset : offset + len(d) + 1], row, d))
+            offset += len(d) + 1
+        assert [(e.token_ids, e.num_accepted_drafts) for e in together] == [
+            (e.token_ids, e.num_accepted_drafts) for e in alone
+        ]
+
+
 def test_greedy_verification_keeps_the_matching_prefix_and_the_targets_next_token():
     logits = torch.full((4, 10), -5.0)
     for position, best in enumerate([3, 4, 9, 2]):
         logits[position, best] = 5.0
     greedy = SamplingParams(temperature=0.0, logprobs=1)
-    out = verify_drafts(logits, _row(greedy), [3, 4, 5])  # third draft wrong: the target says 9
+    out = _verify_one(logits, _row(greedy), [3, 4, 5])  # third draft wrong: the target says 9
     assert (out.token_ids, out.num_accepted_drafts) == ([3, 4, 9], 2)
     assert [lp.token_id for lp in out.logprobs] == [3, 4, 9]
     expected = logits[:3].log_softmax(-1)[torch.arange(3), torch.tensor([3, 4, 9])]
     assert [lp.logprob for lp in out.logprobs] == pytest.approx(expected.tolist())
-    all_right = verify_drafts(logits, _row(greedy), [3, 4, 9])
+    all_right = _verify_one(logits, _row(greedy), [3, 4, 9])
     assert (all_right.token_ids, all_right.num_accepted_drafts) == ([3, 4, 9, 2], 3)  # plus the bonus token
-    first_wrong = verify_drafts(logits, _row(greedy), [1, 4, 9])
+    first_wrong = _verify_one(logits, _row(greedy), [1, 4, 9])
     assert (first_wrong.token_ids, first_wrong.num_accepted_drafts) == ([3], 0)
 
 
@@ -120,14 +150,14 @@ def test_greedy_verification_applies_penalties_per_position():
     # Without penalties the target wants 4 everywhere; with repetition_penalty the second position,
     # which sees draft 4 as generated, prefers 5.
     penalised = SamplingParams(temperature=0.0, repetition_penalty=1.5)
-    out = verify_drafts(logits, _row(penalised, history=(1, 2)), [4, 4])
+    out = _verify_one(logits, _row(penalised, history=(1, 2)), [4, 4])
     assert out.token_ids == [4, 5]
     # min_tokens: EOS (id 0) is banned for the first two generated tokens only.
     logits = torch.zeros(3, 10)
     logits[:, 0] = 3.0
     logits[:, 7] = 1.0
     banned = SamplingParams(temperature=0.0, min_tokens=2)
-    out = verify_drafts(logits, _row(banned, history=(1, 2), num_prompt=2), [7, 7])
+    out = _verify_one(logits, _row(banned, history=(1, 2), num_prompt=2), [7, 7])
     assert out.token_ids == [7, 7, 0]
 
 
@@ -137,9 +167,7 @@ def test_random_verification_never_emits_a_token_outside_top_k():
     params = SamplingParams(temperature=1.0, top_k=3)
     allowed = logits.topk(3, dim=-1).indices
     for seed in range(200):
-        out = verify_drafts(
-            logits, _row(params, generator=torch.Generator().manual_seed(seed)), [int(allowed[0, 0]), 7]
-        )
+        out = _verify_one(logits, _row(params, generator=torch.Generator().manual_seed(seed)), [int(allowed[0, 0]), 7])
         for position, token_id in enumerate(out.token_ids):
             assert token_id in allowed[position].tolist()
 
@@ -158,7 +186,7 @@ def test_verification_follows_the_rejection_rule():
     coupled: dict[tuple[int, ...], int] = {}
     reference: dict[tuple[int, ...], int] = {}
     for seed in range(6000):
-        out = verify_drafts(logits, _row(params, history=(1, 2), generator=torch.Generator().manual_seed(seed)), drafts)
+        out = _verify_one(logits, _row(params, history=(1, 2), generator=torch.Generator().manual_seed(seed)), drafts)
         coupled[tuple(out.token_ids)] = coupled.get(tuple(out.token_ids), 0) + 1
         emitted, _ = rejection_sample(probs, point_mass, drafts, torch.Generator().manual_seed(10**6 + seed))
         reference[tuple(emitted)] = reference.get(tuple(emitted), 0) + 1
@@ -181,7 +209,7 @@ def test_seeded_verification_gives_the_tokens_of_one_at_a_time_sampling(params):
     for seed in range(40):
         drafts = [int(logits[j].argmax()) for j in range(3)]
         with_drafts = torch.Generator().manual_seed(seed)
-        out = verify_drafts(logits, _row(params, history=(1, 2), generator=with_drafts), drafts)
+        out = _verify_one(logits, _row(params, history=(1, 2), generator=with_drafts), drafts)
         one_at_a_time = torch.Generator().manual_seed(seed)
         for j, token_id in enumerate(out.token_ids):
             row = _row(params, history=(1, 2) + tuple(out.token_ids[:j]), generator=one_at_a_time)
