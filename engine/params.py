@@ -66,7 +66,7 @@ class SamplingParams:
     `structured`: what the output must match (a JSON schema, regex, choice or grammar), enforced
     token by token; the sequence ends when the grammar is complete.
     `speculative`: False opts this request out of the engine's speculative decoding (it changes
-    no token: greedy output is identical and sampled output has the same distribution).
+    no token: greedy and seeded output are identical, unseeded sampling has the same distribution).
     """
 
     n: int = 1

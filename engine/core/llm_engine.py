@@ -38,7 +38,7 @@ from engine.outputs import (
 from engine.params import SamplingParams
 from engine.runner.model_runner import ModelRunner, kv_bytes_per_block
 from engine.spec.draft import DraftModelProposer
-from engine.spec.speculator import Speculator, build_proposer
+from engine.spec.speculator import NgramProposer, Proposer, Speculator
 from engine.structured.grammar import GrammarCompiler
 
 logger = logging.getLogger(__name__)
@@ -139,12 +139,14 @@ class LLMEngine:
         spec = self.config.speculative
         if spec is None:
             return None
-        draft = None
-        if spec.method == "draft":
-            if draft_model is None:
-                raise ValueError("speculative method draft needs the draft model loaded")
+        proposer: Proposer
+        if spec.method == "ngram":
+            proposer = NgramProposer(spec.ngram_min, spec.ngram_max)
+        elif draft_model is None:
+            raise ValueError("speculative method draft needs the draft model loaded")
+        else:
             draft_config, draft_model_config, draft_weights = draft_model
-            draft = DraftModelProposer(
+            proposer = DraftModelProposer(
                 draft_model_config, draft_weights, draft_config, spec.num_speculative_tokens, self.config.max_num_seqs
             )
         logger.info(
@@ -153,7 +155,7 @@ class LLMEngine:
             spec.num_speculative_tokens,
             f", n-grams of {spec.ngram_min} to {spec.ngram_max}" if spec.method == "ngram" else "",
         )
-        return Speculator(spec, build_proposer(spec, draft), self.max_model_len, self.vocab_size)
+        return Speculator(spec, proposer, self.max_model_len, self.vocab_size)
 
     def _derive_max_model_len(self) -> int:
         model_limit = self.model_config.max_position_embeddings

@@ -165,12 +165,3 @@ class Speculator:
         for seq in seqs:
             self._states.pop(seq.seq_id, None)
         self.proposer.forget([seq.seq_id for seq in seqs])
-
-
-def build_proposer(config: SpeculativeConfig, draft: object | None) -> Proposer:
-    """The proposer for config.method; `draft` is the loaded draft model's proposer for "draft"."""
-    if config.method == "ngram":
-        return NgramProposer(config.ngram_min, config.ngram_max)
-    if draft is None:
-        raise ValueError("speculative method draft needs a loaded draft model")
-    return draft  # type: ignore[return-value]

@@ -141,7 +141,7 @@ class SamplingFields(StrictRequest):
     # vLLM's: the logprob, rank and top alternatives of every prompt token (the first is null)
     prompt_logprobs: TopLogprobs | None = None
     # kvserve's: false keeps this request out of speculative decoding (--speculative-method); its tokens
-    # are the same either way (greedy: identical; sampled: the same distribution)
+    # are the same either way (greedy and seeded: identical; unseeded: the same distribution)
     speculative: StrictSwitch = True
 
 
