@@ -81,6 +81,10 @@ class BlockPool:
     def ref_count(self, block: int) -> int:
         return self._ref_counts[block]
 
+    def holds_cached_prefix(self, block: int) -> bool:
+        """Whether the block is registered in the prefix cache (findable until it is handed out again)."""
+        return self._entries[block] is not None
+
     def allocate(self) -> int | None:
         """A fresh block with ref count 1, or None when the pool is exhausted."""
         if not self._free:

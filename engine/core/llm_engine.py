@@ -23,6 +23,7 @@ import torch
 from engine.config import TORCH_DTYPES, EngineConfig, ModelConfig, cdiv
 from engine.core.block_pool import BlockPool
 from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.kv_snapshot import KVCacheSnapshot, take_snapshot
 from engine.core.scheduler import ScheduledBatch, Scheduler
 from engine.core.sequence import Sequence
 from engine.errors import InvalidRequestError, PromptTooLongError
@@ -36,6 +37,7 @@ from engine.outputs import (
     TokenLogprob,
 )
 from engine.params import SamplingParams
+from engine.runner.attention_probe import AttentionWeights, attention_weights
 from engine.runner.model_runner import ModelRunner, kv_bytes_per_block
 from engine.spec.draft import DraftModelProposer
 from engine.spec.speculator import NgramProposer, Proposer, Speculator
@@ -440,6 +442,37 @@ class LLMEngine:
         )
 
     # -------------------------------------------------------------------- misc
+
+    def kv_snapshot(self) -> KVCacheSnapshot:
+        """The block pool and the running sequences' block tables, as of now (between steps)."""
+        return take_snapshot(
+            self.pool,
+            self.scheduler.running,
+            len(self.scheduler.waiting),
+            self.config.block_size,
+            self.sliding_window,
+            self.num_sink_tokens,
+        )
+
+    def attention_weights(
+        self, token_ids: list[int], sliding_window: int | None, num_sink_tokens: int
+    ) -> AttentionWeights:
+        """Every layer's and head's attention weights over token_ids, by the reference path
+        (engine/runner/attention_probe.py) on this engine's model; the serving cache is not used."""
+        self._check_prompt_ids(token_ids)
+        runner = self.runner
+        return attention_weights(
+            runner.model,
+            token_ids,
+            num_kv_heads=self.model_config.num_kv_heads,
+            head_dim=self.model_config.head_dim,
+            num_layers=self.model_config.num_layers,
+            block_size=self.config.block_size,
+            dtype=runner.dtype,
+            device=runner.device,
+            sliding_window=sliding_window,
+            num_sink_tokens=num_sink_tokens if sliding_window is not None else 0,
+        )
 
     def stats(self) -> EngineStats:
         return EngineStats(

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -48,6 +49,9 @@ class AttentionMetadata:
     query_lens:        [B] int32     new tokens of each sequence
     query_offsets:     [B] int32     flat index of each sequence's first new token
     sliding_window, num_sink_tokens: the masking rule (visible_mask) those positions obey
+
+    probe: None when serving. Set only by engine/runner/attention_probe.py: every layer's attention then
+           runs through it (a dense reference that also records the attention weights) instead of a kernel.
     """
 
     slot_mapping: torch.Tensor
@@ -62,10 +66,15 @@ class AttentionMetadata:
     query_offsets: torch.Tensor
     sliding_window: int | None
     num_sink_tokens: int
+    probe: AttentionProbe | None = None
 
     @property
     def num_seqs(self) -> int:
         return self.key_blocks.shape[0]
+
+
+# (query [T, H_q, D], key_cache, value_cache, meta, scale) -> attention output [T, H_q, D]
+AttentionProbe = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor]
 
 
 def visible_mask(
@@ -227,6 +236,8 @@ def paged_attention(
     decode-only steps run engine/ops/decode_attention.py (its native kernel on float32 CPU
     tensors) and every other step runs `paged_attention_torch`.
     """
+    if meta.probe is not None:
+        return meta.probe(query, key_cache, value_cache, meta, scale)
     if query.is_cuda and use_triton_kernels(query, key_cache, value_cache):
         from engine.ops.triton_decode_attention import triton_paged_decode
         from engine.ops.triton_prefill_attention import triton_paged_prefill
@@ -310,12 +321,27 @@ def dense_reference_attention(
     positions: [Q] and [K]. Returns [Q, H_q, D]. Written with explicit
     matmul/softmax so it shares no code with the fast path.
     """
-    num_heads, num_kv_heads = query.shape[1], key.shape[1]
-    group = num_heads // num_kv_heads
-    key = key.repeat_interleave(group, dim=1)
+    probs = reference_attention_probs(
+        query, key, query_positions, key_positions, scale, sliding_window, num_sink_tokens
+    )
+    group = query.shape[1] // key.shape[1]
     value = value.repeat_interleave(group, dim=1)
+    return torch.einsum("hqk,khd->qhd", probs, value.float()).to(query.dtype)
+
+
+def reference_attention_probs(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    query_positions: torch.Tensor,
+    key_positions: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    num_sink_tokens: int = 0,
+) -> torch.Tensor:
+    """The attention weights of ONE sequence: float32 [H_q, Q, K], each row a softmax over the keys
+    the query sees, exactly 0.0 where visible_mask hides a key. query: [Q, H_q, D], key: [K, H_kv, D]."""
+    group = query.shape[1] // key.shape[1]
+    key = key.repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", query.float(), key.float()) * scale
     mask = visible_mask(query_positions, key_positions, sliding_window, num_sink_tokens)
-    scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    return torch.einsum("hqk,khd->qhd", probs, value.float()).to(query.dtype)
+    return torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)

@@ -48,13 +48,15 @@ from engine.errors import (
 from engine.outputs import EngineStats, RequestOutput
 from engine.params import SamplingParams
 from engine.serving.output_processor import OutputProcessor, StoppedSample
-from engine.serving.torch_worker import GENERATION_TURN, RequestLimits, TorchWorker, wait_until
+from engine.serving.torch_worker import GENERATION_TURN, INSPECT_TURN, RequestLimits, TorchWorker, wait_until
 from engine.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from typing import Self
 
+    from engine.core.kv_snapshot import KVCacheSnapshot
     from engine.core.llm_engine import LLMEngine
+    from engine.runner.attention_probe import AttentionWeights
     from engine.structured.grammar import GrammarCompiler
 
 logger = logging.getLogger(__name__)
@@ -255,6 +257,23 @@ class AsyncEngine:
         num_waiting counts requests (not sequences) that have produced no output yet.
         """
         return dataclasses.replace(self._stats, num_waiting=len(self._not_started))
+
+    async def kv_snapshot(self) -> KVCacheSnapshot:
+        """The block pool and running sequences' block tables, taken on the torch worker between two steps."""
+        self._check_alive()
+        assert self._worker is not None
+        return await self._worker.run(self.engine.kv_snapshot, kind=INSPECT_TURN)
+
+    async def attention_weights(
+        self, token_ids: list[int], sliding_window: int | None, num_sink_tokens: int
+    ) -> AttentionWeights:
+        """Attention weights of a prompt by the reference path (LLMEngine.attention_weights), run on the
+        torch worker between two steps: running requests wait for it, as for one prefill."""
+        self._check_alive()
+        assert self._worker is not None
+        return await self._worker.run(
+            self.engine.attention_weights, token_ids, sliding_window, num_sink_tokens, kind=INSPECT_TURN
+        )
 
     async def submit(
         self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None

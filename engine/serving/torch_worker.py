@@ -114,6 +114,7 @@ class TorchWorker:
 # The kinds of job the worker times (`run(..., kind=)`).
 GENERATION_TURN = "generation"
 EMBEDDING_TURN = "embedding"
+INSPECT_TURN = "inspect"  # the playground's looks inside the engine: KV snapshots, attention weights
 _TURN_AVERAGE_WEIGHT = 0.2  # of the newest job: steps vary with the batch, the average follows in a few
 
 

@@ -1,0 +1,110 @@
+"""Attention weights of a prompt, from a reference forward of the generation model.
+
+The serving kernels never form the attention matrix (the CPU decode kernel, SDPA and the Triton
+kernels keep it in registers), so the weights are computed by a separate, plain path: the model's
+own layers (norms, projections, rotary embeddings, biases) run over the prompt with a private KV
+cache of its own, and each layer's attention goes through `reference_attention_probs` (explicit
+scores, mask, softmax), which records the weights. The serving cache, block pool and scheduler are
+never touched, so a probe cannot disturb running requests beyond the time it takes.
+
+The masking rule is the engine's (`visible_mask`): causal, plus an optional sliding window of W
+keys (key j visible to query i iff i - W < j <= i) and the first S positions kept as sinks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+from torch import nn
+
+from engine.config import cdiv
+from engine.runner.attention import AttentionMetadata, build_attention_metadata, reference_attention_probs
+
+
+@dataclass(frozen=True)
+class AttentionWeights:
+    """weights: float32 [num_layers, num_heads, T, T], rows are queries; 0.0 exactly where masked."""
+
+    token_ids: tuple[int, ...]
+    weights: torch.Tensor
+    sliding_window: int | None
+    num_sink_tokens: int
+
+    @property
+    def num_layers(self) -> int:
+        return self.weights.shape[0]
+
+    @property
+    def num_heads(self) -> int:
+        return self.weights.shape[1]
+
+
+class _RecordingAttention:
+    """Stands in for paged attention in every layer of one probe forward: dense over the new tokens
+    (the whole prompt, written to slots in order), recording each layer's weights."""
+
+    def __init__(self, sliding_window: int | None, num_sink_tokens: int) -> None:
+        self.sliding_window = sliding_window
+        self.num_sink_tokens = num_sink_tokens
+        self.layers: list[torch.Tensor] = []  # per layer: float32 [H_q, T, T]
+
+    def __call__(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        num_tokens, num_heads, head_dim = query.shape
+        num_kv_heads = key_cache.shape[2]
+        # The layer has just written the prompt's K/V to these slots, position p at slot_mapping[p].
+        keys = key_cache.view(-1, num_kv_heads, head_dim)[meta.slot_mapping]  # [T, H_kv, D]
+        values = value_cache.view(-1, num_kv_heads, head_dim)[meta.slot_mapping]
+        positions = torch.arange(num_tokens, device=query.device)
+        probs = reference_attention_probs(
+            query, keys, positions, positions, scale, self.sliding_window, self.num_sink_tokens
+        )  # [H_q, T, T]
+        self.layers.append(probs)
+        values = values.repeat_interleave(num_heads // num_kv_heads, dim=1).float()
+        return torch.einsum("hqk,khd->qhd", probs, values).to(query.dtype)
+
+
+@torch.inference_mode()
+def attention_weights(
+    model: nn.Module,
+    token_ids: list[int],
+    *,
+    num_kv_heads: int,
+    head_dim: int,
+    num_layers: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    sliding_window: int | None,
+    num_sink_tokens: int,
+) -> AttentionWeights:
+    """Run `model` (an engine model: forward(input_ids, positions, kv_caches, meta)) over token_ids
+    and return every layer's and head's attention weights under the given window and sinks."""
+    if not token_ids:
+        raise ValueError("attention weights need at least one token")
+    num_tokens = len(token_ids)
+    num_blocks = cdiv(num_tokens, block_size)
+    # Block 0 is the null block in every cache; the probe's own blocks are 1..num_blocks.
+    shape = (num_blocks + 1, block_size, num_kv_heads, head_dim)
+    kv_caches = [
+        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        for _ in range(num_layers)
+    ]
+    recorder = _RecordingAttention(sliding_window, num_sink_tokens)
+    block_table = list(range(1, num_blocks + 1))
+    meta = build_attention_metadata(
+        [0], [num_tokens], [block_table], block_size, sliding_window, num_sink_tokens, device
+    )
+    meta = replace(meta, probe=recorder)
+    input_ids = torch.tensor(token_ids, dtype=torch.long, device=device)
+    positions = torch.arange(num_tokens, device=device)
+    model(input_ids, positions, kv_caches, meta)
+    weights = torch.stack(recorder.layers).cpu()  # [L, H_q, T, T]
+    return AttentionWeights(tuple(token_ids), weights, sliding_window, num_sink_tokens)
