@@ -143,6 +143,18 @@ def check_api(container: Container) -> None:
         vectors = [d["embedding"] for d in embeddings.json()["data"]]
         ok(f"embeddings from {embedding}: {len(vectors)} vectors of {len(vectors[0])} dims")
 
+        # The playground ships in the package: its page and every file it names are served from the image.
+        page = client.get("/")
+        page.raise_for_status()
+        assets = re.findall(r'"(/playground/[\w.-]+)"', page.text)
+        if not page.headers["content-type"].startswith("text/html") or not assets:
+            raise CheckFailed(f"GET /: not the playground page ({page.headers['content-type']})")
+        for asset in assets:
+            client.get(asset).raise_for_status()
+        attention = client.post("/attention", json={"prompt": "The cat sat on the mat.", "head": 0})
+        attention.raise_for_status()
+        ok(f"playground: GET / and its {len(assets)} files; /attention over {len(attention.json()['tokens'])} tokens")
+
 
 def check_user_and_toolchain(container: Container) -> None:
     uid = docker("exec", container.name, "id", "-u").stdout.strip()

@@ -31,7 +31,19 @@ from server.config import ServerConfig
 from server.errors import install_error_handlers
 from server.middleware import KVServeMiddleware
 from server.openapi import install_openapi
-from server.routes import chat, completions, embeddings, health, models, rerank, responses, tokenize
+from server.routes import (
+    attention,
+    chat,
+    completions,
+    embeddings,
+    health,
+    kv_cache,
+    models,
+    playground,
+    rerank,
+    responses,
+    tokenize,
+)
 from server.state import ServerState, attach_state
 from server.text import RequestText
 
@@ -112,6 +124,9 @@ def create_app(
         rerank.router,
     ):
         app.include_router(router)
+    if config.playground:
+        for router in (playground.router, attention.router, kv_cache.router):
+            app.include_router(router)
     install_error_handlers(app)
     install_openapi(app)  # GET /openapi.json and /docs: every status, body and content type each route answers
 

@@ -304,6 +304,13 @@ FLAGS: tuple[Flag, ...] = (
         "names, read by dashboards, autoscalers and routers built for vLLM) or both (the default: kvserve's "
         "and vLLM's tooling both work with no flag, for a /metrics page about twice as long)",
     ),
+    _flag(
+        "playground",
+        "server",
+        _bool,
+        "serve the browser playground at GET / and its two routes, POST /attention and GET /kv_cache "
+        "(false, or --no-playground: all three are gone, 404; GET / 405, as POST / stays TEI's embed route)",
+    ),
     _flag("num_threads", "engine", _optional(int), "torch CPU threads (default: torch's choice)"),
     _flag(
         "speculative_method",
@@ -428,6 +435,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             metavar="{true,false}" if flag.kind is _bool else getattr(flag.kind, "metavar", flag.name.upper()),
             help=f"{flag.help} [env {env}; default {_default_text(defaults[flag.name])}]",
         )
+    group.add_argument(
+        "--no-playground", dest="playground", action="store_false", help="the same as --playground false"
+    )
 
 
 def _speculative_config(values: dict[str, Any]) -> SpeculativeConfig | None:

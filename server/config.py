@@ -92,6 +92,8 @@ class ServerConfig:
     metrics_names: which names /metrics exports the series vLLM also has under: "kvserve"
         (`kvserve:` only), "vllm" (vLLM's exact `vllm:` names only) or "both" (each twice, so
         kvserve dashboards and vLLM-built dashboards, autoscalers and routers all read it).
+    playground: serve the browser playground at GET / with its two routes, POST /attention and
+        GET /kv_cache (False: all three are gone).
     """
 
     engine: EngineConfig = field(default_factory=default_engine_config)
@@ -117,6 +119,7 @@ class ServerConfig:
     log_level: str = "info"
     metrics_names: str = "both"
     default_max_tokens: int | None = None
+    playground: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "max_request_bytes", parse_bytes(self.max_request_bytes))

@@ -43,6 +43,7 @@ ERROR_CODES: dict[str, str] = {
     "request_too_large": "413: the body is over --max-request-bytes; 400: the request could hold more than "
     "--max-request-cost tokens, or has more prompts than --max-queued-requests",
     "queue_full": "429: --max-queued-requests are already waiting; retry after Retry-After",
+    "attention_busy": "429: POST /attention is already computing another prompt's weights; retry after Retry-After",
     "internal_error": "500: a bug; the server goes on serving",
     "engine_step_failed": "500: the model raised while this request was in its step; the others went on",
     "model_loading": "503: the models are still loading; retry after Retry-After",

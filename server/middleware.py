@@ -16,6 +16,9 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
+from http.cookies import CookieError, SimpleCookie
+from pathlib import Path
+from urllib.parse import unquote
 
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -29,6 +32,16 @@ REQUEST_ID_HEADER = b"x-request-id"
 OPEN_PATHS = frozenset({"/health", "/metrics"})  # answered while loading and draining, not counted in flight
 # The one route without the API key: /metrics tells whether a prefix is cached, so it needs the key too.
 KEYLESS_PATHS = frozenset({"/health"})
+# The playground page and its assets (GET only): a browser opening them cannot send a bearer header,
+# so the key may come in this cookie instead, which the sign-in page sets. Every API call the page
+# makes sends the header; a cookie never authorizes anything but reading these files.
+PAGE_KEY_COOKIE = "kvserve_api_key"
+SIGN_IN_PAGE = (Path(__file__).resolve().parent / "playground" / "login.html").read_bytes()
+
+
+def is_page_request(scope: Scope) -> bool:
+    path = scope["path"]
+    return scope["method"] in ("GET", "HEAD") and (path == "/" or path.startswith("/playground/"))
 
 
 def _header(scope: Scope, name: bytes) -> str | None:
@@ -84,7 +97,10 @@ class KVServeMiddleware:
         try:
             error = self._refuse(scope)
             if error is not None:
-                await _send_error(error, send_with_id)
+                if error.status_code == 401 and is_page_request(scope):
+                    await _send_sign_in_page(send_with_id)
+                else:
+                    await _send_error(error, send_with_id)
                 return
             counted = scope["path"] not in OPEN_PATHS
             if counted:
@@ -146,9 +162,11 @@ class KVServeMiddleware:
         assert self.api_key is not None
         auth = _header(scope, b"authorization") or ""
         scheme, _, token = auth.partition(" ")
-        if scheme.lower() != "bearer":
-            return False
-        return hmac.compare_digest(token.strip().encode(), self.api_key)
+        if scheme.lower() == "bearer":
+            return hmac.compare_digest(token.strip().encode(), self.api_key)
+        if is_page_request(scope):
+            return hmac.compare_digest(_cookie(scope, PAGE_KEY_COOKIE).encode(), self.api_key)
+        return False
 
     def _limit_body(self, receive: Receive) -> Receive:
         """Count body bytes as they arrive (chunked bodies have no Content-Length)."""
@@ -166,6 +184,28 @@ class KVServeMiddleware:
             return message
 
         return limited_receive
+
+
+def _cookie(scope: Scope, name: str) -> str:
+    """The named cookie's value ('' when absent or the header does not parse)."""
+    cookies = SimpleCookie()
+    try:
+        cookies.load(_header(scope, b"cookie") or "")
+    except CookieError:
+        return ""
+    morsel = cookies.get(name)
+    return unquote(morsel.value) if morsel is not None else ""  # the sign-in page URI-encodes it
+
+
+async def _send_sign_in_page(send: Send) -> None:
+    headers = [
+        (b"content-type", b"text/html; charset=utf-8"),
+        (b"content-length", str(len(SIGN_IN_PAGE)).encode()),
+        (b"www-authenticate", b"Bearer"),
+        (b"cache-control", b"no-store"),
+    ]
+    await send({"type": "http.response.start", "status": 401, "headers": headers})
+    await send({"type": "http.response.body", "body": SIGN_IN_PAGE})
 
 
 def _too_large(limit: int) -> APIError:

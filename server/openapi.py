@@ -178,6 +178,35 @@ def tokenizer_responses() -> Responses:
     return error_responses(400, 404, *_GATED)
 
 
+def attention_responses() -> Responses:
+    """/attention: a model, a body and the length limit (400), one forward at a time (429)."""
+    responses = error_responses(400, 404, 429, *_GATED)
+    responses[429] = {
+        **responses[429],
+        "description": "Another prompt's attention weights are being computed (`code` attention_busy); "
+        "retry after Retry-After.",
+    }
+    return responses
+
+
+def page_responses(*media_types: str) -> Responses:
+    """GET / and its assets: the files themselves (media_types); without the key, a sign-in page."""
+    text = {"schema": {"type": "string"}}
+    responses = error_responses(404, *_GATED)
+    responses[200] = {
+        "description": "The playground page or one of its files.",
+        "content": dict.fromkeys(media_types, text),
+    }
+    responses[401] = {
+        "description": "An API key is configured (--api-key) and neither 'Authorization: Bearer <key>' nor the "
+        "kvserve_api_key cookie holds it: a sign-in page that sets the cookie (for the page and its files only).",
+        "content": {"text/html": text},
+        "headers": _ERRORS[401][1],
+    }
+    responses[404]["description"] = "No playground file has that name."
+    return responses
+
+
 def gated_responses() -> Responses:
     """/v1/models: the middleware's checks only."""
     return error_responses(*_GATED)

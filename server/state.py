@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Annotated
 
 from fastapi import Depends, FastAPI, Request
 
+from server.attention_view import AttentionView
 from server.config import ServerConfig
 from server.metrics import ServerMetrics
 from server.shutdown import Shutdown
@@ -35,6 +36,7 @@ class ServerState:
     is_ready: bool = False  # every model is loaded: the middleware stops answering 503
     load_error: str | None = None  # why loading failed; /health reports it
     shutdown: Shutdown = field(default_factory=Shutdown)  # serving -> draining -> stopping
+    attention_view: AttentionView = field(default_factory=AttentionView)  # POST /attention's one forward at a time
     metrics: ServerMetrics = field(init=False)  # its engine gauges read `engine` at scrape time
 
     def __post_init__(self) -> None:

@@ -55,7 +55,13 @@ EXPECTED_ERRORS = {
     ("get", "/tokenizer_info"): GATED | {"400", "404"},
     ("get", "/health"): {"500", "503"},
     ("get", "/metrics"): {"401", "500", "503"},
+    ("post", "/attention"): GATED | {"400", "404", "429"},
+    ("get", "/kv_cache"): GATED | {"400", "404"},
+    ("get", "/"): GATED | {"404"},
+    ("get", "/playground/{name}"): GATED | {"404"},
 }
+# The playground page and its files: a browser without the API key gets an HTML sign-in page.
+PAGE_ROUTES = {("get", "/"), ("get", "/playground/{name}")}
 CHECKS = [
     not_a_server_error,
     status_code_conformance,
@@ -142,7 +148,9 @@ def test_every_operation_documents_exactly_the_statuses_it_answers():
             assert response["headers"]["X-Request-Id"]["required"] is (status != "503"), (key, status)
             if status == "503":
                 assert response["content"]["text/plain"] == PLAIN_TEXT, key
-            if status != "200" and key not in (("get", "/health"), ("get", "/metrics")):
+            if key in PAGE_ROUTES and status == "401":
+                assert set(response["content"]) == {"text/html"}, key
+            elif status != "200" and key not in (("get", "/health"), ("get", "/metrics")):
                 error_body = {"application/json": {"schema": ERROR_BODY}}
                 assert response["content"] == (
                     error_body | {"text/plain": PLAIN_TEXT} if status == "503" else error_body

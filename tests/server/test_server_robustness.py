@@ -624,6 +624,7 @@ SERVE_FLAGS = (
     "max_request_head_bytes",
     "log_level",
     "metrics_names",
+    "playground",
     "num_threads",
     "speculative_method",
     "num_speculative_tokens",

@@ -1,0 +1,99 @@
+"""POST /attention: a prompt's attention weights for one layer and head (or the mean over heads).
+
+Computed by the reference path (engine/runner/attention_probe.py), not the serving kernels: the
+model's own layers with explicit softmax attention over a private cache. At most
+MAX_ATTENTION_TOKENS tokens (400 past it) and one forward at a time (429 meanwhile).
+"""
+
+from __future__ import annotations
+
+import json
+
+from fastapi import APIRouter
+from fastapi.responses import Response
+
+from engine.runner.attention_probe import AttentionWeights
+from engine.text.tokenizer import Tokenizer
+from server.errors import APIError
+from server.openapi import attention_responses
+from server.params import check_token_ids
+from server.protocol.playground import MAX_ATTENTION_TOKENS, AttentionRequest, AttentionResponse
+from server.served_models import generation_engine, request_text
+from server.state import SharedState
+
+router = APIRouter()
+
+# Significant digits sent per weight (the matrix is up to 65,536 numbers): a relative error of 5e-7,
+# and a tiny weight stays non-zero, so only masked entries are exactly 0.
+WEIGHT_FORMAT = ".6g"
+
+
+@router.post("/attention", response_model=AttentionResponse, responses=attention_responses())
+async def attention(body: AttentionRequest, state: SharedState) -> Response:
+    engine = generation_engine(state, body.model)
+    if (body.prompt is None) == (body.token_ids is None):
+        raise APIError(400, "give exactly one of prompt or token_ids", param="prompt")
+    text = request_text(state)
+    if body.prompt is not None:
+        token_ids = await text.run(len(body.prompt), _encode, body.prompt, body.add_special_tokens)
+    else:
+        token_ids = list(body.token_ids or [])
+    if not token_ids:
+        raise APIError(400, "the prompt is empty", param="prompt")
+    if len(token_ids) > MAX_ATTENTION_TOKENS:
+        raise APIError(
+            400,
+            f"the prompt is {len(token_ids)} tokens; attention weights are computed for at most {MAX_ATTENTION_TOKENS}",
+            param="prompt",
+            code="context_length_exceeded",
+        )
+    check_token_ids(token_ids, engine.vocab_size, "token_ids")
+    window, sinks = _masking(body, engine.engine.sliding_window, engine.engine.num_sink_tokens)
+
+    num_layers = engine.engine.model_config.num_layers
+    num_heads = engine.engine.model_config.num_heads
+    if body.layer >= num_layers:
+        raise APIError(400, f"layer must be in [0, {num_layers}); got {body.layer}", param="layer")
+    if body.head != "mean" and body.head >= num_heads:
+        raise APIError(400, f"head must be 'mean' or in [0, {num_heads}); got {body.head}", param="head")
+
+    result = await state.attention_view.weights(engine, token_ids, window, sinks)
+    content = await text.run(len(token_ids) ** 2, _answer, result, body.layer, body.head, engine.model_name)
+    return Response(content, media_type="application/json")
+
+
+def _masking(body: AttentionRequest, server_window: int | None, server_sinks: int) -> tuple[int | None, int]:
+    """(window, sinks) the request asks for: absent fields take the server's own masking."""
+    window_given = "sliding_window" in body.model_fields_set
+    window = body.sliding_window if window_given else server_window
+    if body.num_sink_tokens is not None:
+        sinks = body.num_sink_tokens
+    else:
+        sinks = 0 if window_given else server_sinks
+    return window, sinks if window is not None else 0
+
+
+def _encode(tokenizer: Tokenizer, prompt: str, add_special_tokens: bool) -> list[int]:
+    return tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+
+
+def _answer(tokenizer: Tokenizer, result: AttentionWeights, layer: int, head: int | str, model: str) -> bytes:
+    per_head = result.weights[layer]  # [H, T, T]
+    chosen = per_head.mean(dim=0) if head == "mean" else per_head[head]
+    token_ids = list(result.token_ids)
+    body = AttentionResponse(
+        model=model,
+        token_ids=token_ids,
+        tokens=[tokenizer.decode([t], skip_special_tokens=False) for t in token_ids],
+        num_layers=result.num_layers,
+        num_heads=result.num_heads,
+        layer=layer,
+        head=head,
+        sliding_window=result.sliding_window,
+        num_sink_tokens=result.num_sink_tokens,
+        max_tokens=MAX_ATTENTION_TOKENS,
+        weights=[],
+    ).model_dump()
+    # Filled in after the model: pydantic would validate each of up to 65,536 numbers.
+    body["weights"] = [[float(format(w, WEIGHT_FORMAT)) for w in row] for row in chosen.tolist()]
+    return json.dumps(body, separators=(",", ":")).encode()

@@ -1,0 +1,46 @@
+"""GET /kv_cache: the KV block pool and every running sequence's block table, as of now.
+
+Ids and counts only (engine/core/kv_snapshot.py): nothing of any request's text or tokens.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+
+from engine.core.kv_snapshot import BLOCK_CACHED_FREE, BLOCK_FREE, BLOCK_IN_USE, BLOCK_SHARED
+from server.openapi import tokenizer_responses
+from server.protocol.playground import KVCacheResponse, SequenceBlocksView
+from server.served_models import generation_engine
+from server.state import SharedState
+
+router = APIRouter()
+
+
+@router.get("/kv_cache", response_model=KVCacheResponse, responses=tokenizer_responses())
+async def kv_cache(state: SharedState, model: str | None = None) -> KVCacheResponse:
+    snapshot = await generation_engine(state, model).kv_snapshot()
+    shared = snapshot.count(BLOCK_SHARED)
+    return KVCacheResponse(
+        block_size=snapshot.block_size,
+        num_blocks=snapshot.num_blocks,
+        num_used_blocks=snapshot.count(BLOCK_IN_USE) + shared,
+        num_shared_blocks=shared,
+        num_cached_free_blocks=snapshot.count(BLOCK_CACHED_FREE),
+        num_free_blocks=snapshot.count(BLOCK_FREE),
+        blocks=snapshot.block_states,
+        sliding_window=snapshot.sliding_window,
+        num_sink_tokens=snapshot.num_sink_tokens,
+        prefix_caching=snapshot.prefix_caching,
+        num_running=snapshot.num_running,
+        num_waiting=snapshot.num_waiting,
+        sequences=[
+            SequenceBlocksView(
+                id=seq.seq_id,
+                num_tokens=seq.num_tokens,
+                num_computed_tokens=seq.num_computed_tokens,
+                block_table=list(seq.block_table),
+                shared=list(seq.shared),
+            )
+            for seq in snapshot.sequences
+        ],
+    )

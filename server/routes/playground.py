@@ -1,0 +1,60 @@
+"""GET / and GET /playground/<file>: the playground page and its assets, from the package itself.
+
+Every file is read once, at import, from server/playground/static/: the page works with no network
+and no build step, and a request can only name one of those files (no path reaches the disk).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fastapi import APIRouter
+from fastapi.responses import Response
+
+from server.errors import APIError
+from server.openapi import page_responses
+
+STATIC_DIR = Path(__file__).resolve().parent.parent / "playground" / "static"
+ASSET_PREFIX = "/playground/"
+INDEX = "index.html"
+_TYPES = {".js": "text/javascript", ".css": "text/css", ".html": "text/html", ".svg": "image/svg+xml"}
+ASSET_TYPES = tuple(_TYPES.values())
+# Revalidate each time (the server may have been upgraded); the files are small.
+_HEADERS = {"Cache-Control": "no-cache", "X-Content-Type-Options": "nosniff"}
+
+router = APIRouter()
+
+
+def _load_assets(directory: Path) -> dict[str, tuple[bytes, str]]:
+    """file name -> (bytes, media type) for every file in the folder."""
+    assets = {}
+    for path in sorted(directory.iterdir()):
+        if path.is_file() and not path.name.startswith("."):
+            media = _TYPES.get(path.suffix)
+            if media is None:
+                raise ValueError(f"{path}: the playground serves only {', '.join(_TYPES)} files")
+            if media.startswith("text/"):
+                media += "; charset=utf-8"
+            assets[path.name] = (path.read_bytes(), media)
+    return assets
+
+
+ASSETS = _load_assets(STATIC_DIR) if STATIC_DIR.is_dir() else {}
+
+
+@router.get("/", responses=page_responses("text/html"), response_class=Response)
+async def page() -> Response:
+    return _asset(INDEX)
+
+
+@router.get(ASSET_PREFIX + "{name}", responses=page_responses(*ASSET_TYPES), response_class=Response)
+async def asset(name: str) -> Response:
+    return _asset(name)
+
+
+def _asset(name: str) -> Response:
+    found = ASSETS.get(name)
+    if found is None:
+        raise APIError(404, f"no playground file {name!r}", code="not_found")
+    content, media_type = found
+    return Response(content, media_type=media_type, headers=_HEADERS)
