@@ -137,6 +137,7 @@ def create_app(
         shutdown=state.shutdown,
         api_key=config.api_key,
         max_request_bytes=config.max_request_bytes,
+        playground=config.playground,
     )
     if config.allowed_origins:
         app.add_middleware(

@@ -16,14 +16,14 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
-from http.cookies import CookieError, SimpleCookie
 from pathlib import Path
-from urllib.parse import unquote
 
 from starlette.exceptions import HTTPException
+from starlette.requests import cookie_parser
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.errors import APIError
+from server.page_auth import PAGE_COOKIE, is_page_request, page_token
 from server.shutdown import Shutdown, shutting_down_error
 
 access_logger = logging.getLogger("kvserve.access")
@@ -32,16 +32,7 @@ REQUEST_ID_HEADER = b"x-request-id"
 OPEN_PATHS = frozenset({"/health", "/metrics"})  # answered while loading and draining, not counted in flight
 # The one route without the API key: /metrics tells whether a prefix is cached, so it needs the key too.
 KEYLESS_PATHS = frozenset({"/health"})
-# The playground page and its assets (GET only): a browser opening them cannot send a bearer header,
-# so the key may come in this cookie instead, which the sign-in page sets. Every API call the page
-# makes sends the header; a cookie never authorizes anything but reading these files.
-PAGE_KEY_COOKIE = "kvserve_api_key"
 SIGN_IN_PAGE = (Path(__file__).resolve().parent / "playground" / "login.html").read_bytes()
-
-
-def is_page_request(scope: Scope) -> bool:
-    path = scope["path"]
-    return scope["method"] in ("GET", "HEAD") and (path == "/" or path.startswith("/playground/"))
 
 
 def _header(scope: Scope, name: bytes) -> str | None:
@@ -58,7 +49,8 @@ def _clean_request_id(value: str | None) -> str:
 
 
 class KVServeMiddleware:
-    """is_ready(): models loaded; shutdown: the server's stop; api_key: required bearer token (None: open)."""
+    """is_ready(): models loaded; shutdown: the server's stop; api_key: required bearer token (None: open);
+    playground: the playground page is served (its sign-in page and cookie, server/page_auth.py)."""
 
     def __init__(
         self,
@@ -68,11 +60,14 @@ class KVServeMiddleware:
         shutdown: Shutdown,
         api_key: str | None,
         max_request_bytes: int,
+        playground: bool = False,
     ) -> None:
         self.app = app
         self.is_ready = is_ready
         self.shutdown = shutdown
         self.api_key = api_key.encode() if api_key else None
+        self.playground = playground
+        self.page_token = page_token(self.api_key).encode() if self.api_key and playground else None
         self.max_request_bytes = max_request_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -97,7 +92,7 @@ class KVServeMiddleware:
         try:
             error = self._refuse(scope)
             if error is not None:
-                if error.status_code == 401 and is_page_request(scope):
+                if error.status_code == 401 and self.playground and is_page_request(scope):
                     await _send_sign_in_page(send_with_id)
                 else:
                     await _send_error(error, send_with_id)
@@ -164,8 +159,9 @@ class KVServeMiddleware:
         scheme, _, token = auth.partition(" ")
         if scheme.lower() == "bearer":
             return hmac.compare_digest(token.strip().encode(), self.api_key)
-        if is_page_request(scope):
-            return hmac.compare_digest(_cookie(scope, PAGE_KEY_COOKIE).encode(), self.api_key)
+        if self.page_token is not None and is_page_request(scope):
+            cookie = cookie_parser(_header(scope, b"cookie") or "").get(PAGE_COOKIE, "")
+            return hmac.compare_digest(cookie.encode(), self.page_token)
         return False
 
     def _limit_body(self, receive: Receive) -> Receive:
@@ -184,17 +180,6 @@ class KVServeMiddleware:
             return message
 
         return limited_receive
-
-
-def _cookie(scope: Scope, name: str) -> str:
-    """The named cookie's value ('' when absent or the header does not parse)."""
-    cookies = SimpleCookie()
-    try:
-        cookies.load(_header(scope, b"cookie") or "")
-    except CookieError:
-        return ""
-    morsel = cookies.get(name)
-    return unquote(morsel.value) if morsel is not None else ""  # the sign-in page URI-encodes it
 
 
 async def _send_sign_in_page(send: Send) -> None:

@@ -198,12 +198,22 @@ def page_responses(*media_types: str) -> Responses:
         "content": dict.fromkeys(media_types, text),
     }
     responses[401] = {
-        "description": "An API key is configured (--api-key) and neither 'Authorization: Bearer <key>' nor the "
-        "kvserve_api_key cookie holds it: a sign-in page that sets the cookie (for the page and its files only).",
+        "description": "An API key is configured (--api-key) and the request sent neither 'Authorization: Bearer "
+        "<key>' nor the cookie POST /playground/sign-in sets: a sign-in page.",
         "content": {"text/html": text},
         "headers": _ERRORS[401][1],
     }
     responses[404]["description"] = "No playground file has that name."
+    return responses
+
+
+def sign_in_responses() -> Responses:
+    """POST /playground/sign-in: the middleware's checks only; 200 sets the page's cookie."""
+    responses = error_responses(*_GATED)
+    responses[200] = {
+        "description": "Signed in: with --api-key, an HttpOnly cookie that opens the playground page and its files.",
+        "content": {"application/json": {"schema": {"type": "object", "properties": {"signed_in": {"const": True}}}}},
+    }
     return responses
 
 

@@ -444,7 +444,7 @@ class LLMEngine:
     # -------------------------------------------------------------------- misc
 
     def kv_snapshot(self) -> KVCacheSnapshot:
-        """The block pool and the running sequences' block tables, as of now (between steps)."""
+        """The block pool and the running sequences' block tables, as of now (call it between steps)."""
         return take_snapshot(
             self.pool,
             self.scheduler.running,
@@ -460,6 +460,9 @@ class LLMEngine:
         """Every layer's and head's attention weights over token_ids, by the reference path
         (engine/runner/attention_probe.py) on this engine's model; the serving cache is not used."""
         self._check_prompt_ids(token_ids)
+        if len(token_ids) > self.max_model_len:
+            limit = self.max_model_len
+            raise PromptTooLongError(f"the prompt has {len(token_ids)} tokens; this model's limit is {limit}", "prompt")
         runner = self.runner
         return attention_weights(
             runner.model,

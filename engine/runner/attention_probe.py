@@ -47,7 +47,7 @@ class _RecordingAttention:
     def __init__(self, sliding_window: int | None, num_sink_tokens: int) -> None:
         self.sliding_window = sliding_window
         self.num_sink_tokens = num_sink_tokens
-        self.layers: list[torch.Tensor] = []  # per layer: float32 [H_q, T, T]
+        self.layers: list[torch.Tensor] = []  # per layer: float32 [H_q, T, T], on the CPU
 
     def __call__(
         self,
@@ -66,7 +66,7 @@ class _RecordingAttention:
         probs = reference_attention_probs(
             query, keys, positions, positions, scale, self.sliding_window, self.num_sink_tokens
         )  # [H_q, T, T]
-        self.layers.append(probs)
+        self.layers.append(probs.cpu())  # only one layer's weights at a time on the device
         values = values.repeat_interleave(num_heads // num_kv_heads, dim=1).float()
         return torch.einsum("hqk,khd->qhd", probs, values).to(query.dtype)
 
@@ -106,5 +106,5 @@ def attention_weights(
     input_ids = torch.tensor(token_ids, dtype=torch.long, device=device)
     positions = torch.arange(num_tokens, device=device)
     model(input_ids, positions, kv_caches, meta)
-    weights = torch.stack(recorder.layers).cpu()  # [L, H_q, T, T]
+    weights = torch.stack(recorder.layers)  # [L, H_q, T, T]
     return AttentionWeights(tuple(token_ids), weights, sliding_window, num_sink_tokens)

@@ -154,6 +154,7 @@ class AsyncEngine:
         self._pending_adds: list[_PendingAdd] = []
         self._pending_aborts: set[str] = set()
         self._pending_stops: list[StoppedSample] = []
+        self._snapshot_waiters: list[asyncio.Future[KVCacheSnapshot]] = []  # kv_snapshot calls, served between steps
         # Requests submitted that have produced no output yet (pending adds included).
         self._not_started: set[str] = set()
         self._deadlines: dict[str, float] = {}
@@ -259,10 +260,13 @@ class AsyncEngine:
         return dataclasses.replace(self._stats, num_waiting=len(self._not_started))
 
     async def kv_snapshot(self) -> KVCacheSnapshot:
-        """The block pool and running sequences' block tables, taken on the torch worker between two steps."""
+        """The block pool and running sequences' block tables. The step loop takes it between two steps, on
+        this thread, so neither a step nor an add or abort is half applied in it."""
         self._check_alive()
-        assert self._worker is not None
-        return await self._worker.run(self.engine.kv_snapshot, kind=INSPECT_TURN)
+        waiter: asyncio.Future[KVCacheSnapshot] = asyncio.get_running_loop().create_future()
+        self._snapshot_waiters.append(waiter)
+        self._wake()
+        return await waiter
 
     async def attention_weights(
         self, token_ids: list[int], sliding_window: int | None, num_sink_tokens: int
@@ -354,6 +358,7 @@ class AsyncEngine:
             while not self._is_stopping:
                 self._expire_deadlines()
                 self._apply_pending()
+                self._take_snapshots()
                 has_work = self.engine.has_unfinished_requests()
                 # Between steps the loop hands out text; the embedder must not take that pause for idleness.
                 self._worker.want_turns(GENERATION_TURN, has_work)
@@ -363,7 +368,7 @@ class AsyncEngine:
                         undelivered = []
                         continue  # a stop string found there may have left work to apply
                     self._wakeup.clear()
-                    if self._pending_adds or self._pending_aborts:
+                    if self._pending_adds or self._pending_aborts or self._snapshot_waiters:
                         continue
                     idle_start = time.monotonic()
                     try:
@@ -392,6 +397,7 @@ class AsyncEngine:
             self._dispatch(undelivered)
             self._apply_pending()
             self._abort_all_in_engine()
+            self._take_snapshots()
         except BaseException as exc:
             logger.exception("engine loop died")
             self._dead_error = exc
@@ -518,7 +524,20 @@ class AsyncEngine:
                 self._forget(request_id)
         self._stats = self.engine.stats()
 
+    def _take_snapshots(self) -> None:
+        if not self._snapshot_waiters:
+            return
+        waiters, self._snapshot_waiters = self._snapshot_waiters, []
+        snapshot = self.engine.kv_snapshot()
+        for waiter in waiters:
+            if not waiter.done():  # its caller may have gone
+                waiter.set_result(snapshot)
+
     def _fail_everything(self, error: BaseException) -> None:
+        for waiter in self._snapshot_waiters:
+            if not waiter.done():
+                waiter.set_exception(error)
+        self._snapshot_waiters = []
         for add in self._pending_adds:
             if not add.done.done():
                 add.done.set_exception(error)

@@ -24,7 +24,8 @@ from server.state import SharedState
 router = APIRouter()
 
 # Significant digits sent per weight (the matrix is up to 65,536 numbers): a relative error of 5e-7,
-# and a tiny weight stays non-zero, so only masked entries are exactly 0.
+# and a tiny weight stays non-zero (it is 0 only where float32's softmax itself underflows, a score
+# about 100 below its row's largest).
 WEIGHT_FORMAT = ".6g"
 
 
@@ -40,10 +41,12 @@ async def attention(body: AttentionRequest, state: SharedState) -> Response:
         token_ids = list(body.token_ids or [])
     if not token_ids:
         raise APIError(400, "the prompt is empty", param="prompt")
-    if len(token_ids) > MAX_ATTENTION_TOKENS:
+    limit = min(MAX_ATTENTION_TOKENS, engine.max_model_len)
+    if len(token_ids) > limit:
         raise APIError(
             400,
-            f"the prompt is {len(token_ids)} tokens; attention weights are computed for at most {MAX_ATTENTION_TOKENS}",
+            f"the prompt is {len(token_ids)} tokens; attention weights are computed for at most {limit} "
+            f"(at most {MAX_ATTENTION_TOKENS}, and not past the model's context length)",
             param="prompt",
             code="context_length_exceeded",
         )

@@ -1,4 +1,5 @@
-"""GET / and GET /playground/<file>: the playground page and its assets, from the package itself.
+"""GET / and GET /playground/<file>: the playground page and its assets, from the package itself;
+POST /playground/sign-in: the page's cookie behind --api-key (server/page_auth.py).
 
 Every file is read once, at import, from server/playground/static/: the page works with no network
 and no build step, and a request can only name one of those files (no path reaches the disk).
@@ -9,10 +10,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from fastapi import APIRouter
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 
 from server.errors import APIError
-from server.openapi import page_responses
+from server.openapi import page_responses, sign_in_responses
+from server.page_auth import PAGE_COOKIE, page_token
+from server.state import SharedState
 
 STATIC_DIR = Path(__file__).resolve().parent.parent / "playground" / "static"
 ASSET_PREFIX = "/playground/"
@@ -50,6 +53,17 @@ async def page() -> Response:
 @router.get(ASSET_PREFIX + "{name}", responses=page_responses(*ASSET_TYPES), response_class=Response)
 async def asset(name: str) -> Response:
     return _asset(name)
+
+
+@router.post(ASSET_PREFIX + "sign-in", responses=sign_in_responses())
+async def sign_in(state: SharedState) -> JSONResponse:
+    """Reached only with the right key (the middleware checks it, as on every route): sets the cookie that
+    opens the page in this browser. With no --api-key it sets nothing; the page is open anyway."""
+    response = JSONResponse({"signed_in": True})
+    if state.config.api_key:
+        token = page_token(state.config.api_key.encode())
+        response.set_cookie(PAGE_COOKIE, token, path="/", httponly=True, samesite="strict")
+    return response
 
 
 def _asset(name: str) -> Response:

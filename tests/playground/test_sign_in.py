@@ -1,5 +1,6 @@
-"""The playground behind --api-key, in the browser: the sign-in page keeps the key in a cookie, the page
-then loads and every call it makes carries the key (a tiny llama serves it, so no default model is needed)."""
+"""The playground behind --api-key, in the browser: the sign-in page checks the key with the server, which
+answers with an HttpOnly cookie that opens the page; the page keeps the key in its origin's storage and
+every call it makes carries it (a tiny llama serves it, so no default model is needed)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,12 @@ def test_sign_in_then_the_page_calls_the_api_with_the_key(browser, tiny_llama_di
         try:
             first = page.goto("/")
             assert first is not None and first.status == 401
+            page.fill("#key", "not the key")
+            page.click("button[type=submit]")
+            page.wait_for_selector("#problem:not([hidden])")
+            assert "not this server's key" in page.inner_text("#problem")
+            assert context.cookies() == []
+
             page.fill("#key", KEY)
             with page.expect_navigation():
                 page.click("button[type=submit]")
@@ -25,13 +32,16 @@ def test_sign_in_then_the_page_calls_the_api_with_the_key(browser, tiny_llama_di
             page.click("#tab-kv")
             page.wait_for_function("window.playground.kv && window.playground.kv.object === 'kv_cache'")
             page.screenshot(path=str(screenshot_dir / "signed-in-kv.png"))
-            cookies = {c["name"]: c for c in context.cookies()}
-            assert cookies["kvserve_api_key"]["sameSite"] == "Strict"
+            (cookie,) = context.cookies()
+            assert cookie["name"] == "kvserve_playground" and KEY not in cookie["value"]
+            assert cookie["httpOnly"] and cookie["sameSite"] == "Strict"
+            assert page.evaluate("document.cookie") == ""  # no script can read it
+            assert page.evaluate("localStorage.getItem('kvserve_api_key')") == KEY
         finally:
             context.close()
-        # A wrong key in the cookie gets the sign-in page again, not the playground.
+        # A cookie that is not the server's gets the sign-in page again, not the playground.
         context = browser.new_context(base_url=srv.base_url)
-        context.add_cookies([{"name": "kvserve_api_key", "value": "wrong", "url": srv.base_url}])
+        context.add_cookies([{"name": "kvserve_playground", "value": "wrong", "url": srv.base_url}])
         page = context.new_page()
         try:
             again = page.goto("/")

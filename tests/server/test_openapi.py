@@ -59,6 +59,7 @@ EXPECTED_ERRORS = {
     ("get", "/kv_cache"): GATED | {"400", "404"},
     ("get", "/"): GATED | {"404"},
     ("get", "/playground/{name}"): GATED | {"404"},
+    ("post", "/playground/sign-in"): GATED,
 }
 # The playground page and its files: a browser without the API key gets an HTML sign-in page.
 PAGE_ROUTES = {("get", "/"), ("get", "/playground/{name}")}

@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from server.app import create_app
-from server.protocol.playground import MAX_ATTENTION_TOKENS
+from server.protocol.playground import MAX_ATTENTION_TOKENS, KVCacheResponse
 from server.routes.playground import ASSETS
 from server.state import state_of
 from tests.support.server_harness import ServerThread, make_server_config
@@ -146,7 +146,7 @@ def test_hang_up_during_a_forward_keeps_the_view_busy_until_it_ends(server):
         while view.is_running and time.monotonic() < deadline:
             time.sleep(0.02)
         assert not view.is_running
-        assert view.last is not None and view.last.token_ids == (9, 9, 9)
+        assert view.kept[-1].token_ids == (9, 9, 9)
     finally:
         engine.engine.attention_weights = original
         release.set()
@@ -177,7 +177,9 @@ def test_kv_cache_while_a_request_runs_and_after(server):
     assert seq["num_tokens"] > 10 and len(seq["block_table"]) == len(seq["shared"]) >= 3
     assert during["num_used_blocks"] >= len(seq["block_table"])
     assert all(during["blocks"][b - 1] in "us" for b in seq["block_table"])
-    assert "token_ids" not in seq and "prompt" not in str(during)  # ids and counts only
+    # Ids and counts only: nothing of the request's tokens or text.
+    assert set(seq) == {"id", "num_tokens", "num_computed_tokens", "block_table", "shared"}
+    assert set(during) == set(KVCacheResponse.model_fields)
     after = httpx.get(f"{url}/kv_cache").json()
     assert after["num_used_blocks"] == 0 and after["sequences"] == []
 
@@ -192,20 +194,53 @@ def test_no_playground_turns_the_page_and_its_routes_off(tiny_llama_dir):
 
 
 def test_page_behind_api_key_signs_in_with_a_cookie_only_for_the_page(tiny_llama_dir):
-    with ServerThread(create_app(make_server_config(tiny_llama_dir, api_key="sekret/key"))) as srv:
+    key = "sekret/key"
+    with ServerThread(create_app(make_server_config(tiny_llama_dir, api_key=key))) as srv:
         url = srv.base_url
-        sign_in = httpx.get(f"{url}/")
-        assert sign_in.status_code == 401
-        assert sign_in.headers["content-type"].startswith("text/html") and "API key" in sign_in.text
-        cookie = {"Cookie": "kvserve_api_key=sekret%2Fkey"}
+        sign_in_page = httpx.get(f"{url}/")
+        assert sign_in_page.status_code == 401
+        assert sign_in_page.headers["content-type"].startswith("text/html") and "API key" in sign_in_page.text
+        assert httpx.post(f"{url}/playground/sign-in").status_code == 401
+        assert httpx.post(f"{url}/playground/sign-in", headers={"Authorization": "Bearer wrong"}).status_code == 401
+        signed_in = httpx.post(f"{url}/playground/sign-in", headers={"Authorization": f"Bearer {key}"})
+        assert signed_in.status_code == 200 and signed_in.json() == {"signed_in": True}
+        set_cookie = signed_in.headers["set-cookie"]
+        assert "HttpOnly" in set_cookie and "SameSite=strict" in set_cookie and "Path=/" in set_cookie
+        token = signed_in.cookies["kvserve_playground"]
+        assert key not in token and "sekret" not in token  # derived from the key, not the key
+        cookie = {"Cookie": f"kvserve_playground={token}"}
         assert httpx.get(f"{url}/", headers=cookie).status_code == 200
         assert httpx.get(f"{url}/playground/api.js", headers=cookie).status_code == 200
-        assert httpx.get(f"{url}/", headers={"Cookie": "kvserve_api_key=wrong"}).status_code == 401
-        assert httpx.get(f"{url}/", headers={"Authorization": "Bearer sekret/key"}).status_code == 200
-        # The cookie opens the page only: every API route still wants the header.
-        for method, path in (("GET", "/kv_cache"), ("GET", "/v1/models"), ("POST", "/attention"), ("POST", "/")):
+        # Other cookies on the same host, even ones a strict parser refuses, do not hide it.
+        noisy = {"Cookie": f'x={{"a":1}}; y=a b; kvserve_playground={token}; z=1'}
+        assert httpx.get(f"{url}/", headers=noisy).status_code == 200
+        assert httpx.get(f"{url}/", headers={"Cookie": "kvserve_playground=wrong"}).status_code == 401
+        assert httpx.get(f"{url}/", headers={"Cookie": f"kvserve_playground={key}"}).status_code == 401
+        assert httpx.get(f"{url}/", headers={"Authorization": f"Bearer {key}"}).status_code == 200
+        # The cookie opens the page only: every API route (and any path that climbs out of /playground/)
+        # still wants the header.
+        for method, path in (
+            ("GET", "/kv_cache"),
+            ("GET", "/v1/models"),
+            ("POST", "/attention"),
+            ("POST", "/"),
+            ("POST", "/playground/sign-in"),
+            ("GET", "/metrics"),
+        ):
             answer = httpx.request(method, f"{url}{path}", headers=cookie, json={"token_ids": [1]})
             assert answer.status_code == 401, path
             assert answer.json()["error"]["code"] == "invalid_api_key"
-        auth = {"Authorization": "Bearer sekret/key"}
+        for path in ("/playground/..%2Fv1%2Fmodels", "/playground/%2E%2E/kv_cache"):
+            assert httpx.get(f"{url}{path}", headers=cookie).status_code == 404, path
+        auth = {"Authorization": f"Bearer {key}"}
         assert httpx.get(f"{url}/kv_cache", headers=auth).status_code == 200
+
+
+def test_no_playground_with_api_key_has_no_sign_in_page(tiny_llama_dir):
+    config = make_server_config(tiny_llama_dir, api_key="k", playground=False)
+    with ServerThread(create_app(config)) as srv:
+        answer = httpx.get(f"{srv.base_url}/")
+        assert answer.status_code == 401 and answer.json()["error"]["code"] == "invalid_api_key"
+        assert (
+            httpx.post(f"{srv.base_url}/playground/sign-in", headers={"Authorization": "Bearer k"}).status_code == 404
+        )

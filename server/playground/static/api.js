@@ -1,7 +1,7 @@
-// The one way the page talks to the server: adds the API key (from the `kvserve_api_key` cookie, when set)
-// as a bearer token, and turns the server's error bodies into ApiError.
+// The one way the page talks to the server: adds the API key (kept by the sign-in page in this origin's
+// localStorage, when the server has one) as a bearer token, and turns the server's error bodies into ApiError.
 
-const KEY_COOKIE = "kvserve_api_key";
+const KEY_STORAGE = "kvserve_api_key";
 
 export class ApiError extends Error {
   constructor(status, message, { code = null, type = null, param = null, retryAfter = null } = {}) {
@@ -16,19 +16,11 @@ export class ApiError extends Error {
 }
 
 export function apiKey() {
-  for (const part of document.cookie.split(";")) {
-    const eq = part.indexOf("=");
-    if (eq < 0) continue;
-    if (part.slice(0, eq).trim() === KEY_COOKIE) {
-      const value = part.slice(eq + 1).trim();
-      try {
-        return decodeURIComponent(value);
-      } catch {
-        return value;
-      }
-    }
+  try {
+    return window.localStorage.getItem(KEY_STORAGE);
+  } catch {
+    return null; // storage disabled: the server has no key, or the page could not be opened anyway
   }
-  return null;
 }
 
 // fetch() with the key; `json` is sent as the JSON body. Resolves to the Response whatever its status.
