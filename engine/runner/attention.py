@@ -324,9 +324,13 @@ def dense_reference_attention(
     probs = reference_attention_probs(
         query, key, query_positions, key_positions, scale, sliding_window, num_sink_tokens
     )
-    group = query.shape[1] // key.shape[1]
-    value = value.repeat_interleave(group, dim=1)
-    return torch.einsum("hqk,khd->qhd", probs, value.float()).to(query.dtype)
+    return weighted_values(probs, value, query.dtype)
+
+
+def weighted_values(probs: torch.Tensor, value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Attention output [Q, H_q, D] in `dtype` from one sequence's weights [H_q, Q, K] and values [K, H_kv, D]."""
+    value = value.repeat_interleave(probs.shape[0] // value.shape[1], dim=1)
+    return torch.einsum("hqk,khd->qhd", probs, value.float()).to(dtype)
 
 
 def reference_attention_probs(

@@ -19,7 +19,12 @@ import torch
 from torch import nn
 
 from engine.config import cdiv
-from engine.runner.attention import AttentionMetadata, build_attention_metadata, reference_attention_probs
+from engine.runner.attention import (
+    AttentionMetadata,
+    build_attention_metadata,
+    reference_attention_probs,
+    weighted_values,
+)
 
 
 @dataclass(frozen=True)
@@ -57,7 +62,7 @@ class _RecordingAttention:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        num_tokens, num_heads, head_dim = query.shape
+        num_tokens, _, head_dim = query.shape
         num_kv_heads = key_cache.shape[2]
         # The layer has just written the prompt's K/V to these slots, position p at slot_mapping[p].
         keys = key_cache.view(-1, num_kv_heads, head_dim)[meta.slot_mapping]  # [T, H_kv, D]
@@ -67,8 +72,7 @@ class _RecordingAttention:
             query, keys, positions, positions, scale, self.sliding_window, self.num_sink_tokens
         )  # [H_q, T, T]
         self.layers.append(probs.cpu())  # only one layer's weights at a time on the device
-        values = values.repeat_interleave(num_heads // num_kv_heads, dim=1).float()
-        return torch.einsum("hqk,khd->qhd", probs, values).to(query.dtype)
+        return weighted_values(probs, values, query.dtype)
 
 
 @torch.inference_mode()

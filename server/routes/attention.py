@@ -87,7 +87,7 @@ def _answer(tokenizer: Tokenizer, result: AttentionWeights, layer: int, head: in
     body = AttentionResponse(
         model=model,
         token_ids=token_ids,
-        tokens=[tokenizer.decode([t], skip_special_tokens=False) for t in token_ids],
+        tokens=[tokenizer.id_to_token(t) for t in token_ids],
         num_layers=result.num_layers,
         num_heads=result.num_heads,
         layer=layer,
