@@ -72,8 +72,8 @@ _ERRORS: dict[int, tuple[str, dict[str, Any]]] = {
     ),
     504: ("The request outlived --request-timeout (`code` request_timeout).", {}),
 }
-# uvicorn's own answer, before the app (server/cli.py sets the limit): on every route, without X-Request-Id.
-_OVER_LIMIT = "More than --limit-concurrency connections are open: a plain-text 503, before the app."
+# uvicorn's own answer, before the app (server/http_protocol.py's cap): without X-Request-Id.
+_OVER_LIMIT = "--limit-concurrency requests are already in progress: a plain-text 503, before the app."
 _PLAIN_TEXT = {"text/plain": {"schema": {"type": "string"}}}
 _ERROR_BODY = {"$ref": _REF.format(model=ErrorResponse.__name__)}
 _X_REQUEST_ID = {

@@ -18,8 +18,9 @@ RayService does the same from its serveConfigV2:
 `args` holds `kvserve serve` flags without their dashes, each parsed by the very definitions the CLI
 uses (server/cli.py FLAGS; KVSERVE_<NAME> variables set where the application is built count as there),
 so a flag means the same on Ray. Some flags belong to the server process and are Serve's on Ray: --host,
---port, --timeout-keep-alive, --timeout-request-head, --max-request-head-bytes (Serve's HTTP proxy
-has its own http_options) and --replica-metrics-port (the cluster's own metrics port). --replicas
+--port, --timeout-keep-alive, --timeout-request-head, --timeout-request-body, --max-request-head-bytes,
+--max-connections-per-client (Serve's HTTP proxy has its own http_options) and --replica-metrics-port
+(the cluster's own metrics port). --replicas
 (default 1 here), --max-replicas and --replica-routing set the KVServe deployment's options
 (server/ray_deployments.py); a `deployments:` entry in the Serve config overrides any of them.
 
