@@ -27,6 +27,7 @@ from engine.serving.async_embedder import AsyncEmbedder
 from engine.serving.async_engine import AsyncEngine
 from engine.serving.text_worker import TextWorker
 from engine.serving.torch_worker import RequestLimits, TorchWorker
+from server.access import ApiKeys
 from server.config import ServerConfig
 from server.errors import install_error_handlers
 from server.middleware import KVServeMiddleware
@@ -135,7 +136,7 @@ def create_app(
         KVServeMiddleware,
         is_ready=lambda: state.is_ready,
         shutdown=state.shutdown,
-        api_key=config.api_key,
+        api_keys=ApiKeys(config.api_keys, config.admin_api_keys, config.prefix_cache_scope),
         max_request_bytes=config.max_request_bytes,
         playground=config.playground,
     )

@@ -6,22 +6,24 @@ histograms are observed here, through `RequestTimer`: server/serving.py feeds it
 parameters, each output and, at the end, the `TokenCounts` its usage is made from. A "request" is
 one HTTP request: its prompts and their n samples are observed together.
 
-Each app gets its own CollectorRegistry (tests build several apps in one process).
+Each app gets its own CollectorRegistry (tests build several apps in one process). The page a
+non-admin key reads leaves out the private prefix-cache series (server/metrics_engine.py).
 """
 
 from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import Metric
 
 from engine.outputs import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, EngineStats, RequestOutput
 from engine.params import SamplingParams
 from server import metric_names as names
 from server.metric_names import HistogramSpec, Naming
-from server.metrics_engine import EngineStatsCollector
+from server.metrics_engine import EngineStatsCollector, private_series_names
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -65,6 +67,17 @@ class _FinishedRequests:
             counter.labels(*labelvalues, finish_reason).inc()
 
 
+class _WithoutSeries:
+    """A registry's metrics but the named families: what generate_latest reads for a non-admin page."""
+
+    def __init__(self, registry: CollectorRegistry, left_out: frozenset[str]) -> None:
+        self._registry = registry
+        self._left_out = left_out
+
+    def collect(self) -> Iterator[Metric]:
+        return (metric for metric in self._registry.collect() if metric.name not in self._left_out)
+
+
 class ServerMetrics:
     """/metrics of one app: per-request histograms, engine gauges and counters, embedding series."""
 
@@ -100,6 +113,7 @@ class ServerMetrics:
         self.request_params_n = observed(names.REQUEST_PARAMS_N)
         self.request_success = _FinishedRequests(self.registry, naming)
         self.registry.register(EngineStatsCollector(naming, get_stats))
+        self._public = _WithoutSeries(self.registry, private_series_names(naming))
         # Embeddings (server/routes/embeddings.py): vLLM has no such series, so always kvserve's names.
         labels = ["model_name", "endpoint"]
         self.embedding_request_latency = Histogram(
@@ -130,9 +144,9 @@ class ServerMetrics:
         self.embedding_inputs.labels(*labels).inc(num_inputs)
         self.embedding_prompt_tokens.labels(*labels).inc(num_prompt_tokens)
 
-    def render(self) -> bytes:
-        """The /metrics page (Prometheus text format)."""
-        return generate_latest(self.registry)
+    def render(self, private: bool = True) -> bytes:
+        """The /metrics page (Prometheus text format); private: with the prefix-cache series (an admin's)."""
+        return generate_latest(self.registry if private else self._public)
 
     def start_request(self) -> RequestTimer:
         """The timer of one generation request, started now (its arrival)."""

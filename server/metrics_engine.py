@@ -8,6 +8,9 @@ The speculative-decoding counters (vLLM's spec_decode_* names) are exported only
 speculates (--speculative-method): EngineStats then carries one accepted count per draft position
 (spec_accepted_per_position, as many as --num-speculative-tokens, zeros at first); without
 speculation that tuple is empty and none of the four series appears, not even as zeros.
+
+The prefix-cache series are private (`private_series_names`): they tell a client whether a prompt
+someone else sent is cached, so /metrics shows them to admin keys only (server/access.py).
 """
 
 from __future__ import annotations
@@ -42,17 +45,26 @@ class _StatSeries:
     value: Callable[[EngineStats], float]
     # None: always exported; else only when it holds for the snapshot (the speculative counters)
     exported_if: Callable[[EngineStats], bool] | None = None
+    is_private: bool = False  # on admin keys' /metrics only
 
     def is_exported(self, stats: EngineStats) -> bool:
         return self.exported_if is None or self.exported_if(stats)
 
 
-def _gauge(kvserve: str | None, vllm: tuple[str, ...], doc: str, value: Callable[[EngineStats], float]) -> _StatSeries:
-    return _StatSeries(False, kvserve, vllm, doc, value)
+def _gauge(
+    kvserve: str | None,
+    vllm: tuple[str, ...],
+    doc: str,
+    value: Callable[[EngineStats], float],
+    is_private: bool = False,
+) -> _StatSeries:
+    return _StatSeries(False, kvserve, vllm, doc, value, is_private=is_private)
 
 
-def _counter(name: str, vllm: tuple[str, ...], doc: str, value: Callable[[EngineStats], float]) -> _StatSeries:
-    return _StatSeries(True, name, vllm, doc, value)
+def _counter(
+    name: str, vllm: tuple[str, ...], doc: str, value: Callable[[EngineStats], float], is_private: bool = False
+) -> _StatSeries:
+    return _StatSeries(True, name, vllm, doc, value, is_private=is_private)
 
 
 def _spec_counter(name: str, doc: str, value: Callable[[EngineStats], float]) -> _StatSeries:
@@ -73,18 +85,26 @@ ENGINE_SERIES = (
         lambda s: s.kv_cache_usage,
     ),
     # An older vLLM gauge that routers still read; kvserve's own names leave the ratio to the query.
-    _gauge(None, ("gpu_prefix_cache_hit_rate",), "Prefix-cache hits over queries since start.", _prefix_cache_hit_rate),
+    _gauge(
+        None,
+        ("gpu_prefix_cache_hit_rate",),
+        "Prefix-cache hits over queries since start.",
+        _prefix_cache_hit_rate,
+        is_private=True,
+    ),
     _counter(
         "prefix_cache_queries",
         ("prefix_cache_queries", "gpu_prefix_cache_queries"),
         "Prompt tokens looked up in the prefix cache (each sample's, when it is first scheduled).",
         lambda s: s.prefix_cache_queries,
+        is_private=True,
     ),
     _counter(
         "prefix_cache_hits",
         ("prefix_cache_hits", "gpu_prefix_cache_hits"),
         "Prompt tokens found in the prefix cache.",
         lambda s: s.prefix_cache_hits,
+        is_private=True,
     ),
     _counter(
         "num_preemptions",
@@ -103,6 +123,7 @@ ENGINE_SERIES = (
         ("prompt_tokens_cached",),
         "Prompt tokens found in the prefix cache when their request was first scheduled.",
         lambda s: s.num_cached_prompt_tokens,
+        is_private=True,
     ),
     _counter("generation_tokens", ("generation_tokens",), "Tokens generated.", lambda s: s.num_generation_tokens),
     _spec_counter(
@@ -124,6 +145,20 @@ ENGINE_SERIES = (
 # Its one sample per draft position j (label `position`, from 0) counts the verifications that accepted
 # draft token j+1; exported with the counters above.
 SPEC_ACCEPTED_PER_POSITION = "spec_decode_num_accepted_tokens_per_pos"
+# vLLM's split of prompt tokens by source: its local_cache_hit part is prompt_tokens_cached.
+PROMPT_TOKENS_BY_SOURCE = "prompt_tokens_by_source"
+
+
+def private_series_names(naming: Naming) -> frozenset[str]:
+    """The full names (a counter's without `_total`) of the series only admin keys see."""
+    names = {
+        target.name
+        for series in ENGINE_SERIES
+        if series.is_private
+        for target in naming.targets(series.kvserve, series.vllm)
+    }
+    names.update(target.name for target in naming.targets(None, (PROMPT_TOKENS_BY_SOURCE,)))
+    return frozenset(names)
 
 
 class EngineStatsCollector(Collector):
@@ -152,7 +187,7 @@ class EngineStatsCollector(Collector):
 
     def _prompt_tokens_by_source(self, stats: EngineStats) -> Iterator[Metric]:
         """vLLM's split of the prompt-token counter: computed here, or found in the local prefix cache."""
-        for target in self._naming.targets(None, ("prompt_tokens_by_source",)):
+        for target in self._naming.targets(None, (PROMPT_TOKENS_BY_SOURCE,)):
             family = CounterMetricFamily(
                 target.name, "Prompt tokens by where their KV came from.", labels=(*target.labelnames, "source")
             )

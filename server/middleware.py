@@ -1,6 +1,7 @@
 """One pure-ASGI middleware for what every request goes through, in order:
 
-request id (X-Request-Id, echoed or made) -> API key (401) -> readiness (503 while loading,
+request id (X-Request-Id, echoed or made) -> API key (401; the request's Caller, server/access.py,
+goes into its scope state) -> readiness (503 while loading,
 503 `shutting_down` once the server drains: server/shutdown.py) -> body size (413) -> the app
 (counted in flight while it runs, so the stop knows when nothing is left) -> one access-log line.
 
@@ -10,7 +11,6 @@ and client disconnects still reach the routes.
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 import time
@@ -22,8 +22,9 @@ from starlette.exceptions import HTTPException
 from starlette.requests import cookie_parser
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from server.access import OPEN_CALLER, ApiKeys, Caller
 from server.errors import APIError
-from server.page_auth import PAGE_COOKIE, is_page_request, page_token
+from server.page_auth import PAGE_COOKIE, is_page_request, is_valid_page_token
 from server.shutdown import Shutdown, shutting_down_error
 
 access_logger = logging.getLogger("kvserve.access")
@@ -32,6 +33,8 @@ REQUEST_ID_HEADER = b"x-request-id"
 OPEN_PATHS = frozenset({"/health", "/metrics"})  # answered while loading and draining, not counted in flight
 # The one route without the API key: /metrics tells whether a prefix is cached, so it needs the key too.
 KEYLESS_PATHS = frozenset({"/health"})
+# A browser that opened the page with its cookie: the page's files, nothing else (server/page_auth.py).
+PAGE_CALLER = Caller(is_admin=False)
 SIGN_IN_PAGE = (Path(__file__).resolve().parent / "playground" / "login.html").read_bytes()
 
 
@@ -49,8 +52,9 @@ def _clean_request_id(value: str | None) -> str:
 
 
 class KVServeMiddleware:
-    """is_ready(): models loaded; shutdown: the server's stop; api_key: required bearer token (None: open);
-    playground: the playground page is served (its sign-in page and cookie, server/page_auth.py)."""
+    """is_ready(): models loaded; shutdown: the server's stop; api_keys: the bearer tokens it accepts
+    (None or none: open); playground: the playground page is served (its sign-in page and cookie,
+    server/page_auth.py)."""
 
     def __init__(
         self,
@@ -58,16 +62,15 @@ class KVServeMiddleware:
         *,
         is_ready: Callable[[], bool],
         shutdown: Shutdown,
-        api_key: str | None,
+        api_keys: ApiKeys | None = None,
         max_request_bytes: int,
         playground: bool = False,
     ) -> None:
         self.app = app
         self.is_ready = is_ready
         self.shutdown = shutdown
-        self.api_key = api_key.encode() if api_key else None
+        self.api_keys = api_keys if api_keys is not None and not api_keys.is_open else None
         self.playground = playground
-        self.page_token = page_token(self.api_key).encode() if self.api_key and playground else None
         self.max_request_bytes = max_request_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -90,7 +93,7 @@ class KVServeMiddleware:
             await send(message)
 
         try:
-            error = self._refuse(scope)
+            error = self._refuse(scope, state)
             if error is not None:
                 if error.status_code == 401 and self.playground and is_page_request(scope):
                     await _send_sign_in_page(send_with_id)
@@ -124,11 +127,14 @@ class KVServeMiddleware:
                 request_id,
             )
 
-    def _refuse(self, scope: Scope) -> APIError | None:
+    def _refuse(self, scope: Scope, state: dict) -> APIError | None:
         path = scope["path"]
         if scope["method"] == "OPTIONS":
             return None
-        if self.api_key is not None and path not in KEYLESS_PATHS and not self._has_key(scope):
+        caller = self._caller(scope)
+        if caller is not None:
+            state["caller"] = caller
+        elif path not in KEYLESS_PATHS:
             return APIError(
                 401,
                 "invalid or missing API key: send 'Authorization: Bearer <key>'",
@@ -153,16 +159,19 @@ class KVServeMiddleware:
             return _too_large(self.max_request_bytes)
         return None
 
-    def _has_key(self, scope: Scope) -> bool:
-        assert self.api_key is not None
+    def _caller(self, scope: Scope) -> Caller | None:
+        """Who sent the request; None: no key matches (a playground cookie opens the page as a non-admin)."""
+        if self.api_keys is None:
+            return OPEN_CALLER
         auth = _header(scope, b"authorization") or ""
         scheme, _, token = auth.partition(" ")
         if scheme.lower() == "bearer":
-            return hmac.compare_digest(token.strip().encode(), self.api_key)
-        if self.page_token is not None and is_page_request(scope):
+            return self.api_keys.caller_for(token.strip())
+        if self.playground and is_page_request(scope):
             cookie = cookie_parser(_header(scope, b"cookie") or "").get(PAGE_COOKIE, "")
-            return hmac.compare_digest(cookie.encode(), self.page_token)
-        return False
+            if is_valid_page_token(cookie, self.api_keys.page_secrets):
+                return PAGE_CALLER
+        return None
 
     def _limit_body(self, receive: Receive) -> Receive:
         """Count body bytes as they arrive (chunked bodies have no Content-Length)."""

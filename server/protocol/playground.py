@@ -6,11 +6,14 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field
 
-from server.protocol.common import StrictRequest, TokenId
+from server.protocol.common import StrictRequest, StrictSwitch, TokenId
 
 # Longest prompt POST /attention takes: its answer is a T x T matrix, and the forward keeps every
 # layer's [heads, T, T] weights.
 MAX_ATTENTION_TOKENS = 256
+# A prompt longer than this, in characters, is refused before it is tokenized: 256 tokens of 64
+# characters each would be a tokenizer whose tokens are longer than any real one's.
+MAX_ATTENTION_PROMPT_CHARS = MAX_ATTENTION_TOKENS * 64
 
 
 class AttentionRequest(StrictRequest):
@@ -24,7 +27,7 @@ class AttentionRequest(StrictRequest):
     model: str | None = None
     prompt: str | None = None
     token_ids: list[TokenId] | None = None
-    add_special_tokens: bool = True
+    add_special_tokens: StrictSwitch = True
     layer: Annotated[int, Field(strict=True, ge=0)] = 0
     head: Annotated[int, Field(strict=True, ge=0)] | Literal["mean"] = "mean"
     sliding_window: Annotated[int, Field(strict=True, ge=1)] | None = None
@@ -62,10 +65,13 @@ class KVCacheResponse(BaseModel):
     num_shared_blocks: int
     num_cached_free_blocks: int
     num_free_blocks: int  # free and holding nothing a later request could take back
-    blocks: str  # char i: block id i + 1; u in use, s shared, c cached-free, f free
+    # The detail below tells whether someone's prompt is cached or running: admin keys only
+    # (server/access.py); anyone else gets null for both, and detail false.
+    detail: bool
+    blocks: str | None  # char i: block id i + 1; u in use, s shared, c cached-free, f free
     sliding_window: int | None
     num_sink_tokens: int
     prefix_caching: bool
     num_running: int
     num_waiting: int
-    sequences: list[SequenceBlocksView]
+    sequences: list[SequenceBlocksView] | None

@@ -1,13 +1,15 @@
 """GET /health (readiness for load balancers; always open) and GET /metrics (Prometheus).
 
-/metrics is behind --api-key when one is set, like every route but /health.
+/metrics is behind --api-key when one is set, like every route but /health; its prefix-cache series
+go to admin keys only (server/access.py).
 """
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
+from server.access import caller_of
 from server.metrics import CONTENT_TYPE
 from server.openapi import health_responses, metrics_responses
 from server.state import SharedState
@@ -35,5 +37,5 @@ async def health(state: SharedState) -> JSONResponse:
 
 
 @router.get("/metrics", response_class=PlainTextResponse, responses=metrics_responses())
-async def metrics(state: SharedState) -> Response:
-    return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+async def metrics(request: Request, state: SharedState) -> Response:
+    return Response(state.metrics.render(private=caller_of(request).is_admin), media_type=CONTENT_TYPE)

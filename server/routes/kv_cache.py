@@ -1,13 +1,16 @@
 """GET /kv_cache: the KV block pool and every running sequence's block table, as of now.
 
-Ids and counts only (engine/core/kv_snapshot.py): nothing of any request's text or tokens.
+Ids and counts only (engine/core/kv_snapshot.py): nothing of any request's text or tokens. The
+per-block states and the sequences (whose shared blocks tell whose prompt is cached) go to admin keys
+only (server/access.py); any other key gets the pool's counts.
 """
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 
 from engine.core.kv_snapshot import BLOCK_CACHED_FREE, BLOCK_FREE, BLOCK_IN_USE, BLOCK_SHARED
+from server.access import caller_of
 from server.openapi import tokenizer_responses
 from server.protocol.playground import KVCacheResponse, SequenceBlocksView
 from server.served_models import generation_engine
@@ -17,9 +20,20 @@ router = APIRouter()
 
 
 @router.get("/kv_cache", response_model=KVCacheResponse, responses=tokenizer_responses())
-async def kv_cache(state: SharedState, model: str | None = None) -> KVCacheResponse:
+async def kv_cache(request: Request, state: SharedState, model: str | None = None) -> KVCacheResponse:
     snapshot = await generation_engine(state, model).kv_snapshot()
     shared = snapshot.count(BLOCK_SHARED)
+    detail = caller_of(request).is_admin
+    sequences = [
+        SequenceBlocksView(
+            id=seq.seq_id,
+            num_tokens=seq.num_tokens,
+            num_computed_tokens=seq.num_computed_tokens,
+            block_table=list(seq.block_table),
+            shared=list(seq.shared),
+        )
+        for seq in snapshot.sequences
+    ]
     return KVCacheResponse(
         block_size=snapshot.block_size,
         num_blocks=snapshot.num_blocks,
@@ -27,20 +41,12 @@ async def kv_cache(state: SharedState, model: str | None = None) -> KVCacheRespo
         num_shared_blocks=shared,
         num_cached_free_blocks=snapshot.count(BLOCK_CACHED_FREE),
         num_free_blocks=snapshot.count(BLOCK_FREE),
-        blocks=snapshot.block_states,
+        detail=detail,
+        blocks=snapshot.block_states if detail else None,
         sliding_window=snapshot.sliding_window,
         num_sink_tokens=snapshot.num_sink_tokens,
         prefix_caching=snapshot.prefix_caching,
         num_running=snapshot.num_running,
         num_waiting=snapshot.num_waiting,
-        sequences=[
-            SequenceBlocksView(
-                id=seq.seq_id,
-                num_tokens=seq.num_tokens,
-                num_computed_tokens=seq.num_computed_tokens,
-                block_table=list(seq.block_table),
-                shared=list(seq.shared),
-            )
-            for seq in snapshot.sequences
-        ],
+        sequences=sequences if detail else None,
     )

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from server.errors import APIError
+from server.access import caller_of
+from server.errors import APIError, clip
 from server.openapi import page_responses, sign_in_responses
-from server.page_auth import PAGE_COOKIE, page_token
-from server.state import SharedState
+from server.page_auth import PAGE_COOKIE, PAGE_COOKIE_MAX_AGE_S, page_token
 
 STATIC_DIR = Path(__file__).resolve().parent.parent / "playground" / "static"
 ASSET_PREFIX = "/playground/"
@@ -56,19 +56,30 @@ async def asset(name: str) -> Response:
 
 
 @router.post(ASSET_PREFIX + "sign-in", responses=sign_in_responses())
-async def sign_in(state: SharedState) -> JSONResponse:
-    """Reached only with the right key (the middleware checks it, as on every route): sets the cookie that
-    opens the page in this browser. With no --api-key it sets nothing; the page is open anyway."""
+async def sign_in(request: Request) -> JSONResponse:
+    """Reached only with a right key (the middleware checks it, as on every route): sets the cookie that
+    opens the page in this browser for PAGE_COOKIE_MAX_AGE_S. With no --api-key it sets nothing; the page
+    is open anyway. `Secure` when the request came over https: the scope's scheme, which uvicorn takes
+    from X-Forwarded-Proto only when the proxy's address is trusted (FORWARDED_ALLOW_IPS, by default
+    this machine's loopback)."""
     response = JSONResponse({"signed_in": True})
-    if state.config.api_key:
-        token = page_token(state.config.api_key.encode())
-        response.set_cookie(PAGE_COOKIE, token, path="/", httponly=True, samesite="strict")
+    secret = caller_of(request).page_secret
+    if secret is not None:
+        response.set_cookie(
+            PAGE_COOKIE,
+            page_token(secret),
+            max_age=PAGE_COOKIE_MAX_AGE_S,
+            path="/",
+            secure=request.url.scheme == "https",
+            httponly=True,
+            samesite="strict",
+        )
     return response
 
 
 def _asset(name: str) -> Response:
     found = ASSETS.get(name)
     if found is None:
-        raise APIError(404, f"no playground file {name!r}", code="not_found")
+        raise APIError(404, f"no playground file {clip(name)!r}", code="not_found")
     content, media_type = found
     return Response(content, media_type=media_type, headers=_HEADERS)

@@ -13,6 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from server.app import create_app
+from server.page_auth import PAGE_COOKIE_MAX_AGE_S
 from server.protocol.playground import MAX_ATTENTION_TOKENS, KVCacheResponse
 from server.routes.playground import ASSETS
 from server.state import state_of
@@ -206,6 +207,7 @@ def test_page_behind_api_key_signs_in_with_a_cookie_only_for_the_page(tiny_llama
         assert signed_in.status_code == 200 and signed_in.json() == {"signed_in": True}
         set_cookie = signed_in.headers["set-cookie"]
         assert "HttpOnly" in set_cookie and "SameSite=strict" in set_cookie and "Path=/" in set_cookie
+        assert f"Max-Age={PAGE_COOKIE_MAX_AGE_S}" in set_cookie and "Secure" not in set_cookie  # over http
         token = signed_in.cookies["kvserve_playground"]
         assert key not in token and "sekret" not in token  # derived from the key, not the key
         cookie = {"Cookie": f"kvserve_playground={token}"}

@@ -86,7 +86,7 @@ def _make_app(async_reranker, *, served: bool = True) -> FastAPI:
     install_error_handlers(app)
     # the request id the answers' `id` is made of
     app.add_middleware(
-        KVServeMiddleware, is_ready=lambda: True, shutdown=state.shutdown, api_key=None, max_request_bytes=1 << 20
+        KVServeMiddleware, is_ready=lambda: True, shutdown=state.shutdown, api_keys=None, max_request_bytes=1 << 20
     )
     return app
 
@@ -243,8 +243,8 @@ def test_v1_score_pairs_as_vllm_does(server, reranker, text_1, text_2, pairs):
         ("/v1/rerank", {"query": QUERY, "documents": ["ok", LONG]}, 400, "documents", "pair 1"),
         ("/v1/score", {"text_1": LONG, "text_2": "x"}, 400, "text_2", "shorten it or ask to truncate"),
         ("/rerank", {"query": "bad \ud800", "texts": ["x"]}, 400, "query", "not valid Unicode"),
-        ("/v1/rerank", {"query": "q", "documents": ["x", {"text": "bad \udfff"}]}, 400, "documents", "document 1"),
-        ("/v1/score", {"text_1": "q", "text_2": ["x", "bad \ud800"]}, 400, "text_2", "not valid Unicode"),
+        ("/v1/rerank", {"query": "q", "documents": ["x", {"text": "bad \udfff"}]}, 400, "documents.1.text", "Unicode"),
+        ("/v1/score", {"text_1": "q", "text_2": ["x", "bad \ud800"]}, 400, "text_2.1", "not valid Unicode"),
         ("/rerank", {"query": QUERY, "texts": ["x"] * 9}, 413, "texts", "--max-client-batch-size"),
         ("/v1/rerank", {"query": QUERY, "documents": ["x"] * 9}, 413, "documents", "--max-client-batch-size"),
         ("/v1/score", {"text_1": QUERY, "text_2": ["x"] * 9}, 413, "text_2", "--max-client-batch-size"),

@@ -158,13 +158,16 @@ def parse_sse(body: str) -> list[dict | str]:
 def make_server_config(model_dir, *, embedding_model=None, **overrides):
     """A ServerConfig for a tiny test model: small limits, no embeddings unless `embedding_model` names one.
 
-    overrides: EngineConfig fields (max_num_seqs=1) go to the generation engine, the rest to ServerConfig.
+    overrides: EngineConfig fields (max_num_seqs=1) go to the generation engine, the rest to ServerConfig;
+    api_key="k" stands for api_keys=("k",).
     """
     import dataclasses
 
     from engine.config import EmbedderConfig, EngineConfig
     from server.config import ServerConfig
 
+    if "api_key" in overrides:
+        overrides["api_keys"] = (*overrides.pop("api_key").split(","), *overrides.get("api_keys", ()))
     engine_fields = {f.name for f in dataclasses.fields(EngineConfig)}
     engine_values = {
         "model": str(model_dir),

@@ -49,7 +49,7 @@ def test_server_config_declares_no_model_setting_twice():
 
 
 def test_server_config_normalises_and_checks_its_own_fields():
-    config = ServerConfig(allowed_origins=" a, b ,", api_key="", request_timeout=0, max_request_bytes="1KiB")
+    config = ServerConfig(allowed_origins=" a, b ,", api_keys="", request_timeout=0, max_request_bytes="1KiB")
     assert config.allowed_origins == ("a", "b")
     assert config.api_key is None and config.request_timeout is None and config.max_request_bytes == 1024
     with pytest.raises(ValueError, match="port must be in"):

@@ -1,5 +1,6 @@
 // KV cache: polls GET /kv_cache while the view is shown and draws the block pool (every block by state)
 // and each running sequence's block table (shared blocks marked, blocks released by the sliding window faded).
+// A key that is not an admin's gets the counts only (blocks and sequences null): cards, no grid, no strips.
 
 import { apiJSON } from "./api.js";
 import { escapeHTML, hideTooltip, showTooltip } from "./tooltip.js";
@@ -46,11 +47,18 @@ function drawCards(s) {
   const usage = s.num_blocks ? ((100 * s.num_used_blocks) / s.num_blocks).toFixed(1) : "0";
   $("kv-blockinfo").textContent =
     `${s.num_blocks} blocks of ${s.block_size} tokens · ${usage}% in use · prefix caching ` +
-    `${s.prefix_caching ? "on" : "off"}`;
+    `${s.prefix_caching ? "on" : "off"}` +
+    (s.blocks == null ? " · each block's state and the running sequences: admin keys only" : "");
 }
 
 function drawGrid(s) {
   const canvas = $("kv-grid");
+  if (s.blocks == null) {
+    canvas.width = canvas.height = 0;
+    canvas.style.width = canvas.style.height = "0px";
+    gridLayout = null;
+    return;
+  }
   const n = s.blocks.length;
   const width = Math.max(200, canvas.parentElement.clientWidth - 30);
   let cell = Math.floor(Math.sqrt((width * 240) / Math.max(1, n)));
@@ -84,7 +92,7 @@ function drawGrid(s) {
 function drawSequences(s) {
   const container = $("kv-seqs");
   const seen = new Set();
-  for (const seq of s.sequences) {
+  for (const seq of s.sequences || []) {
     seen.add(seq.id);
     let row = rows.get(seq.id);
     if (!row) {
@@ -189,7 +197,7 @@ export function initKV() {
   });
   const canvas = $("kv-grid");
   canvas.addEventListener("mousemove", (e) => {
-    if (!gridLayout || !last) return;
+    if (!gridLayout || !last || last.blocks == null) return;
     const rect = canvas.getBoundingClientRect();
     const col = Math.floor((e.clientX - rect.left) / gridLayout.cell);
     const row = Math.floor((e.clientY - rect.top) / gridLayout.cell);
