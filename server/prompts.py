@@ -1,5 +1,8 @@
 """Request prompts -> token ids: completion prompts (text or ids, one or many) and chat messages.
 
+A completion prompt is the model's raw input: a special token's text in it is that token (as in
+vLLM). Chat messages are the client's text: only the chat template writes control tokens.
+
 Each function takes the tokenizer first and runs on the text worker (server/text.py).
 """
 
@@ -43,14 +46,25 @@ def completion_prompts(
 
 
 def chat_prompt_ids(
-    tokenizer: Any, messages: list[ChatMessage], add_generation_prompt: bool, tools: ToolPlan | None = None
+    tokenizer: Any,
+    messages: list[ChatMessage],
+    add_generation_prompt: bool,
+    tools: ToolPlan | None = None,
+    allow_special_tokens_in_content: bool = False,
 ) -> list[int]:
     """The messages through the model's chat template (server/tools.py renders tool turns, and the
-    tool definitions as the template takes them)."""
+    tool definitions as the template takes them). Everything the request holds is encoded as text,
+    so only the template's own markers are control tokens, unless the server allows special tokens
+    in content (`--allow-special-tokens-in-content`)."""
     native = tokenizer.tool_call_format
     rendered = render_messages(messages, tools, native)
     definitions = list(tools.definitions) if tools is not None and tools.definitions else None
-    return tokenizer.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt, tools=definitions)
+    return tokenizer.apply_chat_template(
+        rendered,
+        add_generation_prompt=add_generation_prompt,
+        tools=definitions,
+        allow_special_tokens_in_content=allow_special_tokens_in_content,
+    )
 
 
 def echoed_prompts(tokenizer: Any, prompts: list[tuple[str | None, list[int]]]) -> list[str]:

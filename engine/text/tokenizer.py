@@ -2,7 +2,8 @@
 
 A thin layer over transformers' fast tokenizers: a Hugging Face directory
 (tokenizer.json / tokenizer_config.json) or a GGUF file (its vocabulary,
-merges and `tokenizer.chat_template`).
+merges and `tokenizer.chat_template`). Chat messages are encoded as text: only the template's own
+markers become control tokens (engine/text/chat_text.py).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pathlib import Path
 
 from engine.errors import InvalidRequestError, ModelLoadError
 from engine.structured.grammar import GrammarCompiler
+from engine.text.chat_text import ControlTokens, Markers, PlainTextEncoder, control_tokens, mark
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +34,8 @@ class Tokenizer:
         if backend is not None:
             backend.no_padding()
             backend.no_truncation()
+        self._control_tokens: tuple[str | None, ControlTokens] | None = None  # (for the template, its tokens)
+        self._plain_text: PlainTextEncoder | None = None  # made for the first chat that needs it
 
     @classmethod
     def from_path(cls, path: str | Path, extra_eos_token_ids: tuple[int, ...] = ()) -> Tokenizer:
@@ -110,8 +114,41 @@ class Tokenizer:
             raise InvalidRequestError(f"the chat template rejected the messages: {exc}", param="messages") from exc
 
     def apply_chat_template(
-        self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        tools: list | None = None,
+        allow_special_tokens_in_content: bool = False,
     ) -> list[int]:
-        text = self.render_chat(messages, add_generation_prompt, tools)
-        # The template already wrote any BOS it wants; do not add another.
-        return self.encode(text, add_special_tokens=False)
+        """The messages through the template, every string in messages and tools encoded as text: a
+        control token's text there stays text, so a message cannot forge a turn (engine/text/chat_text.py).
+
+        allow_special_tokens_in_content: encode the rendered text as a whole instead, so a control
+        token's text anywhere in it is that token.
+        """
+        # The template already writes any BOS it wants; none is added.
+        if allow_special_tokens_in_content:
+            return self.encode(self.render_chat(messages, add_generation_prompt, tools), add_special_tokens=False)
+        tokens = self._chat_control_tokens()
+        markers = Markers.new()
+        marked_messages, in_messages = mark(messages, tokens, markers)
+        marked_tools, in_tools = mark(tools, tokens, markers)
+        text = self.render_chat(marked_messages, add_generation_prompt, marked_tools)
+        if not in_messages + in_tools:
+            return self.encode(text, add_special_tokens=False)  # nothing to keep apart: as encoded always
+        if self._plain_text is None:
+            backend = getattr(self._tok, "_tokenizer", None)
+            if backend is None:
+                raise InvalidRequestError(
+                    "the messages hold a control token's text, which this model's tokenizer cannot encode as text",
+                    param="messages",
+                )
+            self._plain_text = PlainTextEncoder(backend, tokens)
+        return self._plain_text.encode(text, markers)
+
+    def _chat_control_tokens(self) -> ControlTokens:
+        template = self.chat_template
+        if self._control_tokens is None or self._control_tokens[0] != template:
+            self._control_tokens = (template, control_tokens(self._tok, template))
+            self._plain_text = None  # made for the old template's tokens
+        return self._control_tokens[1]

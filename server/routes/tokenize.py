@@ -15,6 +15,7 @@ from fastapi import APIRouter
 from fastapi.responses import Response
 
 from engine.errors import InvalidRequestError
+from server.json_body import StrictJSONRoute
 from server.openapi import tokenizer_responses
 from server.params import check_token_ids
 from server.prompts import chat_prompt_ids
@@ -29,7 +30,7 @@ from server.served_models import generation_engine, request_text
 from server.state import SharedState
 from server.text import text_size
 
-router = APIRouter()
+router = APIRouter(route_class=StrictJSONRoute)
 
 
 @router.post("/tokenize", response_model=TokenizeResponse, responses=tokenizer_responses())
@@ -38,7 +39,8 @@ async def tokenize(body: TokenizeRequest, state: SharedState) -> Response:
     if (body.prompt is None) == (body.messages is None):
         raise InvalidRequestError("give exactly one of prompt or messages", "prompt")
     size = text_size(body.prompt if body.prompt is not None else body.messages)
-    return _json(await request_text(state).run(size, _tokenize, body, engine.max_model_len))
+    special_in_content = state.config.allow_special_tokens_in_content
+    return _json(await request_text(state).run(size, _tokenize, body, engine.max_model_len, special_in_content))
 
 
 @router.post("/detokenize", response_model=DetokenizeResponse, responses=tokenizer_responses())
@@ -61,9 +63,11 @@ async def tokenizer_info(state: SharedState, model: str | None = None) -> Tokeni
     )
 
 
-def _tokenize(tokenizer: Any, body: TokenizeRequest, max_model_len: int) -> bytes:
+def _tokenize(tokenizer: Any, body: TokenizeRequest, max_model_len: int, special_in_content: bool) -> bytes:
+    # messages as chat encodes them (the client's strings are text); a prompt as completions take it
+    # (the model's raw input: special tokens' texts are tokens)
     if body.messages is not None:
-        token_ids = chat_prompt_ids(tokenizer, body.messages, body.add_generation_prompt)
+        token_ids = chat_prompt_ids(tokenizer, body.messages, body.add_generation_prompt, None, special_in_content)
     else:
         token_ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
     token_strs = [tokenizer.id_to_token(t) for t in token_ids] if body.return_token_strs else None
