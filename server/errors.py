@@ -1,6 +1,7 @@
 """The one error shape every failure is answered with (OpenAI's), and the one mapping to it.
 
-Routes raise `APIError`; the engine raises its own errors (engine/errors.py). `api_error_for`
+Routes raise `APIError`; the engine raises its own errors (engine/errors.py); a body that is not
+strict JSON raises `RequestBodyError` while it is read (server/json_body.py). `api_error_for`
 maps any exception to an `APIError`, and `install_error_handlers` makes the app answer each
 with `{"error": {"message", "type", "param", "code"}}` and its status (and headers, e.g.
 Retry-After on 429). Streamed answers send the same body as an SSE error event.
@@ -65,6 +66,24 @@ _DEFAULT_CODES = {
 }
 
 
+# How much of a client's own text (a model name, a key, a tool name) an error message echoes.
+MAX_ECHOED_CHARS = 64
+
+
+def clip(text: str, limit: int = MAX_ECHOED_CHARS) -> str:
+    """`text` as an error message may echo it: at most `limit` characters, then "..."."""
+    return text if len(text) <= limit else f"{text[:limit]}..."
+
+
+class RequestBodyError(StarletteHTTPException):
+    """A body that is not JSON a route takes (server/json_body.py): raised while FastAPI reads the body,
+    which passes HTTP errors through as they are, and answered as a 400 `invalid_request`."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(400, message)
+        self.param = param
+
+
 class APIError(Exception):
     def __init__(
         self,
@@ -117,7 +136,7 @@ def _validation_message(errors: list[dict]) -> tuple[str, str | None]:
     parts = []
     first_param = None
     for error in errors:
-        loc = [str(p) for p in error.get("loc", ()) if p != "body"]
+        loc = [clip(str(p)) for p in error.get("loc", ()) if p != "body"]  # a key may be any length
         param = ".".join(loc) or None
         first_param = first_param or param
         if error.get("type") == "json_invalid":
@@ -153,6 +172,7 @@ def install_error_handlers(app: FastAPI) -> None:
             exc.status_code,
             str(exc.detail),
             type=kinds.get(exc.status_code, "invalid_request_error"),
+            param=exc.param if isinstance(exc, RequestBodyError) else None,
             headers=dict(exc.headers or {}),
         )
         return _render(error)

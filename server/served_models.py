@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Literal
 
-from server.errors import APIError
+from server.errors import APIError, clip
 from server.state import ServerState
 
 if TYPE_CHECKING:
@@ -75,14 +75,14 @@ def check_model(state: ServerState, model: str | None, task: Task) -> None:
             servers = ", ".join(repr(n) for n in sorted(own)) or "no model on this server"
             raise APIError(
                 400,
-                f"model {model!r} is {kind}: use {use} with it. {_TASK_ROUTES[task]}: served by {servers}.",
+                f"model {clip(model)!r} is {kind}: use {use} with it. {_TASK_ROUTES[task]}: served by {servers}.",
                 param="model",
                 code="wrong_model_task",
             )
     served = [state.config.model_name, *sorted(embedding_model_names(state)), *sorted(rerank_model_names(state))]
     raise APIError(
         404,
-        f"the model {model!r} does not exist; served models: {', '.join(served)}",
+        f"the model {clip(model)!r} does not exist; served models: {', '.join(served)}",
         type="not_found_error",
         param="model",
         code="model_not_found",

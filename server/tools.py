@@ -33,6 +33,7 @@ from typing import Any
 
 from engine.errors import InvalidRequestError
 from engine.structured.spec import StructuredOutput
+from server.errors import clip
 from server.protocol.chat import ChatCompletionRequest, ChatMessage, ResponseToolCall, Tool, ToolCallFunction
 from server.tool_stream import GENERIC, GENERIC_CALLS_ONLY, HERMES, Framing, decode_string_prefix
 
@@ -48,6 +49,7 @@ RULE_NAMED = "Call the tool {name}."
 _HERMES_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 _COMPACT = {"whitespace_flexible": False}
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_DATA = ("const", "enum", "default", "examples")  # keywords whose values are JSON data
 
 
 @dataclass(frozen=True)
@@ -98,15 +100,16 @@ def plan_tools(body: ChatCompletionRequest, native_format: str | None) -> ToolPl
             )
         tools = [tool for tool in tools if tool.function.name == name]
         if not tools:
-            raise InvalidRequestError(f"tool_choice: no tool is named {name!r}", "tool_choice")
+            raise InvalidRequestError(f"tool_choice: no tool is named {clip(name)!r}", "tool_choice")
         rule, max_calls, may_answer = RULE_NAMED.format(name=name), 1, False
     elif choice == "required":
         rule, max_calls, may_answer = RULE_REQUIRED, None, False
     elif choice == "auto":
         rule, max_calls, may_answer = RULE_AUTO, None, True
     else:
+        given = clip(str(choice))
         raise InvalidRequestError(
-            f'tool_choice: must be "none", "auto", "required" or a named function, got {choice!r}', "tool_choice"
+            f'tool_choice: must be "none", "auto", "required" or a named function, got {given!r}', "tool_choice"
         )
     if not body.parallel_tool_calls:
         max_calls = 1
@@ -162,19 +165,48 @@ def render_messages(
     return rendered
 
 
-def _call_schemas(tools: list[Tool]) -> list[dict[str, Any]]:
-    return [
-        {
-            "type": "object",
-            "properties": {
-                "name": {"const": tool.function.name},
-                "arguments": _closed(tool.function.parameters or {"type": "object"}),
-            },
-            "required": ["name", "arguments"],
-            "additionalProperties": False,
-        }
-        for tool in tools
-    ]
+def _call_schemas(tools: list[Tool]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """One schema per tool's call, and the `$defs` the schema combining them needs.
+
+    A tool's parameters that refer into themselves ("#", "#/$defs/node") would point at the combined
+    schema's root once nested under `arguments`: such parameters move to the top `$defs`, under the
+    tool's name, with their references rebased there ("#/$defs/node" -> "#/$defs/<name>/$defs/node")."""
+    calls, defs = [], {}
+    for tool in tools:
+        name = tool.function.name  # [A-Za-z0-9_.-]: a JSON-pointer segment as it is
+        arguments = _closed(tool.function.parameters or {"type": "object"})
+        rebased = _rebased(arguments, f"#/$defs/{name}")
+        if rebased != arguments:
+            defs[name] = rebased
+            arguments = {"$ref": f"#/$defs/{name}"}
+        calls.append(
+            {
+                "type": "object",
+                "properties": {"name": {"const": name}, "arguments": arguments},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+        )
+    return calls, defs
+
+
+def _rebased(schema: Any, base: str) -> Any:
+    """`schema` with each local `$ref` ("#...") made relative to `base` instead of the document root."""
+    if isinstance(schema, list):
+        return [_rebased(item, base) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    rebased = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            rebased[key] = base + value[1:]
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):  # names -> schemas: a name is no keyword
+            rebased[key] = {name: _rebased(item, base) for name, item in value.items()}
+        elif key in _SCHEMA_DATA:  # JSON values, not schemas: a "$ref" in them is data
+            rebased[key] = value
+        else:
+            rebased[key] = _rebased(value, base)
+    return rebased
 
 
 def _closed(schema: Any) -> Any:
@@ -197,7 +229,8 @@ def _closed(schema: Any) -> Any:
 
 
 def _generic_schema(tools: list[Tool], max_calls: int | None, may_answer: bool) -> dict[str, Any]:
-    calls = _call_schemas(tools)
+    calls, defs = _call_schemas(tools)
+    with_defs = {"$defs": defs} if defs else {}
     items: dict[str, Any] = {"type": "array", "items": calls[0] if len(calls) == 1 else {"anyOf": calls}, "minItems": 1}
     if max_calls is not None:
         items["maxItems"] = max_calls
@@ -208,20 +241,22 @@ def _generic_schema(tools: list[Tool], max_calls: int | None, may_answer: bool) 
         "additionalProperties": False,
     }
     if not may_answer:
-        return call_reply
+        return {**call_reply, **with_defs}
     text_reply = {
         "type": "object",
         "properties": {"response": {"type": "string"}},
         "required": ["response"],
         "additionalProperties": False,
     }
-    return {"anyOf": [call_reply, text_reply]}
+    return {"anyOf": [call_reply, text_reply], **with_defs}
 
 
 def _hermes_grammar(tools: list[Tool], max_calls: int | None) -> str:
     """Lark (llguidance's dialect, `%json` for a schema): one or more `<tool_call>` blocks."""
-    calls = _call_schemas(tools)
+    calls, defs = _call_schemas(tools)
     schema = {**(calls[0] if len(calls) == 1 else {"anyOf": calls}), "x-guidance": _COMPACT}
+    if defs:
+        schema["$defs"] = defs
     repeat = "" if max_calls == 1 else ' ("\\n" call)*'
     return f'start: call{repeat}\ncall: "<tool_call>\\n" body "\\n</tool_call>"\nbody: %json {json.dumps(schema)}\n'
 

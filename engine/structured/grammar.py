@@ -17,6 +17,7 @@ import collections
 import json
 import re
 import threading
+import urllib.parse
 from typing import Any
 
 from engine.errors import InvalidRequestError
@@ -64,19 +65,83 @@ class GrammarCompiler:
         import llguidance
         import llguidance.numpy
 
+        if spec.json is not None:
+            try:
+                cycle = _ref_cycle(json.loads(spec.json))
+            except RecursionError:  # nested deeper than this thread reads: llguidance says so below
+                cycle = None
+            if cycle is not None:
+                chain = " -> ".join(cycle)
+                message = f"{spec.param}: invalid {spec.kind}: $ref cycle {chain} (it never reaches a schema)"
+                raise InvalidRequestError(message, spec.param)
         try:
             grammar = _grammar_text(spec)
         except Exception as exc:  # noqa: BLE001 - llguidance raises plain exceptions for bad input
-            raise InvalidRequestError(f"{spec.param}: invalid {spec.kind}: {exc}", spec.param) from exc
+            raise InvalidRequestError(f"{spec.param}: invalid {spec.kind}: {_reason(str(exc))}", spec.param) from exc
         error = llguidance.LLMatcher.validate_grammar(grammar, self.ll_tokenizer)
         if error:
-            raise InvalidRequestError(f"{spec.param}: invalid {spec.kind}: {error.strip()}", spec.param)
+            raise InvalidRequestError(f"{spec.param}: invalid {spec.kind}: {_reason(error)}", spec.param)
         template = llguidance.LLMatcher(self.ll_tokenizer, grammar)
         # The first mask builds the lexer (the slow part for a large schema): here, not on the torch thread.
         llguidance.numpy.fill_next_token_bitmask(template, llguidance.numpy.allocate_token_bitmask(1, self.vocab_size))
         if template.is_error():
-            raise InvalidRequestError(f"{spec.param}: invalid {spec.kind}: {template.get_error()}", spec.param)
+            raise InvalidRequestError(f"{spec.param}: invalid {spec.kind}: {_reason(template.get_error())}", spec.param)
         return template
+
+
+# The longest reason a 400 quotes from llguidance; past its first line it appends its parser's state.
+_MAX_REASON_CHARS = 200
+
+
+def _reason(error: str) -> str:
+    """llguidance's error as a short reason: its first line, at most _MAX_REASON_CHARS characters."""
+    first = error.strip().split("\n", 1)[0].strip()
+    if first.startswith("NoExtensionBias"):  # the matcher can emit nothing at all
+        return "it matches no output at all (e.g. a $ref cycle, or a required property that recurses forever)"
+    return first if len(first) <= _MAX_REASON_CHARS else f"{first[:_MAX_REASON_CHARS]}..."
+
+
+def _ref_cycle(schema: Any) -> list[str] | None:
+    """A chain of local `$ref`s that comes back to where it began, e.g. ["#/$defs/a", "#/$defs/b", "#/$defs/a"]:
+    each schema in it is only a reference to the next, so it stands for no value. None when there is none."""
+    nodes = [schema]
+    ending: set[str] = set()  # refs whose chain is known to reach a schema
+    while nodes:
+        node = nodes.pop()
+        if isinstance(node, list):
+            nodes.extend(node)
+            continue
+        if not isinstance(node, dict):
+            continue
+        nodes.extend(value for key, value in node.items() if key not in _LITERAL_KEYWORDS)
+        chain: list[str] = []
+        ref = node.get("$ref")
+        while isinstance(ref, str) and ref.startswith("#") and ref not in ending:
+            if ref in chain:
+                return [*chain[chain.index(ref) :], ref]
+            chain.append(ref)
+            target = _resolve(schema, ref)
+            ref = target.get("$ref") if isinstance(target, dict) else None
+        ending.update(chain)
+    return None
+
+
+# Keywords whose values are JSON data, not schemas: a "$ref" inside them is a plain key.
+_LITERAL_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+
+
+def _resolve(schema: Any, ref: str) -> Any:
+    """The value a local `$ref` ("#", "#/$defs/a") points to in `schema`; None when it points nowhere."""
+    node = schema
+    for part in filter(None, urllib.parse.unquote(ref[1:]).split("/")):
+        key = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and key in node:
+            node = node[key]
+        elif isinstance(node, list) and key.isdigit() and int(key) < len(node):
+            node = node[int(key)]
+        else:
+            return None
+    return node
 
 
 def _grammar_text(spec: StructuredOutput) -> str:

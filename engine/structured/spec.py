@@ -39,6 +39,9 @@ class StructuredOutput:
             except ValueError as exc:
                 message = f"{self.param}: the JSON schema is not valid JSON: {exc}"
                 raise InvalidRequestError(message, self.param) from exc
+            except RecursionError:
+                message = f"{self.param}: the JSON schema nests arrays and objects too deeply to read"
+                raise InvalidRequestError(message, self.param) from None
 
     @property
     def kind(self) -> str:

@@ -11,10 +11,12 @@ from server.protocol.common import (
     PromptLogprobs,
     SamplingFields,
     StrictRequest,
+    StrictSwitch,
     TopLogprobs,
     Usage,
     described_union,
     now,
+    unique_tool_names,
 )
 from server.protocol.completions import CacheSalt
 from server.protocol.structured import GuidedFields, ResponseFormat
@@ -64,7 +66,7 @@ class FunctionDefinition(StrictRequest):
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
-    strict: bool | None = None
+    strict: StrictSwitch | None = None
 
 
 class Tool(StrictRequest):
@@ -76,15 +78,15 @@ class ChatCompletionRequest(SamplingFields, GuidedFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: PositiveCount | None = None
     max_completion_tokens: PositiveCount | None = None
-    logprobs: bool = False
+    logprobs: StrictSwitch = False
     top_logprobs: TopLogprobs | None = None
-    add_generation_prompt: bool = True
+    add_generation_prompt: StrictSwitch = True
     cache_salt: CacheSalt | None = None
     response_format: ResponseFormat | None = None
-    tools: list[Tool] | None = None
+    tools: Annotated[list[Tool], unique_tool_names(lambda tool: tool.function.name)] | None = None
     # "none" | "auto" | "required" | {"type": "function", "function": {"name": ...}}
     tool_choice: StringOrObject | None = None
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: StrictSwitch = True
     # OpenAI fields kvserve does not implement (400 when set to something that matters).
     functions: list[dict[str, Any]] | None = None
     function_call: StringOrObject | None = None

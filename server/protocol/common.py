@@ -4,9 +4,11 @@ completions and chat, token usage, the /v1/models cards, the error body and /hea
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -59,6 +61,22 @@ def described_union(expected: str) -> WrapValidator:
     return WrapValidator(validate)
 
 
+def unique_tool_names(name_of: Callable[[Any], str]) -> AfterValidator:
+    """A list of tools whose names (`name_of(tool)`) all differ: a model calls a tool by its name, so two
+    of one name could not be told apart. The error names the first name given twice."""
+
+    def validate(tools: list[Any]) -> list[Any]:
+        seen: set[str] = set()
+        for tool in tools:
+            name = name_of(tool)
+            if name in seen:
+                raise PydanticCustomError("duplicate_name", 'two tools are named "{name}"', {"name": name})
+            seen.add(name)
+        return tools
+
+    return AfterValidator(validate)
+
+
 Temperature = _number(0.0, MAX_TEMPERATURE)
 Probability = _number(0.0, 1.0)  # min_p
 TopP = _number(0.0, 1.0, low_open=True)
@@ -96,15 +114,15 @@ def now() -> int:
 
 
 class StreamOptions(StrictRequest):
-    include_usage: bool = False
-    continuous_usage_stats: bool = False
+    include_usage: StrictSwitch = False
+    continuous_usage_stats: StrictSwitch = False
 
 
 class TruncationFields(StrictRequest):
     """TEI's switch for inputs over the model's limit (the encoder routes): cut them when `truncate`, from the
     `truncation_direction` side, else a 400. TEI spells directions "Right"/"Left"; either case is accepted."""
 
-    truncate: bool = False
+    truncate: StrictSwitch = False
     truncation_direction: Literal["right", "left"] = "right"
 
     @field_validator("truncation_direction", mode="before")
@@ -121,7 +139,7 @@ class SamplingFields(StrictRequest):
     temperature: Temperature | None = None
     top_p: TopP | None = None
     stop: Stop | None = None
-    stream: bool = False
+    stream: StrictSwitch = False
     stream_options: StreamOptions | None = None
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
@@ -135,9 +153,9 @@ class SamplingFields(StrictRequest):
     repetition_penalty: RepetitionPenalty = 1.0
     min_tokens: Count = 0
     stop_token_ids: list[Count] | None = None
-    ignore_eos: bool = False
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
+    ignore_eos: StrictSwitch = False
+    include_stop_str_in_output: StrictSwitch = False
+    skip_special_tokens: StrictSwitch = True
     # vLLM's: the logprob, rank and top alternatives of every prompt token (the first is null)
     prompt_logprobs: TopLogprobs | None = None
     # kvserve's: false keeps this request out of speculative decoding (--speculative-method); its tokens

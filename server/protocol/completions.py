@@ -12,6 +12,7 @@ from server.protocol.common import (
     PositiveCount,
     PromptLogprobs,
     SamplingFields,
+    StrictSwitch,
     TextsOrTokenIds,
     TopLogprobs,
     Usage,
@@ -27,8 +28,8 @@ class CompletionRequest(SamplingFields, GuidedFields):
     prompt: TextsOrTokenIds
     max_tokens: PositiveCount | None = None  # None: --default-max-tokens, else OpenAI's 16
     logprobs: TopLogprobs | None = None  # OpenAI allows 0..5; kvserve 0..20, like chat's top_logprobs
-    echo: bool = False
-    add_special_tokens: bool = True
+    echo: StrictSwitch = False
+    add_special_tokens: StrictSwitch = True
     cache_salt: CacheSalt | None = None
     # OpenAI fields kvserve does not implement (400 when set).
     suffix: str | None = None

@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel
 
-from server.protocol.common import PositiveCount, TextsOrTokenIds, TruncationFields
+from server.protocol.common import PositiveCount, StrictSwitch, TextsOrTokenIds, TruncationFields
 
 # OpenAI: a string, a list of strings, one token-id list, or a list of token-id lists.
 EmbeddingInput = TextsOrTokenIds
@@ -50,7 +50,7 @@ class EmbedRequest(TruncationFields):
     """POST /embed (text-embeddings-inference)."""
 
     inputs: EmbeddingInput
-    normalize: bool = True
+    normalize: StrictSwitch = True
     dimensions: PositiveCount | None = None
 
 

@@ -13,7 +13,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field
 
-from server.protocol.common import Count, StrictRequest, TruncationFields, described_union, now
+from server.protocol.common import Count, StrictRequest, StrictSwitch, TruncationFields, described_union, now
 
 # ---- TEI: POST /rerank ----
 
@@ -23,8 +23,8 @@ class TEIRerankRequest(TruncationFields):
 
     query: str
     texts: list[str]
-    raw_scores: bool = False  # false: sigmoid(logit), a probability; true: the logit
-    return_text: bool = False
+    raw_scores: StrictSwitch = False  # false: sigmoid(logit), a probability; true: the logit
+    return_text: StrictSwitch = False
 
 
 class TEIRank(BaseModel):
@@ -54,7 +54,7 @@ class RerankRequest(TruncationFields):
     query: str
     documents: list[RerankDocument]
     top_n: Count | None = None  # the best n results; None or 0: all of them
-    return_documents: bool = True
+    return_documents: StrictSwitch = True
 
 
 class RerankDocumentText(BaseModel):

@@ -23,7 +23,9 @@ from server.protocol.common import (
     TopP,
     described_union,
     now,
+    unique_tool_names,
 )
+from server.protocol.completions import CacheSalt
 
 ItemStatus = Literal["in_progress", "completed", "incomplete"]
 FUNCTION_NAME = r"^[A-Za-z0-9_.-]{1,64}$"  # the chat route's rule for tool names
@@ -130,7 +132,7 @@ class FunctionTool(StrictRequest):
     name: str = Field(pattern=FUNCTION_NAME)
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
-    strict: bool | None = None  # accepted; the schema is always enforced when a call is required
+    strict: StrictSwitch | None = None  # accepted; the schema is always enforced when a call is required
 
 
 class FunctionChoice(StrictRequest):
@@ -157,7 +159,7 @@ class TextFormatJsonSchema(StrictRequest):
     name: str = Field(max_length=64)
     schema_: dict[str, Any] = Field(alias="schema")
     description: str | None = None
-    strict: bool | None = None  # accepted; the schema is always enforced
+    strict: StrictSwitch | None = None  # accepted; the schema is always enforced
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
@@ -179,7 +181,7 @@ class ReasoningConfig(StrictRequest):
 
 
 class ResponsesStreamOptions(StrictRequest):
-    include_obfuscation: bool | None = None  # padding against length side channels; never added
+    include_obfuscation: StrictSwitch | None = None  # padding against length side channels; never added
 
 
 Metadata = Annotated[
@@ -196,23 +198,26 @@ class ResponsesRequest(StrictRequest):
     top_p: TopP | None = None
     seed: Seed | None = None  # not in OpenAI's Responses API; the SDK sends it through extra_body
     speculative: StrictSwitch = True  # kvserve's, as chat's: false keeps it out of speculative decoding
-    stream: bool = False
+    stream: StrictSwitch = False
     stream_options: ResponsesStreamOptions | None = None
-    store: bool | None = None  # accepted; responses are never stored
+    store: StrictSwitch | None = None  # accepted; responses are never stored
     text: TextConfig | None = None
-    tools: list[FunctionTool] | None = None
+    tools: Annotated[list[FunctionTool], unique_tool_names(lambda tool: tool.name)] | None = None
     tool_choice: ToolChoice | None = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: StrictSwitch | None = None
     metadata: Metadata | None = None
     user: str | None = None
     safety_identifier: str | None = None
-    prompt_cache_key: str | None = None  # a hint; the prefix cache needs none
+    # Both split the prefix cache: requests share cached prefixes only with requests of the same salt;
+    # prompt_cache_key stands for cache_salt when that is absent.
+    cache_salt: CacheSalt | None = None
+    prompt_cache_key: CacheSalt | None = None
     reasoning: ReasoningConfig | None = None
     truncation: Literal["auto", "disabled"] | None = None  # nothing is dropped: a prompt too long is a 400
     # OpenAI fields kvserve does not implement (400 when set to something that matters; see the route
     # for previous_response_id, which gets its own message).
     previous_response_id: str | None = None
-    background: bool | None = None
+    background: StrictSwitch | None = None
     conversation: str | dict[str, Any] | None = None
     prompt: dict[str, Any] | None = None
     include: list[str] | None = None

@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field
 
-from server.protocol.common import StrictRequest
+from server.protocol.common import StrictRequest, StrictSwitch
 
 JsonSchema = dict[str, Any] | str  # an object, or its JSON text (vLLM accepts both)
 
@@ -20,7 +20,7 @@ class StructuredOutputs(StrictRequest):
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
-    json_object: bool | None = None
+    json_object: StrictSwitch | None = None
 
 
 class JsonSchemaFormat(StrictRequest):
@@ -31,7 +31,7 @@ class JsonSchemaFormat(StrictRequest):
     name: str = Field(max_length=64)
     description: str | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
-    strict: bool | None = None
+    strict: StrictSwitch | None = None
 
 
 class ResponseFormat(StrictRequest):

@@ -5,16 +5,16 @@ from __future__ import annotations
 from pydantic import BaseModel
 
 from server.protocol.chat import ChatMessage
-from server.protocol.common import StrictRequest, TokenId
+from server.protocol.common import StrictRequest, StrictSwitch, TokenId
 
 
 class TokenizeRequest(StrictRequest):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
-    add_generation_prompt: bool = True
-    return_token_strs: bool = False
+    add_special_tokens: StrictSwitch = True
+    add_generation_prompt: StrictSwitch = True
+    return_token_strs: StrictSwitch = False
 
 
 class TokenizeResponse(BaseModel):

@@ -2,7 +2,9 @@
 
 Computed by the reference path (engine/runner/attention_probe.py), not the serving kernels: the
 model's own layers with explicit softmax attention over a private cache. At most
-MAX_ATTENTION_TOKENS tokens (400 past it) and one forward at a time (429 meanwhile).
+MAX_ATTENTION_TOKENS tokens (400 past it; a prompt over MAX_ATTENTION_PROMPT_CHARS characters is
+refused before it is tokenized), a window and sink count within the context length, and one forward
+at a time (429 meanwhile).
 """
 
 from __future__ import annotations
@@ -15,13 +17,19 @@ from fastapi.responses import Response
 from engine.runner.attention_probe import AttentionWeights
 from engine.text.tokenizer import Tokenizer
 from server.errors import APIError
+from server.json_body import StrictJSONRoute
 from server.openapi import attention_responses
 from server.params import check_token_ids
-from server.protocol.playground import MAX_ATTENTION_TOKENS, AttentionRequest, AttentionResponse
+from server.protocol.playground import (
+    MAX_ATTENTION_PROMPT_CHARS,
+    MAX_ATTENTION_TOKENS,
+    AttentionRequest,
+    AttentionResponse,
+)
 from server.served_models import generation_engine, request_text
 from server.state import SharedState
 
-router = APIRouter()
+router = APIRouter(route_class=StrictJSONRoute)
 
 # Significant digits sent per weight (the matrix is up to 65,536 numbers): a relative error of 5e-7,
 # and a tiny weight stays non-zero (it is 0 only where float32's softmax itself underflows, a score
@@ -35,13 +43,22 @@ async def attention(body: AttentionRequest, state: SharedState) -> Response:
     if (body.prompt is None) == (body.token_ids is None):
         raise APIError(400, "give exactly one of prompt or token_ids", param="prompt")
     text = request_text(state)
+    limit = min(MAX_ATTENTION_TOKENS, engine.max_model_len)
+    _check_masking(body, engine.max_model_len)
+    if body.prompt is not None and len(body.prompt) > MAX_ATTENTION_PROMPT_CHARS:
+        raise APIError(
+            400,
+            f"the prompt is {len(body.prompt)} characters; attention weights are computed for at most {limit} "
+            f"tokens, and a prompt over {MAX_ATTENTION_PROMPT_CHARS} characters is longer than that",
+            param="prompt",
+            code="context_length_exceeded",
+        )
     if body.prompt is not None:
         token_ids = await text.run(len(body.prompt), _encode, body.prompt, body.add_special_tokens)
     else:
         token_ids = list(body.token_ids or [])
     if not token_ids:
         raise APIError(400, "the prompt is empty", param="prompt")
-    limit = min(MAX_ATTENTION_TOKENS, engine.max_model_len)
     if len(token_ids) > limit:
         raise APIError(
             400,
@@ -63,6 +80,14 @@ async def attention(body: AttentionRequest, state: SharedState) -> Response:
     result = await state.attention_view.weights(engine, token_ids, window, sinks)
     content = await text.run(len(token_ids) ** 2, _answer, result, body.layer, body.head, engine.model_name)
     return Response(content, media_type="application/json")
+
+
+def _check_masking(body: AttentionRequest, max_model_len: int) -> None:
+    """A window or sink count past the model's context length masks nothing more: a 400 naming it."""
+    for param, value in (("sliding_window", body.sliding_window), ("num_sink_tokens", body.num_sink_tokens)):
+        if value is not None and value > max_model_len:
+            message = f"{param} must be at most the model's context length, {max_model_len}; got {value}"
+            raise APIError(400, message, param=param)
 
 
 def _masking(body: AttentionRequest, server_window: int | None, server_sinks: int) -> tuple[int | None, int]:

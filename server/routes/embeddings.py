@@ -20,6 +20,7 @@ from fastapi.responses import Response
 from engine.embedder import EmbedResult
 from server import serving
 from server.errors import APIError
+from server.json_body import StrictJSONRoute
 from server.metrics import ServerMetrics
 from server.openapi import engine_responses
 from server.params import check_batch_size
@@ -30,7 +31,7 @@ from server.state import SharedState
 if TYPE_CHECKING:
     from engine.serving.async_embedder import AsyncEmbedder
 
-router = APIRouter()
+router = APIRouter(route_class=StrictJSONRoute)
 
 
 @router.post("/v1/embeddings", response_model=EmbeddingResponse, responses=engine_responses())

@@ -29,6 +29,7 @@ from engine.errors import InvalidRequestError
 from engine.reranker import TextPair, sigmoid
 from server import serving
 from server.errors import APIError
+from server.json_body import StrictJSONRoute
 from server.metrics import ServerMetrics
 from server.openapi import engine_responses
 from server.params import check_batch_size
@@ -48,7 +49,7 @@ from server.state import SharedState
 if TYPE_CHECKING:
     from engine.serving.async_embedder import AsyncEmbedder
 
-router = APIRouter()
+router = APIRouter(route_class=StrictJSONRoute)
 
 
 @router.post("/rerank", response_model=TEIRerankResponse, responses=engine_responses())

@@ -197,9 +197,9 @@ def test_malformed_requests(server):
 @pytest.mark.parametrize(
     ("path", "body", "param", "words"),
     [
-        ("/v1/embeddings", {"input": "\ud800"}, "input", "input 0 cannot be tokenized: it is not valid Unicode"),
-        ("/v1/embeddings", {"input": ["fine", "broken \udfff"]}, "input", "input 1 cannot be tokenized"),
-        ("/embed", {"inputs": "\ud800"}, "input", "not valid Unicode"),
+        ("/v1/embeddings", {"input": "\ud800"}, "input", "input: the text is not valid Unicode (a lone surrogate)"),
+        ("/v1/embeddings", {"input": ["fine", "broken \udfff"]}, "input.1", "input.1: the text is not valid Unicode"),
+        ("/embed", {"inputs": "\ud800"}, "inputs", "not valid Unicode"),
         ("/v1/embeddings", {"input": [5, True]}, "input", "token id is a non-negative integer"),
         ("/embed", {"inputs": [[5], [False]]}, "inputs", "token id is a non-negative integer"),
         ("/v1/embeddings", {"input": "x", "dimensions": 10**30}, "dimensions", "dimensions: "),
