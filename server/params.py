@@ -8,6 +8,7 @@ for a request that could never be admitted or is over --max-request-cost).
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 
 from engine.errors import InvalidRequestError
 from engine.params import SamplingParams
@@ -41,6 +42,8 @@ def check_admissible(
     params: SamplingParams,
     max_model_len: int,
     kv_cache_tokens: int,
+    listed_prompt_tops: Sequence[int | None] = (),
+    prompt_listed_per_choice: bool = False,
 ) -> None:
     """400 for a generation request that could never be served fairly, before anything is queued.
 
@@ -51,6 +54,11 @@ def check_admissible(
     --max-request-cost the request would hold the engine long enough to starve everyone else. Its
     default is what the KV cache holds (`kv_cache_tokens`), but at least DEFAULT_COST_CONTEXTS full
     contexts: a few samples without max_tokens must always be admissible.
+
+    Logprobs are priced on their own (`logprob_entries`), against --max-request-logprobs:
+    `listed_prompt_tops` holds the top-k of each listing of the prompt's tokens the answer carries
+    (completions: prompt_logprobs, and echo's logprobs; None entries list nothing), repeated in
+    every choice when `prompt_listed_per_choice`.
     """
     num_prompts = len(prompt_lengths)
     if num_prompts > config.max_queued_requests:
@@ -76,6 +84,45 @@ def check_admissible(
             param="max_tokens" if params.max_tokens is not None else "n",
             code="request_too_large",
         )
+    entries = logprob_entries(prompt_lengths, params, max_model_len, listed_prompt_tops, prompt_listed_per_choice)
+    if entries > config.max_request_logprobs:
+        raise APIError(
+            400,
+            f"this request may return {entries} logprob entries (each listed token and alternative, over every "
+            f"prompt token it lists and every token it may generate, in every choice), more than this server's "
+            f"limit of {config.max_request_logprobs} (--max-request-logprobs); ask for fewer top logprobs, "
+            "lower n or max_tokens, or split it into several requests",
+            param="logprobs" if params.logprobs is not None else "prompt_logprobs",
+            code="request_too_large",
+        )
+
+
+def logprob_entries(
+    prompt_lengths: Sequence[int],
+    params: SamplingParams,
+    max_model_len: int,
+    listed_prompt_tops: Sequence[int | None] = (),
+    prompt_listed_per_choice: bool = False,
+) -> int:
+    """The logprob entries (a token with its logprob, or one alternative) a request may return.
+
+    Each generated token lists itself and `logprobs` alternatives, in each of n samples, for up to
+    max_tokens tokens (unset: the rest of the context). Each listing of the prompt names every
+    prompt token with its top-k; vLLM's prompt_logprobs also the token itself, so k + 1 each. The
+    prompt's own scoring (the engine reduces a [vocab] row per prompt token) is counted by the same
+    rows, so one number bounds the engine's work, the answer's objects and its bytes.
+    """
+    repeat = params.n if prompt_listed_per_choice else 1
+    total = 0
+    for length in prompt_lengths:
+        room = max(0, max_model_len - length)
+        generated = room if params.max_tokens is None else min(params.max_tokens, room)
+        if params.logprobs is not None:
+            total += params.n * generated * (params.logprobs + 1)
+        for top in listed_prompt_tops:
+            if top is not None:
+                total += repeat * length * (top + 1)
+    return total
 
 
 def check_token_ids(token_ids: list[int], vocab_size: int, param: str) -> None:

@@ -28,6 +28,7 @@ client left while the head was sent), not a send that raised.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -35,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from engine.errors import EngineDeadError, KVServeError
@@ -43,6 +44,7 @@ from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from engine.params import SamplingParams
 from engine.serving.async_engine import AsyncEngine, RequestStream
 from server.errors import APIError, api_error_for
+from server.json_answer import json_response
 from server.metrics import RequestTimer, TokenCounts
 from server.protocol.common import StreamOptions, Usage
 from server.shutdown import is_stopping, shutting_down_error
@@ -303,6 +305,25 @@ async def generation_stream(
     return _Answer(send_events, generation)
 
 
+def abandoned_when_client_leaves(handler: Callable[..., Awaitable[Response]]) -> Callable[..., Awaitable[Response]]:
+    """A generation route whose work before the answer (rendering the prompt, compiling a grammar, the
+    submit) is cancelled when the client leaves meanwhile, with a bare 499; the route takes `request`.
+
+    The answer itself races the client from its start (`generation_json`, `generation_stream`); this
+    covers the seconds before it, which a long prompt or a new grammar can take.
+    """
+
+    @functools.wraps(handler)
+    async def handle(*args: Any, **kwargs: Any) -> Response:
+        request: Request = kwargs["request"]
+        try:
+            return await _unless_client_leaves(handler(*args, **kwargs), request.receive)
+        except _ClientGone:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+
+    return handle
+
+
 def raced_json(work: Callable[[], Awaitable[Any]]) -> Response:
     """Answer `await work()` (JSON-able) as JSON; if the client leaves first, cancel it and answer 499."""
     return _Answer(_json_sender(work, None))
@@ -322,7 +343,8 @@ def _json_sender(work: Callable[[], Awaitable[Any]], generation: Generation | No
         if generation is not None:
             generation.record_finish()
             _record_usage(scope, generation.usage())
-        await JSONResponse(content)(scope, receive, send)
+        response = await json_response(content)  # a large body is encoded in pieces, between turns of the loop
+        await response(scope, receive, send)
 
     return send_json
 

@@ -10,6 +10,11 @@ After the runner has run a batch, `update` is the one place where sequences
 advance: progress, newly full blocks published to the prefix cache, the sampled
 token appended and the one pure stop check (EOS, stop token ids, max_tokens,
 context length) applied. Stop strings are text and are checked on the async side.
+
+Prompt tokens whose logprobs a request asked for cost far more than other prompt tokens (an
+output-head row over the vocabulary, a softmax and a top-k each), so a step scores at most
+PROMPT_LOGPROB_ROWS_PER_STEP of them: a long scored prompt spreads over many steps, and the
+rest of each step's budget goes to everyone else (a waiting sequence behind it is not held back).
 """
 
 from __future__ import annotations
@@ -23,6 +28,10 @@ from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.sequence import Sequence, SequenceStatus
 from engine.outputs import FINISH_LENGTH, FINISH_STOP, EmittedTokens, TokenLogprob
 from engine.params import SamplingParams
+
+# Scored prompt tokens per step, over every sequence: 512 rows of a 49k vocabulary are ~100 MB of
+# logits in slices and a few tens of ms of head products on a CPU, a step's share, not its whole.
+PROMPT_LOGPROB_ROWS_PER_STEP = 512
 
 
 @dataclass
@@ -149,6 +158,7 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
+        scored_rows_left = PROMPT_LOGPROB_ROWS_PER_STEP
         bm = self.kv_manager
 
         # 1. Running sequences, oldest first; preempt from the newest end when blocks run out.
@@ -156,6 +166,11 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_uncomputed_tokens, budget)
+            if seq.needs_prompt_logprobs:
+                num_new = min(num_new, scored_rows_left)
+                if num_new == 0:  # this step's scored rows are spent: it goes on next step
+                    i += 1
+                    continue
             bm.release_out_of_window(seq)
             while not bm.grow(seq, seq.num_computed_tokens + num_new):
                 victim = self.running[-1]
@@ -166,6 +181,8 @@ class Scheduler:
                 break  # seq preempted itself: nothing newer is left to run
             batch.append(seq, num_new)
             budget -= num_new
+            if seq.needs_prompt_logprobs:
+                scored_rows_left -= num_new
             i += 1
         budget -= self._make_draft_room(batch, budget)
 
@@ -174,7 +191,7 @@ class Scheduler:
         skipped: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if self._is_blocked_on_parent(seq):
+            if self._is_blocked_on_parent(seq) or (seq.needs_prompt_logprobs and scored_rows_left == 0):
                 skipped.append(self.waiting.popleft())
                 continue
             if not seq.block_table and not seq.needs_prompt_logprobs:
@@ -183,6 +200,8 @@ class Scheduler:
                 seq.num_computed_tokens = bm.take_cached_prefix(seq)
             bm.release_out_of_window(seq)
             num_new = min(seq.num_uncomputed_tokens, budget)
+            if seq.needs_prompt_logprobs:
+                num_new = min(num_new, scored_rows_left)
             if not bm.grow(seq, seq.num_computed_tokens + num_new):
                 if not self.running and not batch.seqs and not skipped:
                     # Nothing else holds blocks and it still does not fit: it never will.
@@ -204,6 +223,8 @@ class Scheduler:
             self.running.append(seq)
             batch.append(seq, num_new)
             budget -= num_new
+            if seq.needs_prompt_logprobs:
+                scored_rows_left -= num_new
         self.waiting.extendleft(reversed(skipped))
         return batch
 

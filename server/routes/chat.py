@@ -10,6 +10,8 @@ from fastapi.responses import Response
 
 from engine.errors import InvalidRequestError
 from server import serving
+from server.access import request_cache_salt
+from server.json_body import StrictJSONRoute
 from server.logprobs import chat_logprobs, prompt_logprobs_entries
 from server.openapi import generation_responses
 from server.params import check_admissible, max_tokens_for, reject_unsupported, sampling_params
@@ -31,7 +33,7 @@ from server.text import text_size
 from server.tool_stream import ToolReplyStream
 from server.tools import ToolPlan, plan_tools
 
-router = APIRouter()
+router = APIRouter(route_class=StrictJSONRoute)
 
 
 @router.post(
@@ -39,6 +41,7 @@ router = APIRouter()
     response_model=ChatCompletionResponse,
     responses=generation_responses(ChatCompletionChunk),
 )
+@serving.abandoned_when_client_leaves
 async def create_chat_completion(body: ChatCompletionRequest, request: Request, state: SharedState) -> Response:
     engine = generation_engine(state, body.model)
     reject_unsupported(body.unsupported_fields())
@@ -47,7 +50,12 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     engine.check_admission()  # a full queue answers 429 before the messages are rendered
     tools = plan_tools(body, engine.tokenizer.tool_call_format)
     prompt_ids = await request_text(state).run(
-        text_size(body.messages), chat_prompt_ids, body.messages, body.add_generation_prompt, tools
+        text_size(body.messages),
+        chat_prompt_ids,
+        body.messages,
+        body.add_generation_prompt,
+        tools,
+        state.config.allow_special_tokens_in_content,
     )
     tokenizer = engine.tokenizer  # the event loop's: logprob token texts, a few per step
     asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -59,9 +67,17 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
         if structured is not None:
             raise InvalidRequestError("tools: cannot be combined with structured_outputs or guided_*", "tools")
         structured = tools.spec
-    params = sampling_params(body, max_tokens, logprobs, engine.vocab_size, body.cache_salt, structured)
+    cache_salt = request_cache_salt(request, body.cache_salt)
+    params = sampling_params(body, max_tokens, logprobs, engine.vocab_size, cache_salt, structured)
     await compile_structured(request_text(state), engine, structured)
-    check_admissible(state.config, [len(prompt_ids)], params, engine.max_model_len, engine.kv_cache_tokens)
+    check_admissible(
+        state.config,
+        [len(prompt_ids)],
+        params,
+        engine.max_model_len,
+        engine.kv_cache_tokens,
+        listed_prompt_tops=(body.prompt_logprobs,),
+    )
     answer_id = serving.response_id(request, "chatcmpl")
     model_name = state.config.model_name
     timer = state.metrics.start_request()
@@ -84,11 +100,14 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
         choices = []
         for index, sample in enumerate(await generation.samples()):
             content, calls = tools.parse(sample.text) if tools is not None else (sample.text, [])
+            logprobs = None
+            if body.logprobs:  # many tokens' texts: made on the text worker, off the event loop
+                logprobs = await request_text(state).run(len(sample.logprobs), chat_logprobs, sample.logprobs, num_top)
             choices.append(
                 ChatChoice(
                     index=index,
                     message=ChatResponseMessage(content=content, tool_calls=calls or None),
-                    logprobs=chat_logprobs(tokenizer, sample.logprobs, num_top) if body.logprobs else None,
+                    logprobs=logprobs,
                     finish_reason="tool_calls" if calls else sample.finish_reason,
                     stop_reason=sample.stop_reason,
                 )

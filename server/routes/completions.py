@@ -9,6 +9,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from server import serving
+from server.access import request_cache_salt
+from server.json_body import StrictJSONRoute
 from server.logprobs import completion_logprobs, echo_logprobs, joined, prompt_logprobs_entries
 from server.openapi import generation_responses
 from server.params import check_admissible, max_tokens_for, reject_unsupported, sampling_params
@@ -26,12 +28,13 @@ from server.state import SharedState
 from server.structured import compile_structured, structured_output
 from server.text import RequestText, has_text, text_size
 
-router = APIRouter()
+router = APIRouter(route_class=StrictJSONRoute)
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's, when neither the request nor --default-max-tokens sets one
 
 
 @router.post("/v1/completions", response_model=CompletionResponse, responses=generation_responses(CompletionResponse))
+@serving.abandoned_when_client_leaves
 async def create_completion(body: CompletionRequest, request: Request, state: SharedState) -> Response:
     engine = generation_engine(state, body.model)
     reject_unsupported(body.unsupported_fields())
@@ -46,7 +49,7 @@ async def create_completion(body: CompletionRequest, request: Request, state: Sh
         max_tokens,
         body.logprobs,
         engine.vocab_size,
-        body.cache_salt,
+        request_cache_salt(request, body.cache_salt),
         structured,
         prompt_logprobs=echo_logprobs_top,
     )
@@ -56,7 +59,13 @@ async def create_completion(body: CompletionRequest, request: Request, state: Sh
     else:  # token ids need no tokenizer: they do not queue for the text worker
         prompts = completion_prompts(None, body, engine.vocab_size, state.config)
     check_admissible(
-        state.config, [len(ids) for _, ids in prompts], params, engine.max_model_len, engine.kv_cache_tokens
+        state.config,
+        [len(ids) for _, ids in prompts],
+        params,
+        engine.max_model_len,
+        engine.kv_cache_tokens,
+        listed_prompt_tops=(body.prompt_logprobs, echo_logprobs_top),
+        prompt_listed_per_choice=True,
     )
     if body.echo:
         echoes = await text.run(sum(len(ids) for _, ids in prompts), echoed_prompts, prompts)
@@ -90,7 +99,8 @@ async def create_completion(body: CompletionRequest, request: Request, state: Sh
             echoed_logprobs, prompt_logprobs = scores[prompt_index]
             logprobs = None
             if params.logprobs is not None:
-                logprobs = completion_logprobs(tokenizer, sample.logprobs, len(echo))
+                # Many tokens' texts: made on the text worker, off the event loop.
+                logprobs = await text.run(len(sample.logprobs), completion_logprobs, sample.logprobs, len(echo))
                 if echoed_logprobs is not None:
                     logprobs = joined(echoed_logprobs, logprobs)
             choices.append(

@@ -25,7 +25,9 @@ from engine.errors import InvalidRequestError
 from engine.params import SamplingParams
 from engine.structured.spec import StructuredOutput
 from server import serving
+from server.access import request_cache_salt
 from server.errors import APIError
+from server.json_body import StrictJSONRoute
 from server.openapi import named_event_responses
 from server.params import check_admissible, max_tokens_for, reject_unsupported, sampling_params
 from server.prompts import chat_prompt_ids
@@ -50,7 +52,7 @@ from server.text import text_size
 from server.tool_stream import ToolReplyStream
 from server.tools import ToolPlan, plan_tools
 
-router = APIRouter()
+router = APIRouter(route_class=StrictJSONRoute)
 
 NOT_STORED = (
     "previous_response_id: this server does not store responses; send the whole conversation in `input` "
@@ -67,6 +69,7 @@ _OWN_PARAMS = {"max_tokens": "max_output_tokens", "prompt": "input", "messages":
     response_model=ResponseObject,
     responses=named_event_responses(ResponseStreamEvent),
 )
+@serving.abandoned_when_client_leaves
 async def create_response(body: ResponsesRequest, request: Request, state: SharedState) -> Response:
     try:
         return await _create_response(body, request, state)
@@ -89,10 +92,15 @@ async def _create_response(body: ResponsesRequest, request: Request, state: Shar
     structured = _text_format(body)
     if tools is not None and structured is not None:
         raise InvalidRequestError("text.format: cannot be combined with tools (use tool_choice none)", "text.format")
-    prompt_ids = await request_text(state).run(text_size(chat.messages), chat_prompt_ids, chat.messages, True, tools)
+    special_in_content = state.config.allow_special_tokens_in_content
+    prompt_ids = await request_text(state).run(
+        text_size(chat.messages), chat_prompt_ids, chat.messages, True, tools, special_in_content
+    )
     spec = tools.spec if tools is not None else structured
     max_tokens = max_tokens_for(body.max_output_tokens, state.config)
-    params = sampling_params(chat, max_tokens, None, engine.vocab_size, None, spec)
+    # prompt_cache_key (OpenAI's) keeps its requests' cached prefixes apart as cache_salt (vLLM's) does.
+    cache_salt = request_cache_salt(request, body.cache_salt or body.prompt_cache_key)
+    params = sampling_params(chat, max_tokens, None, engine.vocab_size, cache_salt, spec)
     await compile_structured(request_text(state), engine, spec)
     check_admissible(state.config, [len(prompt_ids)], params, engine.max_model_len, engine.kv_cache_tokens)
     response_id = f"resp_{request.state.request_id}"  # OpenAI's spelling, with the X-Request-Id as chat's ids

@@ -21,7 +21,7 @@ from server.app import create_app
 from server.serving import CLIENT_CLOSED_REQUEST
 from server.state import state_of
 from tests.server.flaky_engine import flaky_factory
-from tests.support.asgi import post_scope
+from tests.support.asgi import post_and_leave_async, post_scope
 from tests.support.server_harness import ServerThread, make_server_config, send_and_hang_up
 from tests.support.tiny_models import make_tiny_llama
 
@@ -121,6 +121,7 @@ LEAVINGS = [
     ("/v1/completions", {**LONG, **FAN_OUT, "stream": True}, "mid_stream", 200),
     ("/v1/chat/completions", {**LONG, "messages": CHAT}, "while_generating", CLIENT_CLOSED_REQUEST),
     ("/v1/completions", {**LONG, **FAN_OUT}, "while_generating", CLIENT_CLOSED_REQUEST),
+    ("/v1/responses", {"model": MODEL, "input": "Hi", "max_output_tokens": 200}, "while_generating", 499),
 ]
 
 
@@ -177,3 +178,40 @@ def test_client_leaving_at_each_moment_aborts_every_request(model_dir, without_g
 
     sent = asyncio.run(main())
     assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == status
+
+
+BEFORE_THE_ANSWER = [
+    ("/v1/chat/completions", {**LONG, "messages": CHAT}, "server.routes.chat.compile_structured"),
+    ("/v1/completions", {**LONG, "prompt": "Hi"}, "server.routes.completions.compile_structured"),
+    ("/v1/responses", {"model": MODEL, "input": "Hi"}, "server.routes.responses.compile_structured"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "slow_step"), BEFORE_THE_ANSWER, ids=[p for p, _, _ in BEFORE_THE_ANSWER])
+def test_a_client_leaving_before_the_answer_starts_is_noticed_at_once(model_dir, monkeypatch, path, body, slow_step):
+    """The work before the submit (here a grammar compile that takes 30 s) is cancelled the moment the
+    client leaves: a 499 within a second, and nothing ever reaches the engine."""
+    app = create_app(make_server_config(model_dir))
+    payload = json.dumps(body).encode()
+    compiling = asyncio.Event()
+
+    async def slow_compile(*args, **kwargs) -> None:
+        compiling.set()
+        await asyncio.sleep(30)
+
+    monkeypatch.setattr(slow_step, slow_compile)
+
+    async def main() -> tuple[list[dict], float]:
+        async with app.router.lifespan_context(app):
+            state = state_of(app)
+            while not state.is_ready:
+                await asyncio.sleep(0.01)
+            start = time.monotonic()
+            sent = await post_and_leave_async(app, path, payload, compiling, timeout=5)
+            elapsed = time.monotonic() - start
+            assert state.engine.num_active_requests == 0 and state.engine.stats().num_generation_tokens == 0
+            return sent, elapsed
+
+    sent, elapsed = asyncio.run(main())
+    assert sent[0]["status"] == CLIENT_CLOSED_REQUEST
+    assert elapsed < 1.0

@@ -26,26 +26,30 @@ def post_and_leave(app, path: str, payload: bytes, leave_when) -> list[dict]:
     the app's fake engine sets) is set; returns every message the app sent."""
     import asyncio
 
-    async def main() -> list[dict]:
-        is_body_read = False
+    return asyncio.run(post_and_leave_async(app, path, payload, leave_when))
 
-        async def receive() -> dict:
-            nonlocal is_body_read
-            if not is_body_read:
-                is_body_read = True
-                return {"type": "http.request", "body": payload, "more_body": False}
-            await leave_when.wait()
-            return {"type": "http.disconnect"}
 
-        sent: list[dict] = []
+async def post_and_leave_async(app, path: str, payload: bytes, leave_when, timeout: float = 10) -> list[dict]:
+    """post_and_leave inside a running event loop (an app whose lifespan the caller runs)."""
+    import asyncio
 
-        async def send(message: dict) -> None:
-            sent.append(message)
+    is_body_read = False
 
-        await asyncio.wait_for(app(post_scope(path, payload), receive, send), timeout=10)
-        return sent
+    async def receive() -> dict:
+        nonlocal is_body_read
+        if not is_body_read:
+            is_body_read = True
+            return {"type": "http.request", "body": payload, "more_body": False}
+        await leave_when.wait()
+        return {"type": "http.disconnect"}
 
-    return asyncio.run(main())
+    sent: list[dict] = []
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    await asyncio.wait_for(app(post_scope(path, payload), receive, send), timeout=timeout)
+    return sent
 
 
 class SilentEncoder:

@@ -138,3 +138,47 @@ def test_later_samples_wait_for_the_first_and_take_its_cached_prompt():
     batch = scheduler.schedule()
     assert _plan(batch) == [(first, 1), (second, 1)]  # 6 of its 7 prompt tokens came from the cache
     assert second.block_table[:3] == first.block_table[:3]
+
+
+def _scored_seq(num_prompt_tokens: int) -> Sequence:
+    return Sequence(
+        seq_id=next(_seq_ids),
+        request_id="scored",
+        index=0,
+        prompt_token_ids=list(range(100, 100 + num_prompt_tokens)),
+        params=SamplingParams(max_tokens=1000, ignore_eos=True, prompt_logprobs=5),
+        arrival_time=0.0,
+    )
+
+
+def _run_scoring(scheduler: Scheduler, batch: ScheduledBatch) -> None:
+    """_run, and every prompt row the runner would score handed back as a logprob."""
+    from engine.outputs import TokenLogprob
+    from engine.runner.prompt_logprobs import prompt_rows
+
+    scored = {
+        part.seq: [TokenLogprob(token_id=1, logprob=-1.0, top=[], rank=1) for _ in range(part.count)]
+        for part in prompt_rows(batch)
+    }
+    num_sampled = sum(batch.samples(i) for i in range(len(batch.seqs)))
+    scheduler.update(batch, [EmittedTokens([SAMPLED_TOKEN], [None]) for _ in range(num_sampled)], scored)
+
+
+def test_scored_prompt_rows_are_capped_per_step_and_others_go_on(monkeypatch):
+    import engine.core.scheduler as scheduler_module
+
+    monkeypatch.setattr(scheduler_module, "PROMPT_LOGPROB_ROWS_PER_STEP", 8)
+    scheduler = _scheduler(num_blocks=256, max_num_batched_tokens=64)
+    a, b = _scored_seq(40), _scored_seq(40)
+    scheduler.add(a)
+    scheduler.add(b)
+    (c,) = _add(scheduler, 5)  # a plain request behind two long scored prompts
+    batch = scheduler.schedule()
+    assert _plan(batch) == [(a, 8), (c, 5)]  # b waits for the next step's rows; c is not held back
+    for _ in range(20):
+        _run_scoring(scheduler, batch)
+        batch = scheduler.schedule()
+        scored_rows = sum(n for seq, n in _plan(batch) if seq.needs_prompt_logprobs)
+        assert scored_rows <= 8
+        assert (c, 1) in _plan(batch)  # the plain request decodes in every step
+    assert [len(a.prompt_logprobs), len(b.prompt_logprobs)] == [39, 39]  # both scored in full, a first
