@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import json
 import logging
 import random
@@ -36,6 +37,9 @@ logger = logging.getLogger(__name__)
 
 GENERATION_KINDS = ("completion", "completion_stream", "chat", "chat_stream")
 MIB = 1024 * 1024
+# `--long`: enough requests that a leak of a few KiB per request shows above the allocator's noise.
+LONG_SOAK_REQUESTS = 10_000
+LONG_SOAK_S = 2 * 3600.0
 
 
 @dataclass(frozen=True)
@@ -90,6 +94,8 @@ class SoakReport:
     rss_end_mib: float | None
     rss_slope_mib_per_min: float | None
     duration_s: float
+    # MiB of RSS per 1,000 requests answered, after warm-up: the number that says whether a long run leaks.
+    rss_slope_mib_per_1k_requests: float | None = None
     gauges_after: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -203,6 +209,7 @@ class RssSampler:
         self.pid = pid
         self.interval_s = interval_s
         self.samples: list[tuple[float, int]] = []
+        self.start = time.monotonic()  # what the samples' seconds count from
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="rss-sampler", daemon=True)
 
@@ -210,15 +217,15 @@ class RssSampler:
         import psutil
 
         process = psutil.Process(self.pid)
-        start = time.monotonic()
         while not self._stop.is_set():
             try:
-                self.samples.append((time.monotonic() - start, process.memory_info().rss))
+                self.samples.append((time.monotonic() - self.start, process.memory_info().rss))
             except psutil.Error:
                 return
             self._stop.wait(self.interval_s)
 
     def __enter__(self) -> RssSampler:  # noqa: PYI034 - keeps Python 3.10 working
+        self.start = time.monotonic()
         if self.pid is not None:
             self._thread.start()
         return self
@@ -231,15 +238,29 @@ class RssSampler:
 
 def rss_slope(samples: Sequence[tuple[float, int]]) -> float | None:
     """Least-squares slope of RSS over time, in MiB per minute (None under 2 samples)."""
-    if len(samples) < 2:
+    slope = _slope([t for t, _ in samples], [rss / MIB for _, rss in samples])
+    return None if slope is None else 60.0 * slope
+
+
+def rss_slope_per_requests(samples: Sequence[tuple[float, int]], done_at: Sequence[float]) -> float | None:
+    """Least-squares slope of RSS over the count of requests answered, in MiB per 1,000 requests.
+
+    samples: (seconds, RSS bytes); done_at: when each request was answered, on the same clock. Unlike
+    a slope over time, this one does not change with how fast the machine served the run."""
+    finished = sorted(done_at)
+    counts = [float(bisect.bisect_right(finished, t)) for t, _ in samples]
+    slope = _slope(counts, [rss / MIB for _, rss in samples])
+    return None if slope is None else 1000.0 * slope
+
+
+def _slope(xs: Sequence[float], ys: Sequence[float]) -> float | None:
+    if len(xs) < 2:
         return None
-    times = [t for t, _ in samples]
-    values = [rss / MIB for _, rss in samples]
-    mean_t, mean_v = sum(times) / len(times), sum(values) / len(values)
-    spread = sum((t - mean_t) ** 2 for t in times)
+    mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
+    spread = sum((x - mean_x) ** 2 for x in xs)
     if spread == 0:
         return None
-    return 60.0 * sum((t - mean_t) * (v - mean_v) for t, v in zip(times, values)) / spread
+    return sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / spread
 
 
 def parse_gauges(metrics_text: str) -> dict[str, float]:
@@ -308,10 +329,12 @@ async def run_soak(
             queue.put_nowait(request)
         start = time.monotonic()
         stop_at = start + plan.duration_s
+        done_at: list[float] = []  # seconds on the RSS sampler's clock
 
         async def worker() -> None:
             while not queue.empty() and time.monotonic() < stop_at:
                 outcomes.append(await _send(client, queue.get_nowait()))
+                done_at.append(time.monotonic() - sampler.start)
                 if progress and len(outcomes) % 50 == 0:
                     logger.info("%d / %d requests", len(outcomes), len(requests))
 
@@ -339,6 +362,7 @@ async def run_soak(
         # The first quarter is warm-up (allocator pools, first batches of each shape), not a leak.
         rss_slope_mib_per_min=rss_slope(samples[len(samples) // 4 :]),
         duration_s=duration,
+        rss_slope_mib_per_1k_requests=rss_slope_per_requests(samples[len(samples) // 4 :], done_at),
         gauges_after={name: gauges.get(name, float("nan")) for name in LEAK_GAUGES},
     )
 
@@ -361,6 +385,10 @@ def format_report(report: SoakReport) -> str:
             "RSS slope (MiB/min)",
             "n/a" if report.rss_slope_mib_per_min is None else f"{report.rss_slope_mib_per_min:+.2f}",
         ),
+        (
+            "RSS slope (MiB per 1,000 requests)",
+            "n/a" if report.rss_slope_mib_per_1k_requests is None else f"{report.rss_slope_mib_per_1k_requests:+.2f}",
+        ),
     ]
     lines = ["| soak | |", "| --- | --- |", *(f"| {name} | {value} |" for name, value in rows)]
     lines += [f"failure: {reason}" for reason in report.failures[:20]]
@@ -377,12 +405,20 @@ def _parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[st
         description=__doc__.split("\n\n")[0],
         epilog="Flags after `--` go to the `kvserve serve` it starts (without --base-url).",
     )
+    parser.add_argument(
+        "--long",
+        action="store_true",
+        help=f"the long soak: {LONG_SOAK_REQUESTS} requests within {LONG_SOAK_S / 3600:g} h "
+        "(--requests and --duration given too win), for the RSS slope per 1,000 requests",
+    )
     parser.add_argument("--base-url", help="soak this running server instead of starting one")
     parser.add_argument("--server-pid", type=int, help="with --base-url: the server's pid, for its RSS")
     parser.add_argument("--api-key", help="bearer token, when the server needs one")
-    parser.add_argument("--requests", type=int, default=defaults.num_requests, help="requests planned")
+    parser.add_argument("--requests", type=int, help=f"requests planned (default {defaults.num_requests})")
     parser.add_argument("--concurrency", type=int, default=defaults.concurrency, help="requests in flight")
-    parser.add_argument("--duration", type=float, default=defaults.duration_s, help="stop sending after S seconds")
+    parser.add_argument(
+        "--duration", type=float, help=f"stop sending after S seconds (default {defaults.duration_s:g})"
+    )
     parser.add_argument(
         "--abandon-fraction",
         type=float,
@@ -396,7 +432,12 @@ def _parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[st
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--settle", type=float, default=15.0, help="seconds the server gets to release everything")
     parser.add_argument("--json", type=Path, help="also write the report here as JSON")
-    return parser.parse_args(argv), serve_args
+    args = parser.parse_args(argv)
+    if args.requests is None:
+        args.requests = LONG_SOAK_REQUESTS if args.long else defaults.num_requests
+    if args.duration is None:
+        args.duration = LONG_SOAK_S if args.long else defaults.duration_s
+    return args, serve_args
 
 
 def main(argv: Sequence[str] | None = None) -> int:

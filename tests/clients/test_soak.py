@@ -12,10 +12,12 @@ from clients.soak import (
     SoakOutcome,
     SoakPlan,
     _judge,
+    _parse_args,
     build_plan,
     main,
     parse_gauges,
     rss_slope,
+    rss_slope_per_requests,
 )
 from tests.support.tiny_models import make_tiny_llama
 
@@ -33,6 +35,15 @@ def test_the_plan_is_seeded_and_mixes_every_kind() -> None:
     assert "embedding" not in {r.kind for r in build_plan(plan, "m", None)}
 
 
+def test_the_long_soak_is_10000_requests_unless_told_otherwise() -> None:
+    args, _ = _parse_args(["--long"])
+    assert (args.requests, args.duration) == (10_000, 7200.0)
+    args, serve = _parse_args(["--long", "--requests", "50", "--", "--max-num-seqs", "4"])
+    assert (args.requests, args.duration, serve) == (50, 7200.0, ["--max-num-seqs", "4"])
+    args, _ = _parse_args([])
+    assert (args.requests, args.duration) == (SoakPlan().num_requests, SoakPlan().duration_s)
+
+
 def test_judging_outcomes() -> None:
     assert _judge(SoakOutcome("malformed", status=400)) is None
     assert "malformed" in _judge(SoakOutcome("malformed", status=200))
@@ -46,6 +57,11 @@ def test_rss_slope_and_gauges() -> None:
     mib = 1024 * 1024
     assert rss_slope([(0.0, 100 * mib), (30.0, 101 * mib), (60.0, 102 * mib)]) == pytest.approx(2.0)
     assert rss_slope([(0.0, mib)]) is None
+    # 500 requests answered between the samples at 10 s and 20 s, while RSS grew 1 MiB: 2 MiB per 1,000.
+    samples = [(10.0, 100 * mib), (20.0, 101 * mib), (30.0, 102 * mib)]
+    done_at = [10.0 + i / 50 for i in range(1000)]  # 50 a second from 10 s on
+    assert rss_slope_per_requests(samples, done_at) == pytest.approx(2.0, rel=0.01)
+    assert rss_slope_per_requests(samples[:1], done_at) is None
     text = (
         "# HELP kvserve:num_requests_running Requests.\n"
         'kvserve:num_requests_running{model_name="m"} 0.0\n'
