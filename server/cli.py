@@ -31,6 +31,7 @@ from engine.config import (
     RerankerConfig,
     SpeculativeConfig,
 )
+from server.access import PREFIX_CACHE_SCOPES, parse_keys, read_key_file
 from server.config import (
     LOG_LEVELS,
     METRICS_NAMES,
@@ -39,7 +40,7 @@ from server.config import (
     default_engine_config,
     parse_bytes,
 )
-from server.http_protocol import with_request_head_timeout
+from server.http_protocol import ConnectionLimits, cap_requests_in_progress, limited_h11_protocol
 from server.scale_out import ROUTINGS, ScaleOut
 from server.shutdown import DRAINING, SERVING, STOPPING
 
@@ -99,6 +100,42 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
+def _keys(text: str) -> tuple[str, ...]:
+    return parse_keys(text)
+
+
+_keys.metavar = "KEY"  # type: ignore[attr-defined]
+
+
+def _key_file(text: str) -> tuple[str, ...]:
+    """--api-key-file PATH: the keys in the file; '' or none: no file."""
+    if text.strip().lower() in ("", "none"):
+        return ()
+    try:
+        return read_key_file(text)
+    except (OSError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
+_key_file.metavar = "PATH"  # type: ignore[attr-defined]
+
+
+class _AddValues(argparse.Action):
+    """A repeatable flag whose values (tuples) add up; the first use on the command line replaces the
+    default (its environment variable's), as a flag wins over its variable."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        current = getattr(namespace, self.dest, None)
+        earlier = () if current is None or current is self.default else current
+        setattr(namespace, self.dest, (*earlier, *values))
+
+
 @dataclasses.dataclass(frozen=True)
 class Flag:
     """One `kvserve serve` flag: `--<name>` and KVSERVE_<NAME>.
@@ -116,16 +153,18 @@ class Flag:
     kind: Callable[[str], Any]
     help: str
     scale_out: str | None = None
+    # Given several times, its values add up (a tuple); flags of one field add up too.
+    repeatable: bool = False
 
 
-def _flag(name: str, target: str, kind: Callable[[str], Any], help_text: str) -> Flag:
+def _flag(name: str, target: str, kind: Callable[[str], Any], help_text: str, repeatable: bool = False) -> Flag:
     """target: "server", "engine", "embedder", "reranker", "speculative", or several joined by "+"; the field
     is `name` unless the target says "config.field"."""
     targets = []
     for part in target.split("+"):
         config_name, _, field_name = part.partition(".")
         targets.append((config_name, field_name or name))
-    return Flag(name, tuple(targets), kind, help_text)
+    return Flag(name, tuple(targets), kind, help_text, repeatable=repeatable)
 
 
 def _scale_flag(name: str, field_name: str, kind: Callable[[str], Any], help_text: str) -> Flag:
@@ -205,9 +244,35 @@ FLAGS: tuple[Flag, ...] = (
     ),
     _flag(
         "api_key",
+        "server.api_keys",
+        _keys,
+        "require 'Authorization: Bearer KEY' on every route but /health (/metrics too); repeat it (or give "
+        "a comma-separated list) for several keys, one per client",
+        repeatable=True,
+    ),
+    _flag(
+        "api_key_file",
+        "server.api_keys",
+        _key_file,
+        "more keys, one per line of this file ('#' starts a comment line); a file with no key is an error",
+    ),
+    _flag(
+        "admin_api_key",
+        "server.admin_api_keys",
+        _keys,
+        "a key that also reads what tells clients about each other's requests: /metrics' prefix-cache "
+        "series and /kv_cache's blocks and sequences (repeatable). Without one, only a server's single "
+        "--api-key (or everyone, with no key) reads them",
+        repeatable=True,
+    ),
+    _flag(
+        "prefix_cache_scope",
         "server",
-        _optional(str),
-        "require 'Authorization: Bearer KEY' on every route but /health (/metrics too)",
+        _one_of(*PREFIX_CACHE_SCOPES),
+        "api-key (the default): each API key's requests share cached prompt prefixes only among "
+        "themselves, since a cached prefix answers much faster and would tell one client by timing what "
+        "another sent (with one key or none it changes nothing); shared: across all keys, split only by "
+        "a request's cache_salt",
     ),
     _flag("allowed_origins", "server", str, "comma-separated CORS origins ('*' for any; empty: CORS off)"),
     _flag(
@@ -242,6 +307,14 @@ FLAGS: tuple[Flag, ...] = (
         "most tokens one completions or chat request may hold: prompts x n x (prompt tokens + max_tokens, "
         "at most the context length); above it: 400 request_too_large "
         "(default: the KV cache's capacity, at least 8 contexts)",
+    ),
+    _flag(
+        "max_request_logprobs",
+        "server",
+        int,
+        "most logprob entries one generation request may return (each listed token and alternative: prompt "
+        "logprobs, echoed ones and sampled tokens', over every choice, max_tokens counted in full); "
+        "above it: 400 request_too_large",
     ),
     _flag(
         "embedding_max_batch_tokens",
@@ -284,16 +357,34 @@ FLAGS: tuple[Flag, ...] = (
         "response; then it is closed (408 if a head was begun). Requests under way are not affected",
     ),
     _flag(
+        "timeout_request_body",
+        "server",
+        float,
+        "seconds a request's whole body gets to arrive once its head is in; then 408 and the connection "
+        "closed. 60 carries a --max-request-bytes body (2MiB) over a ~300 kbit/s link, while a body "
+        "trickled byte by byte holds its request slot no longer; responses (SSE streams too) are not affected",
+    ),
+    _flag(
         "limit_concurrency",
         "server",
         _optional(int),
-        "most open connections (and requests in progress) at once; past it: 503 (none: no cap)",
+        "most requests in progress at once (from a complete head to the end of the answer; idle "
+        "connections hold none); past it: a plain-text 503. /health is always answered (none: no cap)",
+    ),
+    _flag(
+        "max_connections_per_client",
+        "server",
+        _optional(int),
+        "most open connections from one client address; further ones are closed at once. 512 is above "
+        "what one client can have admitted at the defaults (--max-num-seqs + --max-queued-requests: 320) "
+        "plus idle pooled connections; behind a proxy every client shares its address (none: no cap)",
     ),
     _flag(
         "max_request_head_bytes",
         "server",
         _size,
-        "largest request line plus headers (400 and the connection closed above it): bytes or with a unit",
+        "largest request line plus headers, blank line included, however the head is split into reads "
+        "(400 and the connection closed above it): bytes or with a unit",
     ),
     _flag("log_level", "server", str, f"logging level: {', '.join(LOG_LEVELS)}"),
     _flag(
@@ -310,6 +401,13 @@ FLAGS: tuple[Flag, ...] = (
         _bool,
         "serve the browser playground at GET / and its two routes, POST /attention and GET /kv_cache "
         "(false, or --no-playground: all three are gone, 404; GET / 405, as POST / stays TEI's embed route)",
+    ),
+    _flag(
+        "allow_special_tokens_in_content",
+        "server",
+        _bool,
+        "chat messages (and /tokenize messages): a special token's text in a client's string is that token, "
+        "as if the template wrote it (default false: it is text, and only the template's markers are tokens)",
     ),
     _flag("num_threads", "engine", _optional(int), "torch CPU threads (default: torch's choice)"),
     _flag(
@@ -432,6 +530,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             dest=flag.name,
             type=flag.kind,
             default=default,
+            **({"action": _AddValues} if flag.repeatable else {}),
             metavar="{true,false}" if flag.kind is _bool else getattr(flag.kind, "metavar", flag.name.upper()),
             help=f"{flag.help} [env {env}; default {_default_text(defaults[flag.name])}]",
         )
@@ -462,7 +561,10 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     values: dict[str, dict[str, Any]] = {"server": {}, "engine": {}, "embedder": {}, "reranker": {}, "speculative": {}}
     for flag in FLAGS:
         for config_name, field_name in flag.targets:
-            values[config_name][field_name] = getattr(args, flag.name, defaults[flag.name])
+            value = getattr(args, flag.name, defaults[flag.name])
+            if isinstance(value, tuple) and isinstance(values[config_name].get(field_name), tuple):
+                value = values[config_name][field_name] + value  # --api-key and --api-key-file
+            values[config_name][field_name] = value
     engine = EngineConfig(**values["engine"], speculative=_speculative_config(values["speculative"]))
     embedder = EmbedderConfig(**values["embedder"]) if values["embedder"]["model"] else None
     reranker = RerankerConfig(**values["reranker"]) if values["reranker"]["model"] else None
@@ -608,7 +710,8 @@ def _serve(args: argparse.Namespace) -> int:
     app = create_app(config, on_fatal=on_fatal)
     state = state_of(app)
     uvicorn_config = uvicorn.Config(
-        app,
+        # The request cap counts requests in progress, not connections (server/http_protocol.py).
+        cap_requests_in_progress(app, config.limit_concurrency),
         host=config.host,
         port=config.port,
         log_level=config.log_level,
@@ -617,10 +720,18 @@ def _serve(args: argparse.Namespace) -> int:
         timeout_graceful_shutdown=CLOSE_CONNECTIONS_S,
         lifespan="on",
         timeout_keep_alive=config.timeout_keep_alive,
-        limit_concurrency=config.limit_concurrency,
-        # h11, not "auto": the request-head limit is h11's (httptools, were it installed, has none).
-        # uvicorn's h11 protocol, plus a deadline for the request head (server/http_protocol.py).
-        http=with_request_head_timeout(config.timeout_request_head),
+        # uvicorn's own limit counts open connections: idle sockets would refuse every request.
+        limit_concurrency=None,
+        # h11, not "auto": uvicorn's h11 protocol plus the head and body deadlines, the exact head-size
+        # limit and the per-client connection cap (server/http_protocol.py).
+        http=limited_h11_protocol(
+            ConnectionLimits(
+                timeout_request_head=config.timeout_request_head,
+                timeout_request_body=config.timeout_request_body,
+                max_request_head_bytes=config.max_request_head_bytes,
+                max_connections_per_client=config.max_connections_per_client,
+            )
+        ),
         h11_max_incomplete_event_size=config.max_request_head_bytes,
         # Not "auto": with uvloop installed, a client that hung up right after sending a
         # non-streamed request was sometimes never reported as gone, so its generation ran to

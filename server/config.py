@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from engine.config import EmbedderConfig, EngineConfig, RerankerConfig
 from engine.hub.models_hub import DEFAULT_EMBEDDING_MODEL, DEFAULT_GENERATION_MODEL
+from server.access import PREFIX_CACHE_SCOPES, parse_keys
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 # The names /metrics exports its series under (server/metrics.py): kvserve's own, vLLM's, or both.
@@ -79,13 +80,24 @@ class ServerConfig:
         from its opening or, kept alive, from its previous response; then it is closed (a 408
         first if part of a head came). A request whose head is in (slow body, long stream) is
         never cut by it. Bounds slowloris-style clients and silent connections.
-    limit_concurrency: most open connections (and requests in progress); past it, 503 (None: no cap).
-    max_request_head_bytes: largest request line plus headers; a longer head gets 400
-        and its connection closed (bounds slowloris-style headers).
+    timeout_request_body: seconds a request's whole body gets to arrive once its head is in; then
+        408 and the connection closed. A response (an SSE stream too) is never cut by it.
+    limit_concurrency: most requests in progress, from a complete head to the end of the answer;
+        past it, a plain-text 503 (None: no cap). Idle connections hold no slot; /health is always
+        answered.
+    max_connections_per_client: most open connections from one peer address; further ones are
+        closed at once (None: no cap). Bounds the file descriptors idle sockets can take.
+    max_request_head_bytes: largest request line plus headers, blank line included, however the
+        head is split into reads; a longer head gets 400 and its connection closed.
     max_request_cost: most tokens one completions or chat request may hold: prompts x n x
         (prompt tokens + max_tokens), see server/params.py; above it, 400 request_too_large.
         None: the KV cache's capacity in tokens, but at least 8 x max_model_len (a request that
         alone could fill the cache would evict or hold back every other request until it ends).
+    max_request_logprobs: most logprob entries (a listed token or alternative, about 30-60 bytes of
+        JSON each) one generation request may return, see server/params.py; above it, 400
+        request_too_large. Each entry is a row of logits reduced to a top-k on the torch worker and
+        an object in the answer: a request asking for millions would hold the engine and the event
+        loop for minutes.
     default_max_tokens: the max_tokens of a generation request that sets none. None (the default):
         chat and responses run to the context limit (OpenAI's and vLLM's behaviour), completions
         stop at 16 tokens (OpenAI's default for that route).
@@ -94,6 +106,17 @@ class ServerConfig:
         kvserve dashboards and vLLM-built dashboards, autoscalers and routers all read it).
     playground: serve the browser playground at GET / with its two routes, POST /attention and
         GET /kv_cache (False: all three are gone).
+    allow_special_tokens_in_content: encode chat messages as the rendered text's whole, so a special
+        token's text in a message is that token (False, the default: what a client sends is text,
+        and only the chat template's own markers are control tokens).
+    api_keys: every key the server accepts as `Authorization: Bearer KEY` (admin keys included; a
+        string: a comma-separated list); empty: the server is open and everyone is an admin.
+    admin_api_keys: the keys that also read what tells one client about another's requests (the
+        prefix-cache counters of /metrics, /kv_cache's per-block and per-sequence detail); with none,
+        the one key of a server with just one is an admin (server/access.py).
+    prefix_cache_scope: "api-key": each key's requests share cached prefixes only among themselves
+        (a cached prefix answers much faster, so sharing across keys would tell one client what
+        another sent); "shared": across all keys, split by the request's cache_salt alone.
     """
 
     engine: EngineConfig = field(default_factory=default_engine_config)
@@ -103,7 +126,9 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     max_queued_requests: int = 256
-    api_key: str | None = None
+    api_keys: tuple[str, ...] = ()
+    admin_api_keys: tuple[str, ...] = ()
+    prefix_cache_scope: str = "api-key"
     allowed_origins: tuple[str, ...] = ()
     request_timeout: float | None = 600.0
     max_request_bytes: int = 2 * 1024**2
@@ -112,14 +137,18 @@ class ServerConfig:
     shutdown_timeout: float = 8.0
     max_client_batch_size: int = 64
     max_request_cost: int | None = None
+    max_request_logprobs: int = 262_144
     timeout_keep_alive: float = 5.0
     timeout_request_head: float = 10.0
+    timeout_request_body: float = 60.0
     limit_concurrency: int | None = 1024
+    max_connections_per_client: int | None = 512
     max_request_head_bytes: int = 64 * 1024
     log_level: str = "info"
     metrics_names: str = "both"
     default_max_tokens: int | None = None
     playground: bool = True
+    allow_special_tokens_in_content: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "max_request_bytes", parse_bytes(self.max_request_bytes))
@@ -130,8 +159,11 @@ class ServerConfig:
             object.__setattr__(self, "allowed_origins", tuple(self.allowed_origins))
         if not self.served_model_name:
             object.__setattr__(self, "served_model_name", None)
-        if not self.api_key:
-            object.__setattr__(self, "api_key", None)
+        admin_keys = _keys(self.admin_api_keys)
+        object.__setattr__(self, "admin_api_keys", admin_keys)
+        # An admin key is a key: it opens the server too.
+        object.__setattr__(self, "api_keys", tuple(dict.fromkeys(_keys(self.api_keys) + admin_keys)))
+        object.__setattr__(self, "prefix_cache_scope", self.prefix_cache_scope.lower())
         if self.request_timeout is not None and self.request_timeout <= 0:
             object.__setattr__(self, "request_timeout", None)
         object.__setattr__(self, "log_level", self.log_level.lower())
@@ -152,21 +184,44 @@ class ServerConfig:
             raise ValueError(f"default_max_tokens must be positive, got {self.default_max_tokens}")
         if self.max_request_cost is not None and self.max_request_cost < 1:
             raise ValueError(f"max_request_cost must be positive, got {self.max_request_cost}")
+        if self.max_request_logprobs < 1:
+            raise ValueError(f"max_request_logprobs must be positive, got {self.max_request_logprobs}")
         if self.timeout_keep_alive <= 0:
             raise ValueError(f"timeout_keep_alive must be positive, got {self.timeout_keep_alive}")
         if not self.timeout_request_head > 0:  # NaN too: a timer that never fires
             raise ValueError(f"timeout_request_head must be positive, got {self.timeout_request_head}")
-        if self.limit_concurrency is not None and self.limit_concurrency < 2:
-            # uvicorn counts the connection asking too: 1 would answer every request with 503.
-            raise ValueError(f"limit_concurrency must be at least 2, got {self.limit_concurrency}")
+        if not self.timeout_request_body > 0:
+            raise ValueError(f"timeout_request_body must be positive, got {self.timeout_request_body}")
+        if self.limit_concurrency is not None and self.limit_concurrency < 1:
+            raise ValueError(f"limit_concurrency must be positive, got {self.limit_concurrency}")
+        if self.max_connections_per_client is not None and self.max_connections_per_client < 1:
+            raise ValueError(f"max_connections_per_client must be positive, got {self.max_connections_per_client}")
         if self.max_request_head_bytes < 1024:
             raise ValueError(f"max_request_head_bytes must be at least 1024, got {self.max_request_head_bytes}")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
         if self.metrics_names not in METRICS_NAMES:
             raise ValueError(f"metrics_names must be one of {METRICS_NAMES}, got {self.metrics_names!r}")
+        if self.prefix_cache_scope not in PREFIX_CACHE_SCOPES:
+            raise ValueError(
+                f"prefix_cache_scope must be one of {PREFIX_CACHE_SCOPES}, got {self.prefix_cache_scope!r}"
+            )
 
     @property
     def model_name(self) -> str:
         """The name clients use for the generation model."""
         return self.served_model_name or self.engine.model
+
+    @property
+    def api_key(self) -> str | None:
+        """The first key (None: an open server); for code that only asks whether a key is required."""
+        return self.api_keys[0] if self.api_keys else None
+
+
+def _keys(value: str | tuple[str, ...] | list[str] | None) -> tuple[str, ...]:
+    """Keys without surrounding blanks (a bearer token is read stripped), empty ones and repeats dropped."""
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return parse_keys(value)
+    return tuple(dict.fromkeys(key.strip() for key in value if key.strip()))
