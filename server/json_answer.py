@@ -57,9 +57,8 @@ def iter_json(value: Any) -> Iterator[str]:
 
 
 async def encode_json(value: Any) -> bytes:
-    """value as JSON bytes, the event loop given a turn between pieces of a large one."""
-    if _is_small(value):
-        return _encode(value).encode()
+    """value as JSON bytes, the event loop given a turn between pieces of a large one (a small one is
+    one piece)."""
     parts: list[str] = []
     for count, piece in enumerate(iter_json(value), 1):
         parts.append(piece)

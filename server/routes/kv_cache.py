@@ -24,16 +24,18 @@ async def kv_cache(request: Request, state: SharedState, model: str | None = Non
     snapshot = await generation_engine(state, model).kv_snapshot()
     shared = snapshot.count(BLOCK_SHARED)
     detail = caller_of(request).is_admin
-    sequences = [
-        SequenceBlocksView(
-            id=seq.seq_id,
-            num_tokens=seq.num_tokens,
-            num_computed_tokens=seq.num_computed_tokens,
-            block_table=list(seq.block_table),
-            shared=list(seq.shared),
-        )
-        for seq in snapshot.sequences
-    ]
+    sequences = None
+    if detail:
+        sequences = [
+            SequenceBlocksView(
+                id=seq.seq_id,
+                num_tokens=seq.num_tokens,
+                num_computed_tokens=seq.num_computed_tokens,
+                block_table=list(seq.block_table),
+                shared=list(seq.shared),
+            )
+            for seq in snapshot.sequences
+        ]
     return KVCacheResponse(
         block_size=snapshot.block_size,
         num_blocks=snapshot.num_blocks,
@@ -48,5 +50,5 @@ async def kv_cache(request: Request, state: SharedState, model: str | None = Non
         prefix_caching=snapshot.prefix_caching,
         num_running=snapshot.num_running,
         num_waiting=snapshot.num_waiting,
-        sequences=sequences if detail else None,
+        sequences=sequences,
     )
