@@ -19,7 +19,7 @@ SUPPORTED_DTYPES = tuple(TORCH_DTYPES)
 # where a kernel exists for their type (engine/ops/gguf_linear.py), the others int8.
 # auto: gguf for a GGUF file on CPU in float32, none otherwise.
 QUANTIZATION_MODES = ("none", "int8", "gguf", "auto")
-# How an embedding model turns per-token hidden states into one vector (engine/embedder.py `pool`).
+# How an embedding model turns per-token hidden states into one vector (engine/pooling/embedder.py `pool`).
 POOLING_MODES = ("mean", "cls", "last")
 
 
@@ -142,7 +142,7 @@ def _check_encoder_fields(model: str, dtype: str, device: str, max_batch_tokens:
 
 @dataclass(frozen=True)
 class EmbedderConfig:
-    """Everything needed to build an Embedder (engine/embedder.py).
+    """Everything needed to build an Embedder (engine/pooling/embedder.py).
 
     model: alias (engine.hub.models_hub), or a local Hugging Face directory.
     max_batch_tokens: token budget of one encoder forward (real tokens; batches are packed, no padding).
@@ -178,7 +178,8 @@ class EmbedderConfig:
 
 @dataclass(frozen=True)
 class RerankerConfig:
-    """Everything needed to build a Reranker (engine/reranker.py), a cross-encoder scoring (query, document) pairs.
+    """Everything needed to build a Reranker (engine/pooling/reranker.py): a cross-encoder scoring
+    (query, document) pairs.
 
     model: a local Hugging Face directory of a `BertForSequenceClassification`,
         `RobertaForSequenceClassification` or `XLMRobertaForSequenceClassification` checkpoint, or a Hub id.

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from engine.config import EngineConfig, ModelConfig
-from engine.core.llm_engine import LLMEngine
+from engine.engine_core import LLMEngine
 from engine.errors import ModelLoadError
 from engine.hub.models_hub import resolve_or_download
 from engine.models.weights import load_checkpoint

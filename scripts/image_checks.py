@@ -293,7 +293,10 @@ def main() -> int:
         # 1. The default command, port from KVSERVE_PORT: the API, the user, the kernels, HEALTHCHECK, a stop.
         port = free_port()
         with running(
-            image, "kvserve-check", port, docker_args=["--network", "host", "-e", f"KVSERVE_PORT={port}", *health],
+            image,
+            "kvserve-check",
+            port,
+            docker_args=["--network", "host", "-e", f"KVSERVE_PORT={port}", *health],
             command=[],
         ) as container:
             ok(f"/health 200 after {wait_healthy(container):.1f} s (image {image})")
@@ -306,13 +309,17 @@ def main() -> int:
         # 2. A read-only root and nothing writable at all (no tmpfs), any --user, the port on the command line only.
         port = free_port()
         with running(
-            image, "kvserve-check-ro", port,
+            image,
+            "kvserve-check-ro",
+            port,
             docker_args=["--network", "host", "--read-only", "--user", "12345:12345", *health],
             command=["kvserve", "serve", "--port", str(port)],
         ) as container:
             ok(f"--read-only --user 12345:12345 --port {port}: /health 200 after {wait_healthy(container):.1f} s")
-            ok(f"HEALTHCHECK healthy with --port on the command line {wait_health_status(container, 'healthy'):.1f} s"
-               " later")
+            ok(
+                f"HEALTHCHECK healthy with --port on the command line {wait_health_status(container, 'healthy'):.1f} s"
+                " later"
+            )
             check_api(container)
 
         # 3. No network at all: the models are in the image.

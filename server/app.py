@@ -20,10 +20,10 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 from engine.config import EmbedderConfig, EngineConfig, RerankerConfig
-from engine.embedder import Embedder
 from engine.llm import LLM
-from engine.reranker import Reranker
-from engine.serving.async_embedder import AsyncEmbedder
+from engine.pooling.embedder import Embedder
+from engine.pooling.reranker import Reranker
+from engine.serving.async_encoder import AsyncEmbedder
 from engine.serving.async_engine import AsyncEngine
 from engine.serving.text_worker import TextWorker
 from engine.serving.torch_worker import RequestLimits, TorchWorker

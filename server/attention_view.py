@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from engine.runner.attention_probe import AttentionWeights
+from engine.attention.probe import AttentionWeights
 from engine.serving.async_engine import AsyncEngine
 from server.errors import APIError
 

@@ -192,9 +192,7 @@ class HeadLimitedConnection(h11.Connection):
 
     def next_event(self) -> h11.Event | type[h11.NEED_DATA] | type[h11.PAUSED]:
         if self.their_state is h11.IDLE and self._head.over_limit:
-            raise h11.RemoteProtocolError(
-                f"request head longer than {self._head.limit} bytes", error_status_hint=431
-            )
+            raise h11.RemoteProtocolError(f"request head longer than {self._head.limit} bytes", error_status_hint=431)
         return super().next_event()
 
 

@@ -3,7 +3,7 @@
 A request may name a model by its served name or its path, or leave `model` out (the
 default model of its task). Naming another task's model is a 400 saying which endpoints
 serve it; naming no served model is a 404 listing them. The tasks: generation, embeddings
-and reranking (a cross-encoder, engine/reranker.py, batched by an AsyncEmbedder of its own).
+and reranking (a cross-encoder, engine/pooling/reranker.py, batched by an AsyncEmbedder of its own).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from server.errors import APIError, clip
 from server.state import ServerState
 
 if TYPE_CHECKING:
-    from engine.serving.async_embedder import AsyncEmbedder
+    from engine.serving.async_encoder import AsyncEmbedder
     from engine.serving.async_engine import AsyncEngine
     from server.text import RequestText
 

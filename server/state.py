@@ -19,7 +19,7 @@ from server.shutdown import Shutdown
 
 if TYPE_CHECKING:
     from engine.outputs import EngineStats
-    from engine.serving.async_embedder import AsyncEmbedder
+    from engine.serving.async_encoder import AsyncEmbedder
     from engine.serving.async_engine import AsyncEngine
     from server.text import RequestText
 
@@ -29,7 +29,7 @@ class ServerState:
     config: ServerConfig
     engine: AsyncEngine | None = None  # None until loaded
     embedder: AsyncEmbedder | None = None  # None until loaded, or when no embedding model is served
-    # The rerank model (engine/reranker.py), batched by an AsyncEmbedder of its own; None until loaded,
+    # The rerank model (engine/pooling/reranker.py), batched by an AsyncEmbedder of its own; None until loaded,
     # or when no rerank model is served.
     reranker: AsyncEmbedder | None = None
     text: RequestText | None = None  # tokenizer work on request text, off the loop; set with `engine`

@@ -130,9 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     from sentence_transformers import SentenceTransformer
 
     from engine.config import EmbedderConfig
-    from engine.embedder import Embedder
     from engine.hub.models_hub import resolve_model
-    from engine.serving.async_embedder import AsyncEmbedder
+    from engine.pooling.embedder import Embedder
+    from engine.serving.async_encoder import AsyncEmbedder
 
     sentences = make_sentences(args.num_sentences, args.seed)
     model_dir = str(resolve_model(args.model))

@@ -21,7 +21,7 @@ import torch
 from tqdm.auto import tqdm
 
 from engine.config import EngineConfig
-from engine.core.llm_engine import LLMEngine
+from engine.engine_core import LLMEngine
 from engine.hub.models_hub import DEFAULT_GENERATION_MODEL, resolve_model
 from engine.llm import LLM
 from engine.params import SamplingParams
@@ -104,7 +104,9 @@ def _timed_ms(fn, repeats: int) -> float:
 
 def micro_benchmarks(engine: LLMEngine, repeats: int = 20) -> list[tuple[str, float]]:
     """Per-part timings in milliseconds at batch 32 (decode shapes of the real model)."""
-    from engine.runner.attention import build_attention_metadata, dense_reference_attention, paged_attention
+    from engine.attention.metadata import build_attention_metadata
+    from engine.attention.paged import paged_attention
+    from engine.attention.reference import dense_reference_attention
     from engine.runner.sampler import SamplingRow, sample
 
     cfg = engine.model_config

@@ -10,9 +10,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.attention.metadata import AttentionMetadata
+from engine.attention.paged import paged_attention, write_kv
 from engine.config import ModelConfig
 from engine.models.common import assign, take
-from engine.runner.attention import AttentionMetadata, paged_attention, write_kv
 
 _ACTIVATIONS = {
     "gelu_new": lambda x: F.gelu(x, approximate="tanh"),

@@ -8,7 +8,7 @@ not here. All activations are flat: [T, ...] for the T new tokens of a step.
 Plain torch modules. RMSNorm and paged attention call the op functions of
 engine/ops, which run a native kernel on float32 CPU tensors where it loads.
 The runner may run decode-only steps of int8 models through
-engine/ops/llama_decode.py instead, which reads these modules' weights; this
+engine/models/llama_fused.py instead, which reads these modules' weights; this
 forward is its reference.
 """
 
@@ -18,12 +18,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.attention.metadata import AttentionMetadata
+from engine.attention.paged import paged_attention, write_kv
 from engine.config import ModelConfig
 from engine.errors import ModelLoadError
 from engine.models.common import RotaryEmbedding, apply_rotary, assign, cat_rows, load_linear, take
 from engine.ops.gguf_linear import BlockWeight, GgufEmbedding, pack
 from engine.ops.rms_norm import rms_norm
-from engine.runner.attention import AttentionMetadata, paged_attention, write_kv
 
 
 class RMSNorm(nn.Module):

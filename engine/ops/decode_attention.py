@@ -1,6 +1,6 @@
 """Decode attention over the paged cache: one query per sequence, in torch and in decode_attention.c.
 
-engine/runner/attention.py routes decode-only steps here. The native kernel
+engine/attention/ routes decode-only steps here. The native kernel
 reads the cache in place (float32 CPU tensors); the torch path gathers whole
 blocks and runs SDPA. tests/unit/test_paged_attention.py holds both equal to
 the dense reference.

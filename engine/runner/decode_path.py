@@ -1,6 +1,6 @@
 """Which code runs a model's decode-only steps, chosen once when the runner starts.
 
-FUSED_NATIVE: every layer of the step in one native call (engine/ops/llama_decode.py),
+FUSED_NATIVE: every layer of the step in one native call (engine/models/llama_fused.py),
 for LLaMA-family models with int8 or GGUF-block linear layers in float32 on CPU where the kernel loads.
 TORCH_LAYERS: the model's own torch layers. Prefill and mixed steps always run those;
 on float32 CPU tensors they call the native per-op kernels (RMSNorm, decode attention,
@@ -15,8 +15,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from engine.models import llama_fused
 from engine.models.llama import LlamaForCausalLM, RMSNorm
-from engine.ops import decode_attention, gguf_linear, int8_linear, llama_decode, rms_norm
+from engine.ops import decode_attention, gguf_linear, int8_linear, rms_norm
 
 
 class DecodePath(enum.Enum):
@@ -57,7 +58,7 @@ def choose_decode_path(model: nn.Module, kv_caches: list[tuple[torch.Tensor, tor
     ops = native_ops(model, kv_caches)
     if not isinstance(model, LlamaForCausalLM):
         return DecodePlan(DecodePath.TORCH_LAYERS, f"{type(model).__name__} has no fused decode kernel", ops)
-    reason = llama_decode.unsupported_reason(model, kv_caches)
+    reason = llama_fused.unsupported_reason(model, kv_caches)
     if reason is not None:
         return DecodePlan(DecodePath.TORCH_LAYERS, reason, ops)
     return DecodePlan(DecodePath.FUSED_NATIVE, "a quantized float32 LLaMA-family model on CPU", ops)

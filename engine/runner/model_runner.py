@@ -16,20 +16,20 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from engine.attention.metadata import AttentionMetadata, build_attention_metadata, per_token_rows
 from engine.config import TORCH_DTYPES, EngineConfig, ModelConfig
 from engine.core.scheduler import ScheduledBatch
 from engine.core.sequence import Sequence
 from engine.models.gpt2 import GPT2LMHeadModel
 from engine.models.llama import LlamaForCausalLM
+from engine.models.llama_fused import FusedLlamaDecode
 from engine.ops.gguf_linear import GgufEmbedding, GgufLinear
 from engine.ops.int8_linear import quantize_linears
-from engine.ops.llama_decode import FusedLlamaDecode
 from engine.outputs import EmittedTokens, TokenLogprob
-from engine.runner.attention import AttentionMetadata, build_attention_metadata, per_token_rows
 from engine.runner.decode_path import DecodePath, choose_decode_path
 from engine.runner.prompt_logprobs import prompt_rows, score_prompt_tokens
+from engine.runner.rejection import verify_drafts
 from engine.runner.sampler import SamplingRow, sample
-from engine.spec.verify import verify_drafts
 from engine.structured.masks import apply_grammar_masks
 
 logger = logging.getLogger(__name__)

@@ -54,9 +54,9 @@ from engine.text.tokenizer import Tokenizer
 if TYPE_CHECKING:
     from typing import Self
 
+    from engine.attention.probe import AttentionWeights
     from engine.core.kv_snapshot import KVCacheSnapshot
-    from engine.core.llm_engine import LLMEngine
-    from engine.runner.attention_probe import AttentionWeights
+    from engine.engine_core import LLMEngine
     from engine.structured.grammar import GrammarCompiler
 
 logger = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ turns is not enough by itself: an 8192-token embedding forward takes over a
 second, and a stream waiting for it between two of its tokens stalls that long.
 So the worker times each kind of job, and while generation runs the embedder
 sizes its turns by the length of a generation step and takes only its share of
-the worker's time (engine/serving/async_embedder.py).
+the worker's time (engine/serving/async_encoder.py).
 
 Its two clients, `AsyncEngine` (generation) and `AsyncEmbedder` (embeddings),
 give their callers the same guarantees through `RequestLimits`, with the errors

@@ -1,7 +1,7 @@
 """HTTP shapes of the rerank endpoints: text-embeddings-inference's POST /rerank, the Cohere/Jina-shaped
 POST /v1/rerank (and /v2/rerank) as vLLM answers it, and vLLM's POST /v1/score.
 
-All three score (query, document) pairs with the served cross-encoder (engine/reranker.py); they
+All three score (query, document) pairs with the served cross-encoder (engine/pooling/reranker.py); they
 differ in how pairs are given and what a score is (server/routes/rerank.py). Requests forbid unknown
 fields (a 400 naming the field), like every request here; `truncate` and `truncation_direction` are
 TEI's switches, accepted by all three (without them an over-long pair is a 400).

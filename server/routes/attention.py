@@ -1,6 +1,6 @@
 """POST /attention: a prompt's attention weights for one layer and head (or the mean over heads).
 
-Computed by the reference path (engine/runner/attention_probe.py), not the serving kernels: the
+Computed by the reference path (engine/attention/probe.py), not the serving kernels: the
 model's own layers with explicit softmax attention over a private cache. At most
 MAX_ATTENTION_TOKENS tokens (400 past it; a prompt over MAX_ATTENTION_PROMPT_CHARS characters is
 refused before it is tokenized), a window and sink count within the context length, and one forward
@@ -14,7 +14,7 @@ import json
 from fastapi import APIRouter
 from fastapi.responses import Response
 
-from engine.runner.attention_probe import AttentionWeights
+from engine.attention.probe import AttentionWeights
 from engine.text.tokenizer import Tokenizer
 from server.errors import APIError
 from server.json_body import StrictJSONRoute

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import APIRouter
 from fastapi.responses import Response
 
-from engine.embedder import EmbedResult
+from engine.pooling.embedder import EmbedResult
 from server import serving
 from server.errors import APIError
 from server.json_body import StrictJSONRoute
@@ -29,7 +29,7 @@ from server.served_models import embedding_engine
 from server.state import SharedState
 
 if TYPE_CHECKING:
-    from engine.serving.async_embedder import AsyncEmbedder
+    from engine.serving.async_encoder import AsyncEmbedder
 
 router = APIRouter(route_class=StrictJSONRoute)
 

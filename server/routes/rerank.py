@@ -2,7 +2,7 @@
 answers it, and vLLM's POST /v1/score.
 
 Thin, like the embedding routes: check the model and the list size, hand the (query, document)
-pairs to the reranker's AsyncEmbedder (engine/reranker.py batched on the torch worker), shape the
+pairs to the reranker's AsyncEmbedder (engine/pooling/reranker.py batched on the torch worker), shape the
 answer. The answer is computed while the client waits (server/serving.py): a client that leaves
 cancels the work, which drops its queued pairs. Bad input the reranker raises (an over-long pair,
 text that is not valid Unicode) is a 400 naming this route's own field.
@@ -26,7 +26,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from engine.errors import InvalidRequestError
-from engine.reranker import TextPair, sigmoid
+from engine.pooling.reranker import TextPair, sigmoid
 from server import serving
 from server.errors import APIError
 from server.json_body import StrictJSONRoute
@@ -47,7 +47,7 @@ from server.served_models import rerank_engine
 from server.state import SharedState
 
 if TYPE_CHECKING:
-    from engine.serving.async_embedder import AsyncEmbedder
+    from engine.serving.async_encoder import AsyncEmbedder
 
 router = APIRouter(route_class=StrictJSONRoute)
 
@@ -156,7 +156,7 @@ def _score_pairs(text_1: str | list[str], text_2: str | list[str]) -> list[TextP
 
 
 def _model_score(reranker: AsyncEmbedder) -> Callable[[float], float]:
-    """The model's own score for a logit (engine/reranker.py `Reranker.activate`)."""
+    """The model's own score for a logit (engine/pooling/reranker.py `Reranker.activate`)."""
     return reranker.embedder.activate  # type: ignore[union-attr]
 
 

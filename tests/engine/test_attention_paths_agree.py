@@ -20,11 +20,12 @@ import torch
 
 pytest.importorskip("triton")
 
-from engine.runner.attention import build_attention_metadata, paged_attention, paged_attention_torch, use_triton_kernels
+from engine.attention.metadata import build_attention_metadata
+from engine.attention.paged import paged_attention, paged_attention_torch, use_triton_kernels
 from tests.engine.test_triton_prefill_attention import BLOCK_SIZE, CPU, dense_expected, make_step
 
-decode_kernels = importlib.import_module("engine.ops.triton_decode_attention")
-prefill_kernels = importlib.import_module("engine.ops.triton_prefill_attention")
+decode_kernels = importlib.import_module("engine.attention.triton_decode")
+prefill_kernels = importlib.import_module("engine.attention.triton_prefill")
 if not decode_kernels._interpreted():  # imported earlier in this process without the interpreter
     decode_kernels = importlib.reload(decode_kernels)
 if not prefill_kernels._interpreted():

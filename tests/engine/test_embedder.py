@@ -12,10 +12,10 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import EmbedderConfig
-from engine.embedder import Embedder
 from engine.errors import EngineDeadError, EngineStepError, InvalidRequestError, QueueFullError, RequestTimeoutError
 from engine.hub.models_hub import DEFAULT_EMBEDDING_MODEL
-from engine.serving.async_embedder import AsyncEmbedder
+from engine.pooling.embedder import Embedder
+from engine.serving.async_encoder import AsyncEmbedder
 from engine.serving.torch_worker import EMBEDDING_TURN, GENERATION_TURN, RequestLimits, TorchWorker
 
 MODEL_NAME = DEFAULT_EMBEDDING_MODEL
@@ -460,7 +460,7 @@ def test_failed_forward_fails_its_requests_only(embedder, monkeypatch):
 
 def test_pooling_and_normalisation_run_on_the_worker_thread(embedder, monkeypatch):
     """The event loop does no torch work: finalize (truncate + normalise) runs inside the forward job."""
-    import engine.serving.async_embedder as async_embedder_module
+    import engine.serving.async_encoder as async_embedder_module
 
     threads = []
     real_finalize = async_embedder_module.finalize

@@ -53,7 +53,7 @@ def engines(mixed_gguf):
 
 def _float_engine(blocks: LLM, config: EngineConfig):
     """An engine over the same weights dequantized: reads the file again without keeping blocks."""
-    from engine.core.llm_engine import LLMEngine
+    from engine.engine_core import LLMEngine
     from engine.models.weights import load_checkpoint
 
     model_config, state = load_checkpoint(config.model)

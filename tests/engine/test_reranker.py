@@ -1,4 +1,4 @@
-"""Reranker (engine/reranker.py) on tiny random cross-encoders, exact against transformers.
+"""Reranker (engine/pooling/reranker.py) on tiny random cross-encoders, exact against transformers.
 
 Two checkpoints are built here with transformers: a `BertForSequenceClassification` with the
 all-MiniLM-L6-v2 tokenizer files (WordPiece, segment ids 0/1) and an
@@ -22,8 +22,8 @@ from engine.config import RerankerConfig
 from engine.errors import InvalidRequestError, ModelLoadError
 from engine.models.bert import EncoderBatch
 from engine.models.cross_encoder import load_cross_encoder
-from engine.reranker import PairTokenIds, Reranker, sigmoid
-from engine.serving.async_embedder import AsyncEmbedder
+from engine.pooling.reranker import PairTokenIds, Reranker, sigmoid
+from engine.serving.async_encoder import AsyncEmbedder
 from tests.engine.test_embedder import minilm_dir  # noqa: F401 - the session fixture, used by name
 
 MAX_POSITIONS = 64  # a small position table: over-long pairs are cheap to make

@@ -1,4 +1,4 @@
-"""The Triton paged decode kernel (engine/ops/triton_decode_attention.py) in Triton's interpreter on CPU.
+"""The Triton paged decode kernel (engine/attention/triton_decode.py) in Triton's interpreter on CPU.
 
 Every case is checked against dense_reference_attention per sequence and paged_attention_torch on the
 same cache: GQA groups 1, 3 (and 16, the tl.dot path), no window / window / window with sinks and
@@ -19,14 +19,10 @@ import torch
 os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
 
-from engine.ops import triton_decode_attention as tda  # noqa: E402
-from engine.runner.attention import (  # noqa: E402
-    AttentionMetadata,
-    build_attention_metadata,
-    dense_reference_attention,
-    paged_attention_torch,
-    write_kv,
-)
+from engine.attention import triton_decode as tda  # noqa: E402
+from engine.attention.metadata import AttentionMetadata, build_attention_metadata  # noqa: E402
+from engine.attention.paged import paged_attention_torch, write_kv  # noqa: E402
+from engine.attention.reference import dense_reference_attention  # noqa: E402
 
 if not tda.available():
     pytest.skip(

@@ -18,17 +18,12 @@ import torch
 
 pytest.importorskip("triton")
 
+from engine.attention.metadata import AttentionMetadata, build_attention_metadata, visible_mask
+from engine.attention.paged import paged_attention_torch, write_kv
+from engine.attention.reference import dense_reference_attention
 from engine.config import cdiv
-from engine.runner.attention import (
-    AttentionMetadata,
-    build_attention_metadata,
-    dense_reference_attention,
-    paged_attention_torch,
-    visible_mask,
-    write_kv,
-)
 
-prefill = importlib.import_module("engine.ops.triton_prefill_attention")
+prefill = importlib.import_module("engine.attention.triton_prefill")
 if not prefill._interpreted():  # imported earlier in this process without the interpreter: decorate again
     prefill = importlib.reload(prefill)
 

@@ -21,7 +21,7 @@ APP_DELAY_MARKER = "slow_serve: building the app"
 
 def _patch() -> None:
     import server.app
-    from engine.core.llm_engine import LLMEngine
+    from engine.engine_core import LLMEngine
     from engine.llm import LLM
 
     load_delay = float(os.environ.get("SLOW_SERVE_LOAD_DELAY", "0"))

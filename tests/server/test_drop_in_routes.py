@@ -8,8 +8,8 @@ import openai
 import pytest
 
 from engine.config import EmbedderConfig
-from engine.embedder import Embedder
 from engine.errors import ForeignTokenIdsError
+from engine.pooling.embedder import Embedder
 from engine.text.tokenizer import Tokenizer
 from server.app import create_app
 from tests.engine.test_embedder import MODEL_NAME as EMBEDDING_MODEL

@@ -23,7 +23,7 @@ from fastapi import FastAPI
 
 from engine.config import EmbedderConfig, EngineConfig
 from engine.hub.models_hub import DEFAULT_GENERATION_MODEL
-from engine.serving.async_embedder import AsyncEmbedder
+from engine.serving.async_encoder import AsyncEmbedder
 from engine.serving.torch_worker import RequestLimits
 from server.config import ServerConfig
 from server.errors import install_error_handlers

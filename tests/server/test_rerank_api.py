@@ -20,8 +20,8 @@ from fastapi import FastAPI
 from starlette.testclient import TestClient
 
 from engine.config import EngineConfig, RerankerConfig
-from engine.reranker import Reranker, sigmoid
-from engine.serving.async_embedder import AsyncEmbedder
+from engine.pooling.reranker import Reranker, sigmoid
+from engine.serving.async_encoder import AsyncEmbedder
 from server.config import ServerConfig
 from server.errors import install_error_handlers
 from server.middleware import KVServeMiddleware

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 import torch
 
-from engine.runner.attention_probe import AttentionWeights
+from engine.attention.probe import AttentionWeights
 from server.attention_view import KEPT_FORWARDS, AttentionView
 from server.errors import APIError
 

@@ -17,7 +17,7 @@ def _large_logprobs_body(num_tokens: int) -> dict:
         "id": "cmpl-1",
         "choices": [
             {
-                "text": "é ☃ \"quoted\"",
+                "text": 'é ☃ "quoted"',
                 "logprobs": {
                     "tokens": [f"t{i}" for i in range(num_tokens)],
                     "token_logprobs": [None, *(-0.5 * i for i in range(1, num_tokens))],

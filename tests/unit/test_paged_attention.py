@@ -7,14 +7,10 @@ import random
 import pytest
 import torch
 
+from engine.attention.metadata import build_attention_metadata
+from engine.attention.paged import paged_attention, paged_attention_torch, write_kv
+from engine.attention.reference import dense_reference_attention
 from engine.ops.decode_attention import available, decode_attention_native, decode_attention_torch
-from engine.runner.attention import (
-    build_attention_metadata,
-    dense_reference_attention,
-    paged_attention,
-    paged_attention_torch,
-    write_kv,
-)
 from tests.support.native_kernels import KERNELS_EXPECTED
 
 
@@ -89,7 +85,7 @@ def test_paged_attention_matches_dense(window, sinks, trial, decode_only):
 
 
 def test_window_mask_semantics():
-    from engine.runner.attention import visible_mask
+    from engine.attention.metadata import visible_mask
 
     mask = visible_mask(torch.tensor([10]), torch.arange(12), sliding_window=4, num_sink_tokens=2)[0]
     # Sinks 0,1; window 7..10; nothing after the query.

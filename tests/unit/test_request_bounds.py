@@ -86,7 +86,7 @@ def test_sampling_params_accept_the_bounds_themselves():
 
 def test_the_largest_accepted_values_sample_without_error():
     """The bounds are safe all the way down: sample i seeds its generator with seed + i
-    (engine/core/llm_engine.py), and a top_k past the vocabulary keeps every token."""
+    (engine/engine_core.py), and a top_k past the vocabulary keeps every token."""
     from engine.runner.sampler import SamplingRow, sample
 
     largest = SamplingParams(

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from engine.params import SamplingParams
+from engine.runner.rejection import acceptance_probability, rejection_sample, residual_distribution, verify_drafts
 from engine.runner.sampler import SamplingRow, sample, sampling_probs
 from engine.spec.ngram import propose_ngram, reference_propose_ngram
-from engine.spec.verify import acceptance_probability, rejection_sample, residual_distribution, verify_drafts
 
 # Upper 0.1% points of the chi-square distribution by degrees of freedom: a correct sampler exceeds
 # them once in a thousand seeds; the draws below are seeded, so the test is deterministic.

@@ -1,6 +1,6 @@
 """Sentence embeddings: tokenize -> packed BERT encoder forward -> pool -> normalise.
 
-`Embedder` is synchronous and owns the model and tokenizer; `engine.serving.async_embedder.AsyncEmbedder`
+`Embedder` is synchronous and owns the model and tokenizer; `engine.serving.async_encoder.AsyncEmbedder`
 batches concurrent requests on top of its two halves (`tokenize` and `forward_pooled`) in token-budget forwards.
 
 Which limit applies: an input may be as long as the model's position table

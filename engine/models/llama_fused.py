@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine.attention.metadata import AttentionMetadata
 from engine.ops.gguf_linear import GgufLinear
 from engine.ops.int8_linear import Int8Linear
 from engine.ops.loader import I64, PTR, bind, unavailable_reason
-from engine.runner.attention import AttentionMetadata
 
 if TYPE_CHECKING:
     from engine.models.llama import LlamaForCausalLM

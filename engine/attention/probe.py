@@ -18,13 +18,9 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
+from engine.attention.metadata import AttentionMetadata, build_attention_metadata
+from engine.attention.reference import reference_attention_probs, weighted_values
 from engine.config import cdiv
-from engine.runner.attention import (
-    AttentionMetadata,
-    build_attention_metadata,
-    reference_attention_probs,
-    weighted_values,
-)
 
 
 @dataclass(frozen=True)

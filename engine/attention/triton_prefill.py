@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:  # the runner imports this module when it dispatches to it
-    from engine.runner.attention import AttentionMetadata
+    from engine.attention.metadata import AttentionMetadata
 
 try:
     import triton

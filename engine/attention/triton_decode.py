@@ -2,7 +2,7 @@
 
 The GPU counterpart of engine/ops/decode_attention.py. It computes visibility itself from the
 positions in AttentionMetadata (key_block_logical, query_starts, sliding_window, num_sink_tokens:
-the rule of engine/runner/attention.py's visible_mask) instead of reading a dense mask, and reads the
+the rule of engine/attention/'s visible_mask) instead of reading a dense mask, and reads the
 cache in place through each sequence's key_blocks.
 
 Program grid of the main kernel: (sequence, KV head, split). A program loads the G = H_q / H_kv query
@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:  # the runner imports this module when it dispatches to it
-    from engine.runner.attention import AttentionMetadata
+    from engine.attention.metadata import AttentionMetadata
 
 try:
     import triton

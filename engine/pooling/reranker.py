@@ -1,8 +1,8 @@
 """Reranking: (query, document) pairs -> one relevance logit each, from a BERT-style cross-encoder.
 
-`Reranker` is synchronous and owns the model and its tokenizers, like engine/embedder.py's
+`Reranker` is synchronous and owns the model and its tokenizers, like engine/pooling/embedder.py's
 `Embedder`, and it offers the same two halves, so the server's `AsyncEmbedder`
-(engine/serving/async_embedder.py) batches concurrent rerank requests on the one torch worker
+(engine/serving/async_encoder.py) batches concurrent rerank requests on the one torch worker
 exactly as it batches embeddings: `tokenize` runs on the text worker, `forward_pooled` on the torch
 worker, here answering one row of logits per pair.
 
@@ -37,11 +37,11 @@ from pathlib import Path
 import torch
 
 from engine.config import TORCH_DTYPES, RerankerConfig
-from engine.embedder import TRUNCATION_DIRECTIONS, load_tokenizers
 from engine.errors import InvalidRequestError, ModelLoadError
 from engine.hub.models_hub import resolve_or_download
 from engine.models.bert import EncoderBatch
 from engine.models.cross_encoder import CrossEncoder, load_cross_encoder
+from engine.pooling.embedder import TRUNCATION_DIRECTIONS, load_tokenizers
 
 logger = logging.getLogger(__name__)
 

@@ -34,7 +34,7 @@ dropped; the caller's task cancelled (client gone) -> its queued inputs are
 dropped; a failed forward -> EngineStepError for the requests in that batch
 only; the batching task or the worker dead -> EngineDeadError.
 
-It drives a `Reranker` (engine/reranker.py) the same way: its inputs are (query, document)
+It drives a `Reranker` (engine/pooling/reranker.py) the same way: its inputs are (query, document)
 pairs, its `forward_pooled` answers one logit row per pair, and `what` names it in errors.
 """
 
@@ -50,9 +50,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from engine.embedder import Embedder, EmbedInputs, EmbedResult, finalize
 from engine.errors import EngineDeadError, EngineStepError, RequestTimeoutError
-from engine.reranker import Reranker, TextPair
+from engine.pooling.embedder import Embedder, EmbedInputs, EmbedResult, finalize
+from engine.pooling.reranker import Reranker, TextPair
 from engine.serving.forward_cost import ForwardCost
 from engine.serving.text_worker import TextWorker
 from engine.serving.torch_worker import EMBEDDING_TURN, GENERATION_TURN, RequestLimits, TorchWorker, wait_until

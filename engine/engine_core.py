@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.attention.probe import AttentionWeights, attention_weights
 from engine.config import TORCH_DTYPES, EngineConfig, ModelConfig, cdiv
 from engine.core.block_pool import BlockPool
 from engine.core.kv_cache_manager import KVCacheManager
@@ -37,7 +38,6 @@ from engine.outputs import (
     TokenLogprob,
 )
 from engine.params import SamplingParams
-from engine.runner.attention_probe import AttentionWeights, attention_weights
 from engine.runner.model_runner import ModelRunner, kv_bytes_per_block
 from engine.spec.draft import DraftModelProposer
 from engine.spec.speculator import NgramProposer, Proposer, Speculator
@@ -458,7 +458,7 @@ class LLMEngine:
         self, token_ids: list[int], sliding_window: int | None, num_sink_tokens: int
     ) -> AttentionWeights:
         """Every layer's and head's attention weights over token_ids, by the reference path
-        (engine/runner/attention_probe.py) on this engine's model; the serving cache is not used."""
+        (engine/attention/probe.py) on this engine's model; the serving cache is not used."""
         self._check_prompt_ids(token_ids)
         if len(token_ids) > self.max_model_len:
             limit = self.max_model_len
