@@ -27,26 +27,25 @@ from engine.serving.async_encoder import AsyncEmbedder
 from engine.serving.async_engine import AsyncEngine
 from engine.serving.text_worker import TextWorker
 from engine.serving.torch_worker import RequestLimits, TorchWorker
-from server.access import ApiKeys
 from server.config import ServerConfig
 from server.errors import install_error_handlers
-from server.middleware import KVServeMiddleware
-from server.openapi import install_openapi
+from server.http.access import ApiKeys
+from server.http.middleware import KVServeMiddleware
+from server.http.openapi import install_openapi
+from server.openai.text import RequestText
+from server.playground import attention, kv_cache
+from server.playground import routes as playground
 from server.routes import (
-    attention,
     chat,
     completions,
     embeddings,
     health,
-    kv_cache,
     models,
-    playground,
     rerank,
     responses,
     tokenize,
 )
 from server.state import ServerState, attach_state
-from server.text import RequestText
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """`kvserve serve`: flags (each also read from KVSERVE_<NAME>), the uvicorn run, and its stop on
 SIGTERM/SIGINT (drain, then cut, then exit: server/shutdown.py). With --replicas N the same app runs as
-N replicas on a local Ray Serve instance instead (server/ray_local.py).
+N replicas on a local Ray Serve instance instead (server/ray/local.py).
 
 server/__main__.py calls add_arguments(parser) and run(args); `python -m server.cli` works too.
 """
@@ -31,7 +31,6 @@ from engine.config import (
     RerankerConfig,
     SpeculativeConfig,
 )
-from server.access import PREFIX_CACHE_SCOPES, parse_keys, read_key_file
 from server.config import (
     LOG_LEVELS,
     METRICS_NAMES,
@@ -40,8 +39,9 @@ from server.config import (
     default_engine_config,
     parse_bytes,
 )
-from server.http_protocol import ConnectionLimits, cap_requests_in_progress, limited_h11_protocol
-from server.scale_out import ROUTINGS, ScaleOut
+from server.http.access import PREFIX_CACHE_SCOPES, parse_keys, read_key_file
+from server.http.h11_protocol import ConnectionLimits, cap_requests_in_progress, limited_h11_protocol
+from server.ray.scale_out import ROUTINGS, ScaleOut
 from server.shutdown import DRAINING, SERVING, STOPPING
 
 if TYPE_CHECKING:
@@ -144,7 +144,7 @@ class Flag:
     "engine" (EngineConfig), "embedder" (EmbedderConfig), "reranker" (RerankerConfig) or "speculative"
     (SpeculativeConfig, the engine's `speculative`). Its default is the first target's (a reranker field's:
     None, since no rerank model is served by default; the speculative method's: None, speculation off).
-    scale_out: instead of targets, the ScaleOut field it sets (server/scale_out.py): how many replicas
+    scale_out: instead of targets, the ScaleOut field it sets (server/ray/scale_out.py): how many replicas
     run, not how each one serves, so no replica's config holds it.
     """
 
@@ -683,7 +683,7 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     _setup_logging(config.log_level)
     if scale_out.is_distributed:
-        from server import ray_local
+        from server.ray import local as ray_local
 
         missing = ray_local.missing_ray()
         if missing is not None:
@@ -710,7 +710,7 @@ def _serve(args: argparse.Namespace) -> int:
     app = create_app(config, on_fatal=on_fatal)
     state = state_of(app)
     uvicorn_config = uvicorn.Config(
-        # The request cap counts requests in progress, not connections (server/http_protocol.py).
+        # The request cap counts requests in progress, not connections (server/http/h11_protocol.py).
         cap_requests_in_progress(app, config.limit_concurrency),
         host=config.host,
         port=config.port,
@@ -723,7 +723,7 @@ def _serve(args: argparse.Namespace) -> int:
         # uvicorn's own limit counts open connections: idle sockets would refuse every request.
         limit_concurrency=None,
         # h11, not "auto": uvicorn's h11 protocol plus the head and body deadlines, the exact head-size
-        # limit and the per-client connection cap (server/http_protocol.py).
+        # limit and the per-client connection cap (server/http/h11_protocol.py).
         http=limited_h11_protocol(
             ConnectionLimits(
                 timeout_request_head=config.timeout_request_head,

@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 
 from engine.config import EmbedderConfig, EngineConfig, RerankerConfig
 from engine.hub.models_hub import DEFAULT_EMBEDDING_MODEL, DEFAULT_GENERATION_MODEL
-from server.access import PREFIX_CACHE_SCOPES, parse_keys
+from server.http.access import PREFIX_CACHE_SCOPES, parse_keys
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
-# The names /metrics exports its series under (server/metrics.py): kvserve's own, vLLM's, or both.
+# The names /metrics exports its series under (server/metrics/server_metrics.py): kvserve's own, vLLM's, or both.
 METRICS_NAMES = ("kvserve", "vllm", "both")
 
 
@@ -90,11 +90,11 @@ class ServerConfig:
     max_request_head_bytes: largest request line plus headers, blank line included, however the
         head is split into reads; a longer head gets 400 and its connection closed.
     max_request_cost: most tokens one completions or chat request may hold: prompts x n x
-        (prompt tokens + max_tokens), see server/params.py; above it, 400 request_too_large.
+        (prompt tokens + max_tokens), see server/openai/params.py; above it, 400 request_too_large.
         None: the KV cache's capacity in tokens, but at least 8 x max_model_len (a request that
         alone could fill the cache would evict or hold back every other request until it ends).
     max_request_logprobs: most logprob entries (a listed token or alternative, about 30-60 bytes of
-        JSON each) one generation request may return, see server/params.py; above it, 400
+        JSON each) one generation request may return, see server/openai/params.py; above it, 400
         request_too_large. Each entry is a row of logits reduced to a top-k on the torch worker and
         an object in the answer: a request asking for millions would hold the engine and the event
         loop for minutes.
@@ -113,7 +113,7 @@ class ServerConfig:
         string: a comma-separated list); empty: the server is open and everyone is an admin.
     admin_api_keys: the keys that also read what tells one client about another's requests (the
         prefix-cache counters of /metrics, /kv_cache's per-block and per-sequence detail); with none,
-        the one key of a server with just one is an admin (server/access.py).
+        the one key of a server with just one is an admin (server/http/access.py).
     prefix_cache_scope: "api-key": each key's requests share cached prefixes only among themselves
         (a cached prefix answers much faster, so sharing across keys would tell one client what
         another sent); "shared": across all keys, split by the request's cache_salt alone.

@@ -1,7 +1,7 @@
 """The one error shape every failure is answered with (OpenAI's), and the one mapping to it.
 
 Routes raise `APIError`; the engine raises its own errors (engine/errors.py); a body that is not
-strict JSON raises `RequestBodyError` while it is read (server/json_body.py). `api_error_for`
+strict JSON raises `RequestBodyError` while it is read (server/http/json_body.py). `api_error_for`
 maps any exception to an `APIError`, and `install_error_handlers` makes the app answer each
 with `{"error": {"message", "type", "param", "code"}}` and its status (and headers, e.g.
 Retry-After on 429). Streamed answers send the same body as an SSE error event.
@@ -76,7 +76,7 @@ def clip(text: str, limit: int = MAX_ECHOED_CHARS) -> str:
 
 
 class RequestBodyError(StarletteHTTPException):
-    """A body that is not JSON a route takes (server/json_body.py): raised while FastAPI reads the body,
+    """A body that is not JSON a route takes (server/http/json_body.py): raised while FastAPI reads the body,
     which passes HTTP errors through as they are, and answered as a 400 `invalid_request`."""
 
     def __init__(self, message: str, param: str | None = None) -> None:

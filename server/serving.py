@@ -44,8 +44,8 @@ from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from engine.params import SamplingParams
 from engine.serving.async_engine import AsyncEngine, RequestStream
 from server.errors import APIError, api_error_for
-from server.json_answer import json_response
-from server.metrics import RequestTimer, TokenCounts
+from server.http.json_answer import json_response
+from server.metrics.server_metrics import RequestTimer, TokenCounts
 from server.protocol.common import StreamOptions, Usage
 from server.shutdown import is_stopping, shutting_down_error
 

@@ -12,16 +12,16 @@ from typing import TYPE_CHECKING, Annotated
 
 from fastapi import Depends, FastAPI, Request
 
-from server.attention_view import AttentionView
 from server.config import ServerConfig
-from server.metrics import ServerMetrics
+from server.metrics.server_metrics import ServerMetrics
+from server.playground.attention_view import AttentionView
 from server.shutdown import Shutdown
 
 if TYPE_CHECKING:
     from engine.outputs import EngineStats
     from engine.serving.async_encoder import AsyncEmbedder
     from engine.serving.async_engine import AsyncEngine
-    from server.text import RequestText
+    from server.openai.text import RequestText
 
 
 @dataclass

@@ -143,7 +143,7 @@ class SamplingFields(StrictRequest):
     stream_options: StreamOptions | None = None
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
-    # keys: token ids as strings (JSON keys are strings), checked in server/params.py
+    # keys: token ids as strings (JSON keys are strings), checked in server/openai/params.py
     logit_bias: dict[str, LogitBias] | None = None
     seed: Seed | None = None
     user: str | None = None

@@ -10,12 +10,17 @@ from fastapi.responses import Response
 
 from engine.errors import InvalidRequestError
 from server import serving
-from server.access import request_cache_salt
-from server.json_body import StrictJSONRoute
-from server.logprobs import chat_logprobs, prompt_logprobs_entries
-from server.openapi import generation_responses
-from server.params import check_admissible, max_tokens_for, reject_unsupported, sampling_params
-from server.prompts import chat_prompt_ids
+from server.http.access import request_cache_salt
+from server.http.json_body import StrictJSONRoute
+from server.http.openapi import generation_responses
+from server.openai.logprobs import chat_logprobs, prompt_logprobs_entries
+from server.openai.params import check_admissible, max_tokens_for, reject_unsupported, sampling_params
+from server.openai.prompts import chat_prompt_ids
+from server.openai.served_models import generation_engine, request_text
+from server.openai.structured import compile_structured, structured_output
+from server.openai.text import text_size
+from server.openai.tool_stream import ToolReplyStream
+from server.openai.tools import ToolPlan, plan_tools
 from server.protocol.chat import (
     ChatChoice,
     ChatChunkChoice,
@@ -25,13 +30,8 @@ from server.protocol.chat import (
     ChatDelta,
     ChatResponseMessage,
 )
-from server.served_models import generation_engine, request_text
 from server.serving import Generation
 from server.state import SharedState
-from server.structured import compile_structured, structured_output
-from server.text import text_size
-from server.tool_stream import ToolReplyStream
-from server.tools import ToolPlan, plan_tools
 
 router = APIRouter(route_class=StrictJSONRoute)
 
@@ -160,7 +160,7 @@ async def _chunks(
 async def _tool_chunks(
     generation: Generation, body: ChatCompletionRequest, tools: ToolPlan, answer_id: str, model_name: str
 ) -> AsyncIterator[dict]:
-    """A constrained reply streams as it is generated (server/tool_stream.py): each call's name, then
+    """A constrained reply streams as it is generated (server/openai/tool_stream.py): each call's name, then
     its arguments in fragments, or a text answer as content. A free one (`auto` on a template with
     its own format) is read whole first: only then is it known whether it holds calls."""
 

@@ -9,12 +9,15 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from server import serving
-from server.access import request_cache_salt
-from server.json_body import StrictJSONRoute
-from server.logprobs import completion_logprobs, echo_logprobs, joined, prompt_logprobs_entries
-from server.openapi import generation_responses
-from server.params import check_admissible, max_tokens_for, reject_unsupported, sampling_params
-from server.prompts import completion_prompts, echoed_prompts
+from server.http.access import request_cache_salt
+from server.http.json_body import StrictJSONRoute
+from server.http.openapi import generation_responses
+from server.openai.logprobs import completion_logprobs, echo_logprobs, joined, prompt_logprobs_entries
+from server.openai.params import check_admissible, max_tokens_for, reject_unsupported, sampling_params
+from server.openai.prompts import completion_prompts, echoed_prompts
+from server.openai.served_models import generation_engine, request_text
+from server.openai.structured import compile_structured, structured_output
+from server.openai.text import RequestText, has_text, text_size
 from server.protocol.common import PromptLogprobs
 from server.protocol.completions import (
     CompletionChoice,
@@ -22,11 +25,8 @@ from server.protocol.completions import (
     CompletionRequest,
     CompletionResponse,
 )
-from server.served_models import generation_engine, request_text
 from server.serving import Generation
 from server.state import SharedState
-from server.structured import compile_structured, structured_output
-from server.text import RequestText, has_text, text_size
 
 router = APIRouter(route_class=StrictJSONRoute)
 

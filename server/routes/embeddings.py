@@ -20,12 +20,12 @@ from fastapi.responses import Response
 from engine.pooling.embedder import EmbedResult
 from server import serving
 from server.errors import APIError
-from server.json_body import StrictJSONRoute
-from server.metrics import ServerMetrics
-from server.openapi import engine_responses
-from server.params import check_batch_size
+from server.http.json_body import StrictJSONRoute
+from server.http.openapi import engine_responses
+from server.metrics.server_metrics import ServerMetrics
+from server.openai.params import check_batch_size
+from server.openai.served_models import embedding_engine
 from server.protocol.embeddings import EmbeddingRequest, EmbeddingResponse, EmbedRequest, EmbedResponse
-from server.served_models import embedding_engine
 from server.state import SharedState
 
 if TYPE_CHECKING:

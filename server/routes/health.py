@@ -1,7 +1,7 @@
 """GET /health (readiness for load balancers; always open) and GET /metrics (Prometheus).
 
 /metrics is behind --api-key when one is set, like every route but /health; its prefix-cache series
-go to admin keys only (server/access.py).
+go to admin keys only (server/http/access.py).
 """
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from server.access import caller_of
-from server.metrics import CONTENT_TYPE
-from server.openapi import health_responses, metrics_responses
+from server.http.access import caller_of
+from server.http.openapi import health_responses, metrics_responses
+from server.metrics.server_metrics import CONTENT_TYPE
 from server.state import SharedState
 
 router = APIRouter()

@@ -6,7 +6,7 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from server.errors import APIError
-from server.openapi import error_responses, gated_responses
+from server.http.openapi import error_responses, gated_responses
 from server.protocol.common import ModelCard, ModelList
 from server.state import SharedState
 

@@ -29,10 +29,11 @@ from engine.errors import InvalidRequestError
 from engine.pooling.reranker import TextPair, sigmoid
 from server import serving
 from server.errors import APIError
-from server.json_body import StrictJSONRoute
-from server.metrics import ServerMetrics
-from server.openapi import engine_responses
-from server.params import check_batch_size
+from server.http.json_body import StrictJSONRoute
+from server.http.openapi import engine_responses
+from server.metrics.server_metrics import ServerMetrics
+from server.openai.params import check_batch_size
+from server.openai.served_models import rerank_engine
 from server.protocol.common import now
 from server.protocol.rerank import (
     RerankRequest,
@@ -43,7 +44,6 @@ from server.protocol.rerank import (
     TEIRerankResponse,
 )
 from server.routes.embeddings import embed_observed
-from server.served_models import rerank_engine
 from server.state import SharedState
 
 if TYPE_CHECKING:

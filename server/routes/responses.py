@@ -6,7 +6,7 @@ messages chat messages, a `function_call` item an assistant turn with `tool_call
 `text.format` a structured-output spec. From there it is chat: the same template, tool plan,
 sampling parameters and admission checks (so a greedy answer's text is chat's, token for token),
 and the same submit, disconnect and SSE handling (server/serving.py). The reply is read into
-output items, streamed or not, by server/responses_events.py.
+output items, streamed or not, by server/openai/responses_events.py.
 
 Responses are not stored: `store` is accepted, `previous_response_id` is a 400, and there is no
 GET /v1/responses/{id}. `reasoning` is accepted and ignored (the served models do not reason).
@@ -25,12 +25,18 @@ from engine.errors import InvalidRequestError
 from engine.params import SamplingParams
 from engine.structured.spec import StructuredOutput
 from server import serving
-from server.access import request_cache_salt
 from server.errors import APIError
-from server.json_body import StrictJSONRoute
-from server.openapi import named_event_responses
-from server.params import check_admissible, max_tokens_for, reject_unsupported, sampling_params
-from server.prompts import chat_prompt_ids
+from server.http.access import request_cache_salt
+from server.http.json_body import StrictJSONRoute
+from server.http.openapi import named_event_responses
+from server.openai.params import check_admissible, max_tokens_for, reject_unsupported, sampling_params
+from server.openai.prompts import chat_prompt_ids
+from server.openai.responses_events import ResponseEvents
+from server.openai.served_models import generation_engine, request_text
+from server.openai.structured import compile_structured
+from server.openai.text import text_size
+from server.openai.tool_stream import ToolReplyStream
+from server.openai.tools import ToolPlan, plan_tools
 from server.protocol.chat import ChatCompletionRequest, ChatMessage, FunctionCall, FunctionDefinition, Tool, ToolCall
 from server.protocol.common import Usage
 from server.protocol.responses import (
@@ -43,14 +49,8 @@ from server.protocol.responses import (
     TextEcho,
     TextFormatJsonSchema,
 )
-from server.responses_events import ResponseEvents
-from server.served_models import generation_engine, request_text
 from server.serving import Generation, SseFraming
 from server.state import SharedState
-from server.structured import compile_structured
-from server.text import text_size
-from server.tool_stream import ToolReplyStream
-from server.tools import ToolPlan, plan_tools
 
 router = APIRouter(route_class=StrictJSONRoute)
 
@@ -251,7 +251,7 @@ async def _events(generation: Generation, builder: ResponseEvents, tools: ToolPl
 
 
 def _tool_events(builder: ResponseEvents, fields: dict[str, Any]) -> list[dict]:
-    """A chat-shaped delta of the tool reply stream (server/tool_stream.py) as Responses events."""
+    """A chat-shaped delta of the tool reply stream (server/openai/tool_stream.py) as Responses events."""
     if "content" in fields:
         return builder.text(fields["content"])
     events = []

@@ -2,7 +2,7 @@
 (vLLM's shapes). With /tokenizer_info, lm-evaluation-harness tokenizes through the server and needs
 no local copy of the model's tokenizer.
 
-The work and the JSON body are done on the text worker (server/text.py): a 2 MB prompt is
+The work and the JSON body are done on the text worker (server/openai/text.py): a 2 MB prompt is
 over 400,000 token ids, and neither encoding it nor writing them out may hold up the event loop.
 """
 
@@ -15,10 +15,12 @@ from fastapi import APIRouter
 from fastapi.responses import Response
 
 from engine.errors import InvalidRequestError
-from server.json_body import StrictJSONRoute
-from server.openapi import tokenizer_responses
-from server.params import check_token_ids
-from server.prompts import chat_prompt_ids
+from server.http.json_body import StrictJSONRoute
+from server.http.openapi import tokenizer_responses
+from server.openai.params import check_token_ids
+from server.openai.prompts import chat_prompt_ids
+from server.openai.served_models import generation_engine, request_text
+from server.openai.text import text_size
 from server.protocol.tokenize import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -26,9 +28,7 @@ from server.protocol.tokenize import (
     TokenizeResponse,
     TokenizerInfo,
 )
-from server.served_models import generation_engine, request_text
 from server.state import SharedState
-from server.text import text_size
 
 router = APIRouter(route_class=StrictJSONRoute)
 

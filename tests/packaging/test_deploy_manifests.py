@@ -35,8 +35,8 @@ MANIFESTS = (KUBERNETES_MANIFEST, RAYSERVICE_MANIFEST, COMPOSE_FILE)
 # The Kubernetes release whose schemas the manifests must pass (one kubernetes-validate ships; strict: unknown
 # fields are errors too, as `kubectl apply --validate=strict` makes them).
 KUBERNETES_VERSION = "1.37.0"
-# What the Ray Serve application (server/ray_app.py) provides.
-RAY_IMPORT_PATH = "server.ray_app:build_app"
+# What the Ray Serve application (server/ray/app.py) provides.
+RAY_IMPORT_PATH = "server.ray.app:build_app"
 RAY_DEPLOYMENT_NAME = "KVServe"
 # `kvserve serve` ends a stop within --shutdown-timeout + this many seconds (server/cli.py).
 STOP_OVERHEAD_S = 2.0

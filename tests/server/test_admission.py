@@ -11,7 +11,7 @@ from engine.errors import InvalidRequestError
 from engine.params import MAX_CACHE_SALT_CHARS, SamplingParams
 from server.app import create_app
 from server.config import ServerConfig
-from server.params import DEFAULT_COST_CONTEXTS
+from server.openai.params import DEFAULT_COST_CONTEXTS
 from server.state import state_of
 from tests.support.server_harness import ServerThread, make_server_config
 from tests.support.tiny_models import make_tiny_llama

@@ -3,7 +3,7 @@ head (--max-request-head-bytes, however it is split into reads), too many reques
 (--limit-concurrency) while idle connections hold none, too many connections from one client
 (--max-connections-per-client), an idle keep-alive connection (--timeout-keep-alive), a request head that
 never completes (--timeout-request-head), a body that does not arrive in time (--timeout-request-body).
-After each the server keeps serving. The pure parts of server/http_protocol.py are tested alone at the end."""
+After each the server keeps serving. The pure parts of server/http/h11_protocol.py are tested alone at the end."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from server.http_protocol import HeadMeter, LogThrottle, PeerConnections, cap_requests_in_progress
+from server.http.h11_protocol import HeadMeter, LogThrottle, PeerConnections, cap_requests_in_progress
 from tests.support.server_harness import ServerProcess, parse_sse
 from tests.support.tiny_models import make_tiny_llama
 
@@ -443,7 +443,7 @@ def test_the_flags_default_to_limits_that_fit_the_rest_of_the_server() -> None:
             cli.config_from_args(parser.parse_args(flags))
 
 
-# ---- the pure parts of server/http_protocol.py ----
+# ---- the pure parts of server/http/h11_protocol.py ----
 
 
 def _head_length(chunks: list[bytes], limit: int = 1024) -> tuple[int | None, bool]:

@@ -12,9 +12,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from server import cli
-from server.access import ApiKeys, read_key_file
 from server.app import create_app
-from server.page_auth import PAGE_COOKIE, PAGE_COOKIE_MAX_AGE_S, page_token
+from server.http.access import ApiKeys, read_key_file
+from server.playground.auth import PAGE_COOKIE, PAGE_COOKIE_MAX_AGE_S, page_token
 from tests.support.server_harness import ServerThread, make_server_config
 
 MODEL = "tiny-llama"

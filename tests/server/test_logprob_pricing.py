@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from engine.params import SamplingParams
-from server.params import logprob_entries
+from server.openai.params import logprob_entries
 from tests.support.server_harness import ServerProcess
 from tests.support.tiny_models import make_tiny_llama
 

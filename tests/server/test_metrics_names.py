@@ -20,7 +20,7 @@ from engine.outputs import CompletionOutput, EngineStats, RequestOutput
 from engine.params import SamplingParams
 from server.app import create_app
 from server.config import ServerConfig
-from server.metrics import ServerMetrics, TokenCounts
+from server.metrics.server_metrics import ServerMetrics, TokenCounts
 from tests.support.server_harness import ServerThread, make_server_config
 from tests.support.tiny_models import make_tiny_llama
 

@@ -1,5 +1,5 @@
 """/openapi.json tells the truth: every status code, body, header and content type a route answers is
-documented (server/openapi.py), and the server answers nothing else: no 5xx, no undocumented status
+documented (server/http/openapi.py), and the server answers nothing else: no 5xx, no undocumented status
 or content type, no body or header off its schema.
 
 A live server (a tiny model, small limits) is fuzzed by schemathesis from the document; the answers
@@ -36,7 +36,8 @@ ERROR_BODY = {"$ref": "#/components/schemas/ErrorResponse"}
 PLAIN_TEXT = {"schema": {"type": "string"}}
 GATED = {"401", "413", "500", "503"}  # the middleware's checks: API key, body size, readiness, its catch-all
 QUEUED = GATED | {"400", "404", "429", "504"}  # routes whose requests wait in an engine's queue
-# What each operation may answer besides 200 (server/errors.py, server/middleware.py, server/served_models.py).
+# What each operation may answer besides 200
+# (server/errors.py, server/http/middleware.py, server/openai/served_models.py).
 EXPECTED_ERRORS = {
     ("post", "/v1/completions"): QUEUED,
     ("post", "/v1/chat/completions"): QUEUED,

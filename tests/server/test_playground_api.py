@@ -13,9 +13,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from server.app import create_app
-from server.page_auth import PAGE_COOKIE_MAX_AGE_S
-from server.protocol.playground import MAX_ATTENTION_TOKENS, KVCacheResponse
-from server.routes.playground import ASSETS
+from server.playground.auth import PAGE_COOKIE_MAX_AGE_S
+from server.playground.protocol import MAX_ATTENTION_TOKENS, KVCacheResponse
+from server.playground.routes import ASSETS
 from server.state import state_of
 from tests.support.server_harness import ServerThread, make_server_config
 

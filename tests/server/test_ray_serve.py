@@ -35,7 +35,7 @@ SERVE_ARGS = [
 ]
 REPLICA_HEADER = "x-kvserve-replica"
 REPLICA_TITLE = re.compile(r"^ray::ServeReplica:kvserve:KVServe(?!Ingress)")
-# Longer than three prefix chunks (server/ray_router.py), well inside the tiny model's 512-token context.
+# Longer than three prefix chunks (server/ray/router.py), well inside the tiny model's 512-token context.
 SENTENCE = "You answer questions about the paged KV cache, continuous batching and the quick brown fox. "
 SYSTEM_PROMPT = (SENTENCE * 5)[:420]
 
@@ -252,7 +252,7 @@ def test_a_stop_drains_then_cuts_what_is_left_and_exits_0(served):
 
 
 def test_the_private_instance_gets_its_token_in_the_environment():
-    from server.ray_local import private_auth_token
+    from server.ray.local import private_auth_token
 
     token = private_auth_token({})["RAY_AUTH_TOKEN"]
     assert len(token) == 64 and int(token, 16) >= 0 and private_auth_token({}) != {"RAY_AUTH_TOKEN": token}
@@ -278,7 +278,7 @@ def test_scale_out_flags_feed_every_scale_out_field():
     import dataclasses
 
     from server import cli
-    from server.scale_out import ScaleOut
+    from server.ray.scale_out import ScaleOut
 
     fields = {flag.scale_out for flag in cli.FLAGS if flag.scale_out is not None}
     assert fields == {field.name for field in dataclasses.fields(ScaleOut)}
@@ -297,10 +297,10 @@ def test_build_app_parses_args_with_the_cli_flags():
     pytest.importorskip("ray.serve")
     from ray import serve
 
-    from server.ray_app import build_app, parse_args
-    from server.ray_deployments import replica_options
-    from server.ray_router import PrefixAffineRouter
-    from server.scale_out import ScaleOut
+    from server.ray.app import build_app, parse_args
+    from server.ray.deployments import replica_options
+    from server.ray.router import PrefixAffineRouter
+    from server.ray.scale_out import ScaleOut
 
     args = {"model": "m", "max-num-seqs": 16, "enable_prefix_caching": True, "embedding-model": None}
     namespace = parse_args({**args, "max-replicas": 4, "replicas": 2})
@@ -327,7 +327,7 @@ def test_build_app_parses_args_with_the_cli_flags():
 
 def test_prefix_hashes_follow_the_prompt_start():
     pytest.importorskip("ray.serve")
-    from server.ray_router import PREFIX_CHUNK_CHARS, prefix_hashes
+    from server.ray.router import PREFIX_CHUNK_CHARS, prefix_hashes
 
     def chat(*contents: str) -> bytes:
         messages = [{"role": "system", "content": contents[0]}, *({"role": "user", "content": c} for c in contents[1:])]
@@ -359,7 +359,7 @@ def test_the_router_prefers_the_prefix_owner_unless_it_is_overloaded():
     from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID, RequestMetadata
     from ray.serve.request_router import PendingRequest
 
-    from server.ray_router import PrefixAffineRouter
+    from server.ray.router import PrefixAffineRouter
 
     deployment = DeploymentID(name="KVServe", app_name="kvserve")
     a, b = (_FakeReplica(ReplicaID(unique_id=name, deployment_id=deployment)) for name in ("a", "b"))

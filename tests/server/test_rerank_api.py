@@ -24,7 +24,7 @@ from engine.pooling.reranker import Reranker, sigmoid
 from engine.serving.async_encoder import AsyncEmbedder
 from server.config import ServerConfig
 from server.errors import install_error_handlers
-from server.middleware import KVServeMiddleware
+from server.http.middleware import KVServeMiddleware
 from server.routes import models as model_routes
 from server.routes import rerank as rerank_routes
 from server.state import ServerState, attach_state, state_of

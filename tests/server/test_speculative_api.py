@@ -27,7 +27,7 @@ from safetensors.torch import load_file, save_file
 from engine.outputs import EngineStats
 from server import cli
 from server.app import create_app
-from server.metrics import ServerMetrics
+from server.metrics.server_metrics import ServerMetrics
 from tests.support.server_harness import ServerThread
 from tests.support.tiny_models import SPECIAL_TOKENS, make_tiny_llama
 

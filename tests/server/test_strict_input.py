@@ -20,11 +20,11 @@ from starlette.testclient import TestClient
 
 from engine.structured.spec import StructuredOutput
 from server.app import create_app
-from server.json_body import MAX_JSON_DEPTH
+from server.http.json_body import MAX_JSON_DEPTH
+from server.openai.tools import _hermes_grammar
+from server.playground.protocol import MAX_ATTENTION_PROMPT_CHARS
 from server.protocol.chat import Tool
-from server.protocol.playground import MAX_ATTENTION_PROMPT_CHARS
 from server.state import state_of
-from server.tools import _hermes_grammar
 from tests.support.server_harness import make_server_config
 from tests.support.tiny_models import make_tiny_llama
 
@@ -287,7 +287,7 @@ def test_a_recursive_tool_schema_compiles_in_the_hermes_grammar_too(app, client)
 
 
 def test_attention_refuses_a_long_prompt_before_tokenizing_it(client, monkeypatch):
-    from server.routes import attention
+    from server.playground import attention
 
     def never(*args: Any) -> None:
         raise AssertionError("the prompt was tokenized")

@@ -199,7 +199,7 @@ def test_smollm2_parse_gives_a_valid_object_for_every_prompt():
 def test_a_spec_that_takes_too_long_to_compile_is_a_400(server, monkeypatch):
     import time
 
-    from server import structured
+    from server.openai import structured
     from server.state import state_of
 
     grammar = state_of(server.app).engine.grammar

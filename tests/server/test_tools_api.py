@@ -215,7 +215,7 @@ def test_smollm2_required_round_trip_streamed_and_not():
 
 def test_replies_are_read_back_whole_or_cut_short():
     from engine.structured.spec import StructuredOutput
-    from server.tools import ToolPlan
+    from server.openai.tools import ToolPlan
 
     plan = ToolPlan(style="generic", spec=StructuredOutput(json_object=True), instructions="", definitions=())
     content, calls = plan.parse('{"tool_calls":[{"name":"f","arguments":{"a":1}},{"name":"g","arguments":{}}]}')
@@ -288,10 +288,10 @@ def test_a_template_with_its_own_tool_format_gets_hermes_blocks(hermes_server):
 
 
 def test_hermes_prompts_carry_the_tools_and_the_earlier_calls(hermes_server):
-    from server.prompts import chat_prompt_ids
+    from server.openai.prompts import chat_prompt_ids
+    from server.openai.tools import plan_tools
     from server.protocol.chat import ChatCompletionRequest
     from server.state import state_of
-    from server.tools import plan_tools
 
     tokenizer = state_of(hermes_server.app).engine.tokenizer
     history = [
@@ -313,7 +313,7 @@ def test_hermes_prompts_carry_the_tools_and_the_earlier_calls(hermes_server):
 
 
 def test_hermes_replies_are_read_back():
-    from server.tools import ToolPlan
+    from server.openai.tools import ToolPlan
 
     plan = ToolPlan(style="hermes", spec=None, instructions="", definitions=())
     text = (
@@ -351,7 +351,7 @@ def _langchain_structured_output(base_url: str, model: str) -> None:
 
 
 def test_tool_parameters_are_closed_unless_they_say_otherwise():
-    from server.tools import _closed
+    from server.openai.tools import _closed
 
     schema = {
         "type": "object",

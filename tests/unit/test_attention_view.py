@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from engine.attention.probe import AttentionWeights
-from server.attention_view import KEPT_FORWARDS, AttentionView
 from server.errors import APIError
+from server.playground.attention_view import KEPT_FORWARDS, AttentionView
 
 
 class FakeEngine:

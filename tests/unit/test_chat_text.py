@@ -16,9 +16,9 @@ from tokenizers import AddedToken
 
 from engine.errors import InvalidRequestError
 from engine.text.tokenizer import Tokenizer
-from server.prompts import chat_prompt_ids
+from server.openai.prompts import chat_prompt_ids
+from server.openai.tools import plan_tools
 from server.protocol.chat import ChatCompletionRequest
-from server.tools import plan_tools
 from tests.support.tiny_models import CHATML_TEMPLATE, _tokenizer_dir
 
 LLAMA3_TEMPLATE = (

@@ -1,4 +1,4 @@
-"""server/json_answer.py: the same bytes as Starlette's JSONResponse, and a large body gives the loop turns."""
+"""server/http/json_answer.py: the same bytes as Starlette's JSONResponse, and a large body gives the loop turns."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import math
 import pytest
 from fastapi.responses import JSONResponse
 
-from server.json_answer import encode_json, iter_json
+from server.http.json_answer import encode_json, iter_json
 
 
 def _large_logprobs_body(num_tokens: int) -> dict:

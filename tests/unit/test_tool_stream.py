@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from server.tool_stream import GENERIC, GENERIC_CALLS_ONLY, HERMES, ToolReplyStream
+from server.openai.tool_stream import GENERIC, GENERIC_CALLS_ONLY, HERMES, ToolReplyStream
 
 CALLS = [("get_weather", {"city": 'Pa"ris\\', "unit": "C", "nested": {"a": [1, {"b": "}]"}]}}), ("get_time", {})]
 

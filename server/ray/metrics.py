@@ -1,7 +1,7 @@
 """Every replica's engine gauges and counters on Ray's Prometheus endpoint, labelled by replica.
 
 Behind Ray Serve, a scrape of the application's /metrics reaches one replica chosen by the router, so
-it cannot see the others. Each KVServe replica therefore mirrors the series of server/metrics_engine.py
+it cannot see the others. Each KVServe replica therefore mirrors the series of server/metrics/engine.py
 (the same values its own /metrics shows) into Ray's metrics, which every Ray node exports for all the
 processes on it at its metrics export port (`kvserve serve --replicas` logs the address; on a Ray
 cluster, the port Ray was started with). Ray prefixes each name with `ray_` and Serve adds the tags
@@ -19,7 +19,7 @@ from collections.abc import Callable
 from ray.serve import metrics
 
 from engine.outputs import EngineStats
-from server.metrics_engine import ENGINE_SERIES
+from server.metrics.engine import ENGINE_SERIES
 
 logger = logging.getLogger(__name__)
 

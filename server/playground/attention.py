@@ -17,16 +17,16 @@ from fastapi.responses import Response
 from engine.attention.probe import AttentionWeights
 from engine.text.tokenizer import Tokenizer
 from server.errors import APIError
-from server.json_body import StrictJSONRoute
-from server.openapi import attention_responses
-from server.params import check_token_ids
-from server.protocol.playground import (
+from server.http.json_body import StrictJSONRoute
+from server.http.openapi import attention_responses
+from server.openai.params import check_token_ids
+from server.openai.served_models import generation_engine, request_text
+from server.playground.protocol import (
     MAX_ATTENTION_PROMPT_CHARS,
     MAX_ATTENTION_TOKENS,
     AttentionRequest,
     AttentionResponse,
 )
-from server.served_models import generation_engine, request_text
 from server.state import SharedState
 
 router = APIRouter(route_class=StrictJSONRoute)

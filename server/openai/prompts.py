@@ -3,7 +3,7 @@
 A completion prompt is the model's raw input: a special token's text in it is that token (as in
 vLLM). Chat messages are the client's text: only the chat template writes control tokens.
 
-Each function takes the tokenizer first and runs on the text worker (server/text.py).
+Each function takes the tokenizer first and runs on the text worker (server/openai/text.py).
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from typing import Any
 
 from engine.errors import InvalidRequestError
 from server.config import ServerConfig
-from server.params import check_batch_size, check_token_ids
+from server.openai.params import check_batch_size, check_token_ids
+from server.openai.tools import ToolPlan, render_messages
 from server.protocol.chat import ChatMessage
 from server.protocol.completions import CompletionRequest
-from server.tools import ToolPlan, render_messages
 
 
 def completion_prompts(
@@ -52,7 +52,7 @@ def chat_prompt_ids(
     tools: ToolPlan | None = None,
     allow_special_tokens_in_content: bool = False,
 ) -> list[int]:
-    """The messages through the model's chat template (server/tools.py renders tool turns, and the
+    """The messages through the model's chat template (server/openai/tools.py renders tool turns, and the
     tool definitions as the template takes them). Everything the request holds is encoded as text,
     so only the template's own markers are control tokens, unless the server allows special tokens
     in content (`--allow-special-tokens-in-content`)."""

@@ -1,6 +1,6 @@
 """ScaleOut: how many kvserve replicas to run on Ray Serve, and how requests reach them.
 
-What `kvserve serve --replicas N` (and the Ray application builder, server/ray_app.py) is told beside the
+What `kvserve serve --replicas N` (and the Ray application builder, server/ray/app.py) is told beside the
 ServerConfig: not a setting of any one replica, so not in ServerConfig. Plain data, no Ray import: the CLI
 builds it whether or not Ray is installed.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# prefix: a request goes to the replica its prompt's prefix hashes to (server/ray_router.py), so that
+# prefix: a request goes to the replica its prompt's prefix hashes to (server/ray/router.py), so that
 # replica's prefix cache holds it; least-loaded: Ray Serve's own power-of-two-choices router.
 ROUTINGS = ("prefix", "least-loaded")
 

@@ -1,7 +1,7 @@
 """KVServeIngress: the application's HTTP entry on Ray Serve, in front of the KVServe replicas.
 
 Serve's HTTP proxy hands each request to this deployment. It reads the body (the prompt is in it:
-server/ray_router.py says why the router cannot see it otherwise), hashes the prompt's prefix, and calls
+server/ray/router.py says why the router cannot see it otherwise), hashes the prompt's prefix, and calls
 KVServe through a DeploymentHandle with the hashes as an argument KVServe's request router reads. The
 replica's ASGI messages are sent on as they come, so a stream stays a stream.
 
@@ -14,7 +14,7 @@ What the client gets when Serve, not kvserve, has the answer, in kvserve's own e
   and Serve starts a new replica.
 
 `drain` is kvserve's stop (server/shutdown.py) for the whole application, used by `kvserve serve
---replicas` (server/ray_local.py) before it deletes the application: new requests get 503
+--replicas` (server/ray/local.py) before it deletes the application: new requests get 503
 `shutting_down` and /health 503 {"status": "draining"}, the requests in flight get the grace, and the rest
 are cut, ending as above.
 """
@@ -38,9 +38,9 @@ from starlette.types import Message, Receive, Scope, Send
 from engine.errors import QueueFullError
 from server.config import ServerConfig
 from server.errors import APIError, api_error_for
-from server.middleware import OPEN_PATHS
-from server.ray_replica import SCOPE_KEYS
-from server.ray_router import PREFIX_HASHES_KWARG, prefix_hashes
+from server.http.middleware import OPEN_PATHS
+from server.ray.replica import SCOPE_KEYS
+from server.ray.router import PREFIX_HASHES_KWARG, prefix_hashes
 from server.shutdown import shutting_down_error
 
 logger = logging.getLogger(__name__)
@@ -236,11 +236,11 @@ async def _lifespan(receive: Receive, send: Send) -> None:
 
 @serve.ingress()
 class KVServeIngress:
-    """The deployment around Forwarder (its options: server/ray_deployments.py). affine: whether KVServe's
+    """The deployment around Forwarder (its options: server/ray/deployments.py). affine: whether KVServe's
     router is PrefixAffineRouter (else the prefix hashes are not computed)."""
 
     def __init__(self, kvserve: DeploymentHandle, config: ServerConfig, affine: bool) -> None:
-        # As in a KVServe replica (server/ray_replica.py): this process's log lines reach Ray's logs.
+        # As in a KVServe replica (server/ray/replica.py): this process's log lines reach Ray's logs.
         logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
         logging.getLogger().setLevel(config.log_level.upper())
         self._forwarder = Forwarder(kvserve, config.max_request_bytes, affine)

@@ -1,6 +1,6 @@
 """KVServe: one Ray Serve replica running kvserve's own app (server/app.py create_app) with one engine.
 
-The ingress deployment (server/ray_ingress.py) reads each HTTP request and calls `handle` through a
+The ingress deployment (server/ray/ingress.py) reads each HTTP request and calls `handle` through a
 DeploymentHandle; `handle` runs the request through the app in this process, exactly as uvicorn would,
 and streams back the ASGI messages the app sends: a stream's events leave the replica as they are made.
 Everything kvserve does per request (API key, limits, the engine's own 429, metrics, the access log)
@@ -34,7 +34,7 @@ from starlette.types import Message
 from engine.outputs import EngineStats
 from server.app import create_app
 from server.config import ServerConfig
-from server.ray_metrics import MetricsMirror
+from server.ray.metrics import MetricsMirror
 from server.state import state_of
 
 logger = logging.getLogger(__name__)
@@ -96,7 +96,7 @@ class KVServe:
     ) -> AsyncIterator[list[Message]]:
         """Serve one HTTP request: `head` is the ingress's ASGI scope (SCOPE_KEYS, "client", "server"), `body` the
         whole request body. Yields the app's ASGI messages, in batches of what is ready at once.
-        prefix_hashes is for the request router (server/ray_router.py), not used here.
+        prefix_hashes is for the request router (server/ray/router.py), not used here.
 
         A cancelled call (the client left) tells the app the client disconnected and cancels it.
         """

@@ -8,7 +8,7 @@ vLLM find the same series and the same `le` values. Where vLLM has two names for
 older one that dashboards and routers still read beside its successor) both are exported.
 Series vLLM has no counterpart of (embeddings) keep their `kvserve:` name whatever the choice.
 
-This module only names; server/metrics.py and server/metrics_engine.py export.
+This module only names; server/metrics/server_metrics.py and server/metrics/engine.py export.
 """
 
 from __future__ import annotations

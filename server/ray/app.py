@@ -1,13 +1,13 @@
-"""kvserve as a Ray Serve application: `build_app`, the builder Serve imports as `server.ray_app:build_app`.
+"""kvserve as a Ray Serve application: `build_app`, the builder Serve imports as `server.ray.app:build_app`.
 
-    serve run server.ray_app:build_app model=smollm2-135m-instruct max-num-seqs=16 replicas=2
+    serve run server.ray.app:build_app model=smollm2-135m-instruct max-num-seqs=16 replicas=2
 
 deploys it to the Ray cluster `serve run` connects to (RAY_ADDRESS, or a new local one); a KubeRay
 RayService does the same from its serveConfigV2:
 
     applications:
       - name: kvserve
-        import_path: server.ray_app:build_app
+        import_path: server.ray.app:build_app
         route_prefix: /
         args: {model: smollm2-135m-instruct, max-num-seqs: 16, replica-routing: prefix}
         deployments:
@@ -22,7 +22,7 @@ so a flag means the same on Ray. Some flags belong to the server process and are
 --max-connections-per-client (Serve's HTTP proxy has its own http_options) and --replica-metrics-port
 (the cluster's own metrics port). --replicas
 (default 1 here), --max-replicas and --replica-routing set the KVServe deployment's options
-(server/ray_deployments.py); a `deployments:` entry in the Serve config overrides any of them.
+(server/ray/deployments.py); a `deployments:` entry in the Serve config overrides any of them.
 
 Each replica reserves --num-threads CPUs (1 when unset) in Ray, and without --num-threads runs torch on as
 many threads as it reserved; serveConfigV2's ray_actor_options (num_cpus) overrides the reservation.
@@ -37,7 +37,7 @@ from typing import Any, NoReturn
 from ray import serve
 
 from server.cli import add_arguments, config_from_args, scale_out_from_args
-from server.ray_deployments import kvserve_application
+from server.ray.deployments import kvserve_application
 
 
 class _ArgsError(ValueError):
@@ -65,7 +65,7 @@ def _flag_text(value: Any) -> str:
 def parse_args(args: Mapping[str, Any]) -> argparse.Namespace:
     """`kvserve serve` flags from a mapping of flag names without dashes (`max-num-seqs` or
     `max_num_seqs`) to values. Raises ValueError naming an unknown flag or a bad value."""
-    parser = _RaisingParser(prog="server.ray_app:build_app", add_help=False)
+    parser = _RaisingParser(prog="server.ray.app:build_app", add_help=False)
     add_arguments(parser)
     argv = []
     for name, value in args.items():

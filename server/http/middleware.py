@@ -1,6 +1,6 @@
 """One pure-ASGI middleware for what every request goes through, in order:
 
-request id (X-Request-Id, echoed or made) -> API key (401; the request's Caller, server/access.py,
+request id (X-Request-Id, echoed or made) -> API key (401; the request's Caller, server/http/access.py,
 goes into its scope state) -> readiness (503 while loading,
 503 `shutting_down` once the server drains: server/shutdown.py) -> body size (413) -> the app
 (counted in flight while it runs, so the stop knows when nothing is left) -> one access-log line.
@@ -22,9 +22,9 @@ from starlette.exceptions import HTTPException
 from starlette.requests import cookie_parser
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from server.access import OPEN_CALLER, ApiKeys, Caller
 from server.errors import APIError
-from server.page_auth import PAGE_COOKIE, is_page_request, is_valid_page_token
+from server.http.access import OPEN_CALLER, ApiKeys, Caller
+from server.playground.auth import PAGE_COOKIE, is_page_request, is_valid_page_token
 from server.shutdown import Shutdown, shutting_down_error
 
 access_logger = logging.getLogger("kvserve.access")
@@ -33,9 +33,9 @@ REQUEST_ID_HEADER = b"x-request-id"
 OPEN_PATHS = frozenset({"/health", "/metrics"})  # answered while loading and draining, not counted in flight
 # The one route without the API key: /metrics tells whether a prefix is cached, so it needs the key too.
 KEYLESS_PATHS = frozenset({"/health"})
-# A browser that opened the page with its cookie: the page's files, nothing else (server/page_auth.py).
+# A browser that opened the page with its cookie: the page's files, nothing else (server/playground/auth.py).
 PAGE_CALLER = Caller(is_admin=False)
-SIGN_IN_PAGE = (Path(__file__).resolve().parent / "playground" / "login.html").read_bytes()
+SIGN_IN_PAGE = (Path(__file__).resolve().parents[1] / "playground" / "login.html").read_bytes()
 
 
 def _header(scope: Scope, name: bytes) -> str | None:
@@ -54,7 +54,7 @@ def _clean_request_id(value: str | None) -> str:
 class KVServeMiddleware:
     """is_ready(): models loaded; shutdown: the server's stop; api_keys: the bearer tokens it accepts
     (None or none: open); playground: the playground page is served (its sign-in page and cookie,
-    server/page_auth.py)."""
+    server/playground/auth.py)."""
 
     def __init__(
         self,

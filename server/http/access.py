@@ -1,7 +1,7 @@
 """Who sent a request: which of the server's API keys it carries, whether that key is an admin's, and
 the prefix-cache namespace its requests get (README: "Isolation between clients").
 
-The middleware (server/middleware.py) checks the bearer token against every key in constant time and
+The middleware (server/http/middleware.py) checks the bearer token against every key in constant time and
 puts the request's `Caller` in its scope state; routes read it with `caller_of(request)`.
 
 - Admin: on a server with no key (open, a single user) everyone; else the --admin-api-key keys, or,
@@ -36,7 +36,7 @@ class Caller:
     """The sender of one request, as far as the server tells senders apart.
 
     cache_namespace: the secret its prefix-cache salts derive from (None: the request's cache_salt as sent).
-    page_secret: what signs its playground cookie (server/page_auth.py); None on an open server.
+    page_secret: what signs its playground cookie (server/playground/auth.py); None on an open server.
     """
 
     is_admin: bool
@@ -93,7 +93,7 @@ class ApiKeys:
 
     @property
     def page_secrets(self) -> tuple[bytes, ...]:
-        """Each key's playground-cookie secret (server/page_auth.py)."""
+        """Each key's playground-cookie secret (server/playground/auth.py)."""
         return tuple(caller.page_secret for _, caller in self._keys if caller.page_secret is not None)
 
     def caller_for(self, token: str) -> Caller | None:

@@ -34,8 +34,8 @@ from typing import Any
 from engine.errors import InvalidRequestError
 from engine.structured.spec import StructuredOutput
 from server.errors import clip
+from server.openai.tool_stream import GENERIC, GENERIC_CALLS_ONLY, HERMES, Framing, decode_string_prefix
 from server.protocol.chat import ChatCompletionRequest, ChatMessage, ResponseToolCall, Tool, ToolCallFunction
-from server.tool_stream import GENERIC, GENERIC_CALLS_ONLY, HERMES, Framing, decode_string_prefix
 
 GENERIC_PROMPT = """You can call these tools. Each one's arguments follow its JSON schema.
 {tools}

@@ -1,5 +1,5 @@
 """GET / and GET /playground/<file>: the playground page and its assets, from the package itself;
-POST /playground/sign-in: the page's cookie behind --api-key (server/page_auth.py).
+POST /playground/sign-in: the page's cookie behind --api-key (server/playground/auth.py).
 
 Every file is read once, at import, from server/playground/static/: the page works with no network
 and no build step, and a request can only name one of those files (no path reaches the disk).
@@ -12,12 +12,12 @@ from pathlib import Path
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from server.access import caller_of
 from server.errors import APIError, clip
-from server.openapi import page_responses, sign_in_responses
-from server.page_auth import PAGE_COOKIE, PAGE_COOKIE_MAX_AGE_S, page_token
+from server.http.access import caller_of
+from server.http.openapi import page_responses, sign_in_responses
+from server.playground.auth import PAGE_COOKIE, PAGE_COOKIE_MAX_AGE_S, page_token
 
-STATIC_DIR = Path(__file__).resolve().parent.parent / "playground" / "static"
+STATIC_DIR = Path(__file__).resolve().parent / "static"
 ASSET_PREFIX = "/playground/"
 INDEX = "index.html"
 _TYPES = {".js": "text/javascript", ".css": "text/css", ".html": "text/html", ".svg": "image/svg+xml"}

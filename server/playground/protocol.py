@@ -66,7 +66,7 @@ class KVCacheResponse(BaseModel):
     num_cached_free_blocks: int
     num_free_blocks: int  # free and holding nothing a later request could take back
     # The detail below tells whether someone's prompt is cached or running: admin keys only
-    # (server/access.py); anyone else gets null for both, and detail false.
+    # (server/http/access.py); anyone else gets null for both, and detail false.
     detail: bool
     blocks: str | None  # char i: block id i + 1; u in use, s shared, c cached-free, f free
     sliding_window: int | None

@@ -2,7 +2,7 @@
 
 Ids and counts only (engine/core/kv_snapshot.py): nothing of any request's text or tokens. The
 per-block states and the sequences (whose shared blocks tell whose prompt is cached) go to admin keys
-only (server/access.py); any other key gets the pool's counts.
+only (server/http/access.py); any other key gets the pool's counts.
 """
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 
 from engine.core.kv_snapshot import BLOCK_CACHED_FREE, BLOCK_FREE, BLOCK_IN_USE, BLOCK_SHARED
-from server.access import caller_of
-from server.openapi import tokenizer_responses
-from server.protocol.playground import KVCacheResponse, SequenceBlocksView
-from server.served_models import generation_engine
+from server.http.access import caller_of
+from server.http.openapi import tokenizer_responses
+from server.openai.served_models import generation_engine
+from server.playground.protocol import KVCacheResponse, SequenceBlocksView
 from server.state import SharedState
 
 router = APIRouter()

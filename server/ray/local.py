@@ -1,4 +1,4 @@
-"""`kvserve serve --replicas N`: the kvserve application (server/ray_deployments.py) on a local Ray Serve
+"""`kvserve serve --replicas N`: the kvserve application (server/ray/deployments.py) on a local Ray Serve
 instance, Serve's HTTP proxy on --host/--port, until SIGTERM/SIGINT.
 
 The Ray instance is private to this process and this machine: every Ray port (GCS, raylet, workers, the
@@ -8,7 +8,7 @@ most replicas it may run) as Ray CPUs and, unless --num-threads says otherwise, 
 torch threads (replica_share says why).
 
 A stop (SIGTERM or SIGINT) is kvserve's stop (server/shutdown.py), done at the ingress
-(server/ray_ingress.py): new requests get 503 `shutting_down`, /health 503 {"status": "draining"}, the
+(server/ray/ingress.py): new requests get 503 `shutting_down`, /health 503 {"status": "draining"}, the
 requests in flight get --shutdown-timeout seconds, and what is left then ends with 503 `shutting_down` (a
 stream: an SSE error event, then [DONE]). Then the application is deleted, Serve and Ray shut down, and
 the process exits 0. A second signal cuts the requests in flight at once.
@@ -27,7 +27,7 @@ from types import FrameType
 from typing import TYPE_CHECKING
 
 from server.config import ServerConfig
-from server.scale_out import ScaleOut
+from server.ray.scale_out import ScaleOut
 
 if TYPE_CHECKING:
     from ray.serve import Application
@@ -115,7 +115,7 @@ def serve_replicas(config: ServerConfig, scale_out: ScaleOut) -> int:
     import ray
     from ray import serve
 
-    from server.ray_deployments import APP_NAME, kvserve_application
+    from server.ray.deployments import APP_NAME, kvserve_application
 
     config, num_cpus = replica_share(config, scale_out)
     level = config.log_level.upper()
@@ -149,7 +149,7 @@ def _serve(config: ServerConfig, scale_out: ScaleOut, num_cpus: float, signals: 
     import ray
     from ray import serve
 
-    from server.ray_deployments import APP_NAME
+    from server.ray.deployments import APP_NAME
 
     # kvserve's replicas write their own access log line per request: Serve's would repeat it twice.
     logging_config = {"log_level": config.log_level.upper(), "enable_access_log": False}

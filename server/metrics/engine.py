@@ -1,6 +1,6 @@
 """The engine's gauges and counters, read from its stats snapshot at scrape time (not at each step).
 
-Each series goes out under the names server/metric_names.py gives it. The prompt-token counters
+Each series goes out under the names server/metrics/names.py gives it. The prompt-token counters
 count as EngineStats (engine/outputs.py) says: every prompt token of every request once, cached
 ones included, and separately the part found in the prefix cache.
 
@@ -10,7 +10,7 @@ speculates (--speculative-method): EngineStats then carries one accepted count p
 speculation that tuple is empty and none of the four series appears, not even as zeros.
 
 The prefix-cache series are private (`private_series_names`): they tell a client whether a prompt
-someone else sent is cached, so /metrics shows them to admin keys only (server/access.py).
+someone else sent is cached, so /metrics shows them to admin keys only (server/http/access.py).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from engine.outputs import EngineStats
-from server.metric_names import Naming
+from server.metrics.names import Naming
 
 
 def _prefix_cache_hit_rate(stats: EngineStats) -> float:
@@ -36,7 +36,7 @@ def is_speculating(stats: EngineStats) -> bool:
 
 @dataclass(frozen=True)
 class _StatSeries:
-    """One gauge or counter of the snapshot: its names (server/metric_names.py) and its value."""
+    """One gauge or counter of the snapshot: its names (server/metrics/names.py) and its value."""
 
     is_counter: bool
     kvserve: str | None

@@ -8,7 +8,7 @@ What the router can see: Ray Serve's request router (`choose_replicas`) sees the
 call it routes. A request arriving through Serve's HTTP proxy is handed to the first deployment as its
 ASGI scope only (path, headers); the body is read afterwards, from the replica it was routed to. So the
 router in front of the first deployment cannot see a prompt. The application therefore starts with a
-thin ingress deployment (server/ray_ingress.py) that reads the body, computes `prefix_hashes` here, and
+thin ingress deployment (server/ray/ingress.py) that reads the body, computes `prefix_hashes` here, and
 calls the KVServe deployment through a DeploymentHandle with them as the `prefix_hashes` keyword
 argument; PrefixAffineRouter, KVServe's request router, reads that argument.
 
@@ -93,7 +93,7 @@ def prefix_hashes(path: str, body: bytes) -> list[int]:
         return []
     try:
         request = json.loads(body)
-    except (ValueError, RecursionError):  # the replica answers the 400 (server/json_body.py)
+    except (ValueError, RecursionError):  # the replica answers the 400 (server/http/json_body.py)
         return []
     if not isinstance(request, dict):
         return []

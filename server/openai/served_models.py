@@ -16,7 +16,7 @@ from server.state import ServerState
 if TYPE_CHECKING:
     from engine.serving.async_encoder import AsyncEmbedder
     from engine.serving.async_engine import AsyncEngine
-    from server.text import RequestText
+    from server.openai.text import RequestText
 
 Task = Literal["generate", "embed", "rerank"]
 

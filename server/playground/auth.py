@@ -29,7 +29,7 @@ def _mac(page_secret: bytes, expiry: str) -> str:
 
 
 def page_token(page_secret: bytes, now: float | None = None) -> str:
-    """The cookie's value for one key (its page secret, server/access.py): `<expiry>.<HMAC>`, the expiry
+    """The cookie's value for one key (its page secret, server/http/access.py): `<expiry>.<HMAC>`, the expiry
     in Unix seconds, PAGE_COOKIE_MAX_AGE_S from now. An HMAC, so the key cannot be recovered from it."""
     expiry = str(int(time.time() if now is None else now) + PAGE_COOKIE_MAX_AGE_S)
     return f"{expiry}.{_mac(page_secret, expiry)}"

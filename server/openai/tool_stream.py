@@ -1,6 +1,6 @@
 """ToolReplyStream: a constrained tool-call reply turned into OpenAI stream deltas as it is generated.
 
-The reply's framing is fixed by its grammar (server/tools.py), so it can be read as it grows:
+The reply's framing is fixed by its grammar (server/openai/tools.py), so it can be read as it grows:
 each call's name is sent once it is complete, then its arguments as JSON text fragments as they
 arrive; with "auto" in the generic format a `{"response":"...` answer is sent as content, its
 JSON string decoded piece by piece. Only the parts that are certain are sent: an escape cut in

@@ -20,7 +20,7 @@ COMPILE_TIMEOUT_S = 10.0  # the compile goes on in the text worker; the request 
 
 if TYPE_CHECKING:
     from engine.serving.async_engine import AsyncEngine
-    from server.text import RequestText
+    from server.openai.text import RequestText
 
 
 def structured_output(body: GuidedFields, response_format: ResponseFormat | None = None) -> StructuredOutput | None:

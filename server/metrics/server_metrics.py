@@ -1,13 +1,13 @@
 """Prometheus metrics: kvserve's `kvserve:` series and, by --metrics-names, vLLM's exact `vllm:` names.
 
-server/metric_names.py says which names each series goes out under; engine gauges and counters are
-read from the AsyncEngine's stats snapshot at scrape time (server/metrics_engine.py). Per-request
+server/metrics/names.py says which names each series goes out under; engine gauges and counters are
+read from the AsyncEngine's stats snapshot at scrape time (server/metrics/engine.py). Per-request
 histograms are observed here, through `RequestTimer`: server/serving.py feeds it the request's
 parameters, each output and, at the end, the `TokenCounts` its usage is made from. A "request" is
 one HTTP request: its prompts and their n samples are observed together.
 
 Each app gets its own CollectorRegistry (tests build several apps in one process). The page a
-non-admin key reads leaves out the private prefix-cache series (server/metrics_engine.py).
+non-admin key reads leaves out the private prefix-cache series (server/metrics/engine.py).
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from prometheus_client.core import Metric
 
 from engine.outputs import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, EngineStats, RequestOutput
 from engine.params import SamplingParams
-from server import metric_names as names
-from server.metric_names import HistogramSpec, Naming
-from server.metrics_engine import EngineStatsCollector, private_series_names
+from server.metrics import names
+from server.metrics.engine import EngineStatsCollector, private_series_names
+from server.metrics.names import HistogramSpec, Naming
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -90,7 +90,7 @@ class ServerMetrics:
     ) -> None:
         """model_name: the generation model as clients name it (the `model_name` label).
         get_stats: the engine's stats snapshot (None while it loads), read at scrape time.
-        metrics_names: "kvserve", "vllm" or "both" (server/metric_names.py).
+        metrics_names: "kvserve", "vllm" or "both" (server/metrics/names.py).
         embedding_model_name: the embedding model's name, for embedding requests that name none.
         """
         self.model_name = model_name

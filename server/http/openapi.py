@@ -1,7 +1,7 @@
 """What /openapi.json says each route answers: every status code, body, header and content type.
 
 The routes take their `responses=` from the functions here, built from one table of the error
-answers (server/errors.py, server/middleware.py, server/served_models.py say when each happens).
+answers (server/errors.py, server/http/middleware.py, server/openai/served_models.py say when each happens).
 `install_openapi` finishes the document FastAPI generates: its 422 goes (a bad request is a 400
 here), the error body and the SSE event shapes join the components, and every answer documents
 X-Request-Id.
@@ -72,7 +72,7 @@ _ERRORS: dict[int, tuple[str, dict[str, Any]]] = {
     ),
     504: ("The request outlived --request-timeout (`code` request_timeout).", {}),
 }
-# uvicorn's own answer, before the app (server/http_protocol.py's cap): without X-Request-Id.
+# uvicorn's own answer, before the app (server/http/h11_protocol.py's cap): without X-Request-Id.
 _OVER_LIMIT = "--limit-concurrency requests are already in progress: a plain-text 503, before the app."
 _PLAIN_TEXT = {"text/plain": {"schema": {"type": "string"}}}
 _ERROR_BODY = {"$ref": _REF.format(model=ErrorResponse.__name__)}

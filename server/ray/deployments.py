@@ -1,5 +1,5 @@
-"""The kvserve application on Ray Serve: the KVServe deployment (server/ray_replica.py), its ingress
-(server/ray_ingress.py), and the Serve options each gets from the ServerConfig and ScaleOut.
+"""The kvserve application on Ray Serve: the KVServe deployment (server/ray/replica.py), its ingress
+(server/ray/ingress.py), and the Serve options each gets from the ServerConfig and ScaleOut.
 
 KVServe's options, and why:
 - max_ongoing_requests = --max-num-seqs + --max-queued-requests: what one kvserve holds at once (a full
@@ -11,7 +11,7 @@ KVServe's options, and why:
   target_ongoing_requests = --max-num-seqs per replica, i.e. one full running batch: more than that per
   replica means requests start to wait for a batch slot, which is when another replica helps.
 - graceful_shutdown_timeout_s = --shutdown-timeout: how long a stopping replica's requests may run.
-- request router: PrefixAffineRouter (server/ray_router.py) with --replica-routing prefix, passing the
+- request router: PrefixAffineRouter (server/ray/router.py) with --replica-routing prefix, passing the
   affine replica over at --max-num-seqs ongoing requests; Serve's power of two choices with least-loaded.
 """
 
@@ -23,10 +23,10 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from server.config import ServerConfig
-from server.ray_ingress import KVServeIngress
-from server.ray_replica import KVServe
-from server.ray_router import PrefixAffineRouter
-from server.scale_out import ScaleOut
+from server.ray.ingress import KVServeIngress
+from server.ray.replica import KVServe
+from server.ray.router import PrefixAffineRouter
+from server.ray.scale_out import ScaleOut
 
 APP_NAME = "kvserve"
 REPLICA_DEPLOYMENT = "KVServe"
