@@ -341,7 +341,7 @@ def build_requests(workload: Workload, count_tokens: Callable[[str], int] | None
 # --------------------------------------------------------------------------- server access
 
 
-class Tokenizer:
+class TokenCounter:
     """Counts tokens with the server's `/tokenize` endpoint.
 
     Shapes known: kvserve / vLLM `{"model", "prompt"} -> {"tokens": [...], "count": n}` and llama.cpp
@@ -540,7 +540,7 @@ async def run_benchmark(
     timeout_s: float = 600.0,
 ) -> BenchResult:
     """Run `workload` against the OpenAI-compatible server at `base_url` (with or without /v1)."""
-    tokenizer = Tokenizer(base_url, model)
+    tokenizer = TokenCounter(base_url, model)
     try:
         has_tokenize = await asyncio.to_thread(tokenizer.available)
         if not has_tokenize:

@@ -50,7 +50,7 @@ _PROBE_MAX_STEPS = 4  # a one-token prompt and one new token: one step, two with
 
 
 @dataclass
-class _Request:
+class _EngineRequest:
     request_id: str
     prompt_token_ids: list[int]
     seqs: list[Sequence]
@@ -128,7 +128,7 @@ class LLMEngine:
             self.max_model_len,
             plan_drafts=self.speculator.plan if self.speculator is not None else None,
         )
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[str, _EngineRequest] = {}
         self._seq_ids = itertools.count()
         self._pending_outputs: list[RequestOutput] = []
         # Token counters for /metrics (EngineStats says how each counts).
@@ -250,7 +250,7 @@ class LLMEngine:
             )
             seqs.append(seq)
             self.scheduler.add(seq)
-        self._requests[request_id] = _Request(request_id, prompt_ids, seqs, now)
+        self._requests[request_id] = _EngineRequest(request_id, prompt_ids, seqs, now)
         return request_id
 
     def abort(self, request_id: str) -> None:
@@ -298,7 +298,7 @@ class LLMEngine:
         for request_id, error in run.failed.items():
             outputs.extend(self._fail_request(request_id, error))
         # (sequence, drafts verified, drafts accepted), taken before update advances the sequences
-        sampling = [i for i in range(len(run.batch.seqs)) if run.batch.samples(i)]
+        sampling = [i for i in range(len(run.batch.seqs)) if run.batch.is_sampling(i)]
         verified = [
             (run.batch.seqs[i], len(run.batch.draft_token_ids[i]), tokens.num_accepted_drafts)
             for i, tokens in zip(sampling, run.sampled, strict=True)
@@ -408,7 +408,7 @@ class LLMEngine:
         return outputs
 
     def _request_output(
-        self, request: _Request, seqs: list[Sequence], num_new_tokens: int | list[int]
+        self, request: _EngineRequest, seqs: list[Sequence], num_new_tokens: int | list[int]
     ) -> RequestOutput:
         """Each sample's newest `num_new_tokens` token ids (per sample, or one count for all; text is
         filled in on the async side)."""

@@ -2,8 +2,8 @@
 error handlers (server/errors.py) and middleware.
 
 `app.state.kvserve` holds the one `ServerState` (server/state.py) the routes share: config,
-metrics, engine (AsyncEngine, once loaded), embedder (AsyncEmbedder, once loaded; None when no
-embedding model is served), reranker (an AsyncEmbedder over the Reranker, once loaded; None when no
+metrics, engine (AsyncEngine, once loaded), embedder (AsyncEncoder, once loaded; None when no
+embedding model is served), reranker (an AsyncEncoder over the Reranker, once loaded; None when no
 rerank model is served), is_ready and load_error. Routes read it through `Depends(get_state)`;
 code holding the app reads it with `state_of(app)`. Only the lifespan writes it.
 """
@@ -23,14 +23,14 @@ from engine.config import EmbedderConfig, EngineConfig, RerankerConfig
 from engine.llm import LLM
 from engine.pooling.embedder import Embedder
 from engine.pooling.reranker import Reranker
-from engine.serving.async_encoder import AsyncEmbedder
+from engine.serving.async_encoder import AsyncEncoder
 from engine.serving.async_engine import AsyncEngine
 from engine.serving.text_worker import TextWorker
 from engine.serving.torch_worker import RequestLimits, TorchWorker
 from server.config import ServerConfig
 from server.errors import install_error_handlers
 from server.http.access import ApiKeys
-from server.http.middleware import KVServeMiddleware
+from server.http.middleware import AdmissionMiddleware
 from server.http.openapi import install_openapi
 from server.openai.text import RequestText
 from server.playground import attention, kv_cache
@@ -132,7 +132,7 @@ def create_app(
 
     # Added last = outermost: CORS answers preflights before auth sees them.
     app.add_middleware(
-        KVServeMiddleware,
+        AdmissionMiddleware,
         is_ready=lambda: state.is_ready,
         shutdown=state.shutdown,
         api_keys=ApiKeys(config.api_keys, config.admin_api_keys, config.prefix_cache_scope),
@@ -186,12 +186,12 @@ async def _load_models(
         state.engine = engine
         if config.embedder is not None:
             logger.info("loading embedding model %s", config.embedder.model)
-            embedder = AsyncEmbedder(await worker.run(embedder_factory, config.embedder), limits=limits)
+            embedder = AsyncEncoder(await worker.run(embedder_factory, config.embedder), limits=limits)
             await embedder.start(worker, text_worker)
             state.embedder = embedder
         if config.reranker is not None:
             logger.info("loading rerank model %s", config.reranker.model)
-            reranker = AsyncEmbedder(await worker.run(reranker_factory, config.reranker), limits=limits, what="rerank")
+            reranker = AsyncEncoder(await worker.run(reranker_factory, config.reranker), limits=limits, what="rerank")
             await reranker.start(worker, text_worker)
             state.reranker = reranker
         state.is_ready = True

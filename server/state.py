@@ -19,7 +19,7 @@ from server.shutdown import Shutdown
 
 if TYPE_CHECKING:
     from engine.outputs import EngineStats
-    from engine.serving.async_encoder import AsyncEmbedder
+    from engine.serving.async_encoder import AsyncEncoder
     from engine.serving.async_engine import AsyncEngine
     from server.openai.text import RequestText
 
@@ -28,10 +28,10 @@ if TYPE_CHECKING:
 class ServerState:
     config: ServerConfig
     engine: AsyncEngine | None = None  # None until loaded
-    embedder: AsyncEmbedder | None = None  # None until loaded, or when no embedding model is served
-    # The rerank model (engine/pooling/reranker.py), batched by an AsyncEmbedder of its own; None until loaded,
+    embedder: AsyncEncoder | None = None  # None until loaded, or when no embedding model is served
+    # The rerank model (engine/pooling/reranker.py), batched by an AsyncEncoder of its own; None until loaded,
     # or when no rerank model is served.
-    reranker: AsyncEmbedder | None = None
+    reranker: AsyncEncoder | None = None
     text: RequestText | None = None  # tokenizer work on request text, off the loop; set with `engine`
     is_ready: bool = False  # every model is loaded: the middleware stops answering 503
     load_error: str | None = None  # why loading failed; /health reports it

@@ -1,9 +1,9 @@
-"""Embedding throughput: kvserve's Embedder / AsyncEmbedder beside sentence-transformers, same process.
+"""Embedding throughput: kvserve's Embedder / AsyncEncoder beside sentence-transformers, same process.
 
 1,000 sentences of 10 to 60 words drawn from a seeded word list are embedded
   - by sentence-transformers `encode(batch_size=32)` (the reference rate) and one sentence at a time,
-  - by kvserve's AsyncEmbedder as one request of every sentence (split by its token budget),
-  - by kvserve's AsyncEmbedder as 1,000 single-input requests with 32 in flight (dynamic batching),
+  - by kvserve's AsyncEncoder as one request of every sentence (split by its token budget),
+  - by kvserve's AsyncEncoder as 1,000 single-input requests with 32 in flight (dynamic batching),
   - optionally over HTTP (`--url`): 1,000 single-input POST /embed requests, 32 in flight,
 and a table of embeddings/s with the ratio to sentence-transformers' batched rate is printed,
 plus how far kvserve's vectors are from sentence-transformers' (max abs difference, min cosine).
@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     from engine.config import EmbedderConfig
     from engine.hub.models_hub import resolve_model
     from engine.pooling.embedder import Embedder
-    from engine.serving.async_encoder import AsyncEmbedder
+    from engine.serving.async_encoder import AsyncEncoder
 
     sentences = make_sentences(args.num_sentences, args.seed)
     model_dir = str(resolve_model(args.model))
@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def kv_batch() -> torch.Tensor:
         async def run() -> torch.Tensor:
-            async_embedder = AsyncEmbedder(embedder, limits=limits)
+            async_embedder = AsyncEncoder(embedder, limits=limits)
             await async_embedder.start(worker)
             try:
                 return (await async_embedder.embed(sentences)).vectors
@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def kv_async_single() -> torch.Tensor:
         async def run() -> torch.Tensor:
-            async_embedder = AsyncEmbedder(embedder, limits=limits)
+            async_embedder = AsyncEncoder(embedder, limits=limits)
             await async_embedder.start(worker)
             try:
                 return await _async_single_requests(async_embedder, sentences, args.concurrency, "kvserve x1")
@@ -197,8 +197,8 @@ def main(argv: list[str] | None = None) -> int:
 
     runs: list[tuple[str, Callable[[], torch.Tensor]]] = [
         (f"sentence-transformers encode(batch_size={args.batch_size})", st_batched),
-        ("kvserve AsyncEmbedder, one request of all", kv_batch),
-        (f"kvserve AsyncEmbedder, 1-input requests x{args.concurrency} in flight", kv_async_single),
+        ("kvserve AsyncEncoder, one request of all", kv_batch),
+        (f"kvserve AsyncEncoder, 1-input requests x{args.concurrency} in flight", kv_async_single),
     ]
     if args.url:
         runs.append(

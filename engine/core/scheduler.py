@@ -86,7 +86,7 @@ class ScheduledBatch:
             for seq, n, d in zip(self.seqs, self.num_new_tokens, self.draft_token_ids)
         )
 
-    def samples(self, i: int) -> bool:
+    def is_sampling(self, i: int) -> bool:
         """Does sequence i reach its last token this step (so its logits are sampled)?"""
         seq = self.seqs[i]
         return seq.num_computed_tokens + self.num_new_tokens[i] - len(self.draft_token_ids[i]) == len(seq.token_ids)
@@ -270,7 +270,7 @@ class Scheduler:
         """
         sampled: list[int] = []
         for i, (seq, num_new) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
-            is_sampling = batch.samples(i)
+            is_sampling = batch.is_sampling(i)
             seq.num_computed_tokens += num_new - len(batch.draft_token_ids[i])
             if prompt_logprobs and seq in prompt_logprobs:
                 seq.prompt_logprobs.extend(prompt_logprobs[seq])

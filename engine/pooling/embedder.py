@@ -1,6 +1,6 @@
 """Sentence embeddings: tokenize -> packed BERT encoder forward -> pool -> normalise.
 
-`Embedder` is synchronous and owns the model and tokenizer; `engine.serving.async_encoder.AsyncEmbedder`
+`Embedder` is synchronous and owns the model and tokenizer; `engine.serving.async_encoder.AsyncEncoder`
 batches concurrent requests on top of its two halves (`tokenize` and `forward_pooled`) in token-budget forwards.
 
 Which limit applies: an input may be as long as the model's position table
@@ -357,7 +357,7 @@ class Embedder:
     ) -> EmbedResult:
         """Embed a list of texts (or token-id lists) -> vectors in input order, in one forward.
 
-        The plain reference: the server batches concurrent requests with AsyncEmbedder, and the
+        The plain reference: the server batches concurrent requests with AsyncEncoder, and the
         tests hold its vectors equal to these."""
         self.check_dimensions(dimensions)
         token_ids = self.tokenize(inputs, truncate, truncation_direction)

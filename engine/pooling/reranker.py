@@ -1,7 +1,7 @@
 """Reranking: (query, document) pairs -> one relevance logit each, from a BERT-style cross-encoder.
 
 `Reranker` is synchronous and owns the model and its tokenizers, like engine/pooling/embedder.py's
-`Embedder`, and it offers the same two halves, so the server's `AsyncEmbedder`
+`Embedder`, and it offers the same two halves, so the server's `AsyncEncoder`
 (engine/serving/async_encoder.py) batches concurrent rerank requests on the one torch worker
 exactly as it batches embeddings: `tokenize` runs on the text worker, `forward_pooled` on the torch
 worker, here answering one row of logits per pair.
@@ -102,7 +102,7 @@ def read_activation(model_dir: Path) -> str:
 class Reranker:
     """Synchronous cross-encoder: owns the model and tokenizers. Not thread-safe for concurrent forwards."""
 
-    # AsyncEmbedder reads these: scores are never normalised, and have no Matryoshka dimensions.
+    # AsyncEncoder reads these: scores are never normalised, and have no Matryoshka dimensions.
     normalize = False
 
     def __init__(self, config: RerankerConfig) -> None:
@@ -172,7 +172,7 @@ class Reranker:
         return token_ids
 
     def check_dimensions(self, dimensions: int | None) -> None:
-        """AsyncEmbedder's check of a request's `dimensions`: a score has none."""
+        """AsyncEncoder's check of a request's `dimensions`: a score has none."""
         if dimensions is not None:
             raise InvalidRequestError("dimensions does not apply to a rerank model", param="dimensions")
 
@@ -201,7 +201,7 @@ class Reranker:
     ) -> RerankScores:
         """Score (query, document) pairs in one forward -> one logit per pair, in input order.
 
-        The plain reference: the server batches concurrent requests with AsyncEmbedder, and the tests
+        The plain reference: the server batches concurrent requests with AsyncEncoder, and the tests
         hold its scores equal to these."""
         token_ids = self.tokenize(pairs, truncate, truncation_direction)
         logits = self.forward_pooled(token_ids)[:, 0]

@@ -160,7 +160,7 @@ class ModelRunner:
         wanted_prompt_rows = prompt_rows(batch)
         if wanted_prompt_rows:
             scored_prompts = score_prompt_tokens(hidden, wanted_prompt_rows, self.model.compute_logits)
-        sampling = [i for i in range(len(batch.seqs)) if batch.samples(i)]
+        sampling = [i for i in range(len(batch.seqs)) if batch.is_sampling(i)]
         if not sampling:
             return StepResult([], scored_prompts)
         ends = np.cumsum(batch.num_new_tokens) - 1
@@ -239,12 +239,12 @@ class ModelRunner:
                 continue
             succeeded.update(part_ids)
             scored_prompts.update(part_prompts)
-            sampling_seqs = [seq for i, seq in enumerate(part.seqs) if part.samples(i)]
+            sampling_seqs = [seq for i, seq in enumerate(part.seqs) if part.is_sampling(i)]
             sampled.update(zip(sampling_seqs, output, strict=True))
         if not succeeded:
             raise first_error
         survivors = batch.only(succeeded)
-        rows = [sampled[seq] for i, seq in enumerate(survivors.seqs) if survivors.samples(i)]
+        rows = [sampled[seq] for i, seq in enumerate(survivors.seqs) if survivors.is_sampling(i)]
         return IsolatedExecution(survivors, rows, scored_prompts, failed)
 
     def run_model(self, batch: ScheduledBatch) -> torch.Tensor:
@@ -256,7 +256,7 @@ class ModelRunner:
     def _sampling_logits(self, batch: ScheduledBatch, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [R, vocab]: one row per sequence that samples this step."""
         ends = np.cumsum(batch.num_new_tokens) - 1
-        rows = [int(ends[i]) for i in range(len(batch.seqs)) if batch.samples(i)]
+        rows = [int(ends[i]) for i in range(len(batch.seqs)) if batch.is_sampling(i)]
         if not rows:
             return hidden.new_empty(0, self.model_config.vocab_size, dtype=torch.float32)
         return self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])

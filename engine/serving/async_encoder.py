@@ -1,4 +1,4 @@
-"""AsyncEmbedder: embeddings' client of the torch worker. The one dynamic batcher in front of `Embedder`.
+"""AsyncEncoder: embeddings' client of the torch worker. The one dynamic batcher in front of `Embedder`.
 
 Every request's inputs are tokenized on arrival, on the text worker
 (engine/serving/text_worker.py: the only thread that uses the embedder's
@@ -61,7 +61,7 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
-class _Request:
+class _EncodeRequest:
     """One embed() call waiting for its vectors."""
 
     num_inputs: int
@@ -80,12 +80,12 @@ class _Request:
 class _Item:
     """One input of one request: its token ids and where its vector goes."""
 
-    request: _Request
+    request: _EncodeRequest
     index: int
     token_ids: list[int]
 
 
-class AsyncEmbedder:
+class AsyncEncoder:
     """Dynamic batching over an `Embedder` (or a `Reranker`); all public methods run on the event loop."""
 
     def __init__(
@@ -106,7 +106,7 @@ class AsyncEmbedder:
         self._cost = ForwardCost()
         self._generation_owed_until = 0.0  # the worker's generation busy-seconds to reach before the next forward
         self._queue: collections.deque[_Item] = collections.deque()
-        self._not_started: set[_Request] = set()
+        self._not_started: set[_EncodeRequest] = set()
         self._num_tokenizing = 0  # admitted requests whose inputs are still being tokenized
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
@@ -198,7 +198,7 @@ class AsyncEmbedder:
             raise RequestTimeoutError(f"the {self.what} request timed out while its inputs were tokenized") from None
         finally:
             self._num_tokenizing -= 1
-        request = _Request(
+        request = _EncodeRequest(
             num_inputs=len(token_ids),
             normalize=self.embedder.normalize if normalize is None else normalize,
             dimensions=dimensions,

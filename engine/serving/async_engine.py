@@ -144,7 +144,7 @@ class AsyncEngine:
         max_consecutive_step_failures: int = 3,
         failure_reset_idle_s: float = 5.0,
     ) -> None:
-        self.engine = engine
+        self.llm_engine = engine
         self.limits = limits or RequestLimits()
         self.max_consecutive_step_failures = max_consecutive_step_failures
         self.failure_reset_idle_s = failure_reset_idle_s
@@ -178,16 +178,16 @@ class AsyncEngine:
 
     @property
     def model_name(self) -> str:
-        return self.engine.model_name
+        return self.llm_engine.model_name
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.max_model_len
+        return self.llm_engine.max_model_len
 
     @property
     def vocab_size(self) -> int:
         """Token ids a request may carry are in [0, vocab_size) (see LLMEngine.vocab_size)."""
-        return self.engine.vocab_size
+        return self.llm_engine.vocab_size
 
     # ---- life cycle ----
     async def start(self, worker: TorchWorker | None = None) -> None:
@@ -245,12 +245,12 @@ class AsyncEngine:
     @property
     def grammar(self) -> GrammarCompiler | None:
         """The engine's structured-output compiler; thread-safe (the server compiles on its text worker)."""
-        return self.engine.grammar
+        return self.llm_engine.grammar
 
     @property
     def kv_cache_tokens(self) -> int:
         """Tokens the KV cache holds when full (every block)."""
-        return self._stats.num_total_blocks * self.engine.config.block_size
+        return self._stats.num_total_blocks * self.llm_engine.config.block_size
 
     def stats(self) -> EngineStats:
         """The snapshot taken after the last step (or add/abort); never touches the engine.
@@ -276,7 +276,7 @@ class AsyncEngine:
         self._check_alive()
         assert self._worker is not None
         return await self._worker.run(
-            self.engine.attention_weights, token_ids, sliding_window, num_sink_tokens, kind=INSPECT_TURN
+            self.llm_engine.attention_weights, token_ids, sliding_window, num_sink_tokens, kind=INSPECT_TURN
         )
 
     async def submit(
@@ -359,7 +359,7 @@ class AsyncEngine:
                 self._expire_deadlines()
                 self._apply_pending()
                 self._take_snapshots()
-                has_work = self.engine.has_unfinished_requests()
+                has_work = self.llm_engine.has_unfinished_requests()
                 # Between steps the loop hands out text; the embedder must not take that pause for idleness.
                 self._worker.want_turns(GENERATION_TURN, has_work)
                 if not has_work:
@@ -378,7 +378,7 @@ class AsyncEngine:
                         pass
                     self._idle_since_failure += time.monotonic() - idle_start
                     continue
-                step = asyncio.ensure_future(self._worker.run(self.engine.step, kind=GENERATION_TURN))
+                step = asyncio.ensure_future(self._worker.run(self.llm_engine.step, kind=GENERATION_TURN))
                 if undelivered:
                     self._dispatch(undelivered)  # touches no engine state: safe while the step runs
                     undelivered = []
@@ -390,7 +390,7 @@ class AsyncEngine:
                     await self._handle_step_failure(exc)
                     continue
                 self.num_steps += 1
-                self._stats = self.engine.stats()
+                self._stats = self.llm_engine.stats()
                 self._note_step_success()
                 if not undelivered and self._stats.num_running == 0:
                     await asyncio.sleep(0.005)  # nothing could be scheduled: do not spin a core
@@ -430,7 +430,7 @@ class AsyncEngine:
             self._abort_in_engine(request_id)
         stops, self._pending_stops = self._pending_stops, []
         for stop in stops:
-            self.engine.stop_sample(stop.request_id, stop.index, stop.stop_string)
+            self.llm_engine.stop_sample(stop.request_id, stop.index, stop.stop_string)
         adds, self._pending_adds = self._pending_adds, []
         for add in adds:
             if add.done.done() or self._queues.get(add.request_id) is not add.queue:
@@ -441,7 +441,7 @@ class AsyncEngine:
                     add.done.set_exception(RequestTimeoutError(f"request {add.request_id} was aborted"))
                 continue
             try:
-                self.engine.add_request(add.prompt_token_ids, add.params, add.request_id)
+                self.llm_engine.add_request(add.prompt_token_ids, add.params, add.request_id)
             except Exception as exc:
                 self._forget(add.request_id)
                 if not isinstance(exc, InvalidRequestError):
@@ -451,11 +451,11 @@ class AsyncEngine:
                 self._output_processor.add_request(add.request_id, add.prompt_token_ids, add.params)
                 add.done.set_result(None)
         if adds or aborts or stops:
-            self._stats = self.engine.stats()
+            self._stats = self.llm_engine.stats()
 
     def _abort_in_engine(self, request_id: str) -> None:
         try:
-            self.engine.abort(request_id)
+            self.llm_engine.abort(request_id)
         except Exception:  # unknown or already finished: nothing to free
             logger.debug("abort of %s ignored", request_id, exc_info=True)
 
@@ -501,7 +501,7 @@ class AsyncEngine:
         for request_id in failed:
             self._abort_in_engine(request_id)
         try:
-            await self._worker.run(self.engine.probe, kind=GENERATION_TURN)
+            await self._worker.run(self.llm_engine.probe, kind=GENERATION_TURN)
         except EngineDeadError:
             raise
         except Exception as probe_exc:  # noqa: BLE001 - the model fails on its own: this failure counts
@@ -522,13 +522,13 @@ class AsyncEngine:
             if queue is not None:
                 queue.put_nowait(error)
                 self._forget(request_id)
-        self._stats = self.engine.stats()
+        self._stats = self.llm_engine.stats()
 
     def _take_snapshots(self) -> None:
         if not self._snapshot_waiters:
             return
         waiters, self._snapshot_waiters = self._snapshot_waiters, []
-        snapshot = self.engine.kv_snapshot()
+        snapshot = self.llm_engine.kv_snapshot()
         for waiter in waiters:
             if not waiter.done():  # its caller may have gone
                 waiter.set_result(snapshot)

@@ -16,7 +16,7 @@ So the worker times each kind of job, and while generation runs the embedder
 sizes its turns by the length of a generation step and takes only its share of
 the worker's time (engine/serving/async_encoder.py).
 
-Its two clients, `AsyncEngine` (generation) and `AsyncEmbedder` (embeddings),
+Its two clients, `AsyncEngine` (generation) and `AsyncEncoder` (embeddings),
 give their callers the same guarantees through `RequestLimits`, with the errors
 of engine/errors.py: queue bound -> QueueFullError, deadline ->
 RequestTimeoutError, client gone (the caller's task cancelled) -> the request is

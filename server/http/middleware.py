@@ -51,7 +51,7 @@ def _clean_request_id(value: str | None) -> str:
     return uuid.uuid4().hex
 
 
-class KVServeMiddleware:
+class AdmissionMiddleware:
     """is_ready(): models loaded; shutdown: the server's stop; api_keys: the bearer tokens it accepts
     (None or none: open); playground: the playground page is served (its sign-in page and cookie,
     server/playground/auth.py)."""

@@ -3,7 +3,7 @@
 A request may name a model by its served name or its path, or leave `model` out (the
 default model of its task). Naming another task's model is a 400 saying which endpoints
 serve it; naming no served model is a 404 listing them. The tasks: generation, embeddings
-and reranking (a cross-encoder, engine/pooling/reranker.py, batched by an AsyncEmbedder of its own).
+and reranking (a cross-encoder, engine/pooling/reranker.py, batched by an AsyncEncoder of its own).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from server.errors import APIError, clip
 from server.state import ServerState
 
 if TYPE_CHECKING:
-    from engine.serving.async_encoder import AsyncEmbedder
+    from engine.serving.async_encoder import AsyncEncoder
     from engine.serving.async_engine import AsyncEngine
     from server.openai.text import RequestText
 
@@ -107,19 +107,19 @@ def request_text(state: ServerState) -> RequestText:
     return state.text
 
 
-def embedding_engine(state: ServerState, model: str | None) -> AsyncEmbedder:
-    """The AsyncEmbedder serving `model` (None: the served one); 400/404/503 otherwise."""
+def embedding_engine(state: ServerState, model: str | None) -> AsyncEncoder:
+    """The AsyncEncoder serving `model` (None: the served one); 400/404/503 otherwise."""
     check_model(state, model, "embed")
     return _encoder(state.embedder, state.config.embedder is not None, "embedding", "--embedding-model")
 
 
-def rerank_engine(state: ServerState, model: str | None) -> AsyncEmbedder:
-    """The AsyncEmbedder batching the rerank model `model` (None: the served one); 400/404/503 otherwise."""
+def rerank_engine(state: ServerState, model: str | None) -> AsyncEncoder:
+    """The AsyncEncoder batching the rerank model `model` (None: the served one); 400/404/503 otherwise."""
     check_model(state, model, "rerank")
     return _encoder(state.reranker, state.config.reranker is not None, "rerank", "--rerank-model")
 
 
-def _encoder(batcher: AsyncEmbedder | None, is_configured: bool, what: str, flag: str) -> AsyncEmbedder:
+def _encoder(batcher: AsyncEncoder | None, is_configured: bool, what: str, flag: str) -> AsyncEncoder:
     """An encoder model's batcher once it is loaded and running: 503 while loading or stopped, 404 if not served."""
     if batcher is None:
         if is_configured:

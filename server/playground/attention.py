@@ -68,10 +68,10 @@ async def attention(body: AttentionRequest, state: SharedState) -> Response:
             code="context_length_exceeded",
         )
     check_token_ids(token_ids, engine.vocab_size, "token_ids")
-    window, sinks = _masking(body, engine.engine.sliding_window, engine.engine.num_sink_tokens)
+    window, sinks = _masking(body, engine.llm_engine.sliding_window, engine.llm_engine.num_sink_tokens)
 
-    num_layers = engine.engine.model_config.num_layers
-    num_heads = engine.engine.model_config.num_heads
+    num_layers = engine.llm_engine.model_config.num_layers
+    num_heads = engine.llm_engine.model_config.num_heads
     if body.layer >= num_layers:
         raise APIError(400, f"layer must be in [0, {num_layers}); got {body.layer}", param="layer")
     if body.head != "mean" and body.head >= num_heads:

@@ -1,6 +1,6 @@
 """Embedding routes: OpenAI's POST /v1/embeddings and text-embeddings-inference's POST /embed (and POST /).
 
-Thin: check the model and the list size, hand the inputs to the AsyncEmbedder, shape the
+Thin: check the model and the list size, hand the inputs to the AsyncEncoder, shape the
 vectors. The answer is computed while the client waits (server/serving.py): a client that
 leaves cancels the embed, which drops its queued inputs. Bad input raised by the embedder
 (`InvalidRequestError`: over-long input, bad token id, ...) is a 400 through the app's error
@@ -29,7 +29,7 @@ from server.protocol.embeddings import EmbeddingRequest, EmbeddingResponse, Embe
 from server.state import SharedState
 
 if TYPE_CHECKING:
-    from engine.serving.async_encoder import AsyncEmbedder
+    from engine.serving.async_encoder import AsyncEncoder
 
 router = APIRouter(route_class=StrictJSONRoute)
 
@@ -104,7 +104,7 @@ def _as_input_list(value: str | list, param: str) -> list[str] | list[list[int]]
 
 
 async def embed_observed(
-    embedder: AsyncEmbedder, metrics: ServerMetrics, endpoint: str, inputs: list, **options: Any
+    embedder: AsyncEncoder, metrics: ServerMetrics, endpoint: str, inputs: list, **options: Any
 ) -> EmbedResult:
     """`embedder.embed(inputs, **options)`, its latency, inputs and tokens observed in /metrics under
     `endpoint` and the model's name (the embedding and the rerank routes)."""

@@ -2,7 +2,7 @@
 answers it, and vLLM's POST /v1/score.
 
 Thin, like the embedding routes: check the model and the list size, hand the (query, document)
-pairs to the reranker's AsyncEmbedder (engine/pooling/reranker.py batched on the torch worker), shape the
+pairs to the reranker's AsyncEncoder (engine/pooling/reranker.py batched on the torch worker), shape the
 answer. The answer is computed while the client waits (server/serving.py): a client that leaves
 cancels the work, which drops its queued pairs. Bad input the reranker raises (an over-long pair,
 text that is not valid Unicode) is a 400 naming this route's own field.
@@ -47,7 +47,7 @@ from server.routes.embeddings import embed_observed
 from server.state import SharedState
 
 if TYPE_CHECKING:
-    from engine.serving.async_encoder import AsyncEmbedder
+    from engine.serving.async_encoder import AsyncEncoder
 
 router = APIRouter(route_class=StrictJSONRoute)
 
@@ -155,7 +155,7 @@ def _score_pairs(text_1: str | list[str], text_2: str | list[str]) -> list[TextP
     return list(zip(firsts, seconds, strict=True))
 
 
-def _model_score(reranker: AsyncEmbedder) -> Callable[[float], float]:
+def _model_score(reranker: AsyncEncoder) -> Callable[[float], float]:
     """The model's own score for a logit (engine/pooling/reranker.py `Reranker.activate`)."""
     return reranker.embedder.activate  # type: ignore[union-attr]
 
@@ -166,7 +166,7 @@ def _best_first(logits: list[float]) -> list[int]:
 
 
 async def _score(
-    reranker: AsyncEmbedder,
+    reranker: AsyncEncoder,
     metrics: ServerMetrics,
     endpoint: str,
     pairs: list[TextPair],

@@ -1,4 +1,4 @@
-"""Embedder and AsyncEmbedder on the real all-MiniLM-L6-v2, exact against sentence-transformers."""
+"""Embedder and AsyncEncoder on the real all-MiniLM-L6-v2, exact against sentence-transformers."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from engine.config import EmbedderConfig
 from engine.errors import EngineDeadError, EngineStepError, InvalidRequestError, QueueFullError, RequestTimeoutError
 from engine.hub.models_hub import DEFAULT_EMBEDDING_MODEL
 from engine.pooling.embedder import Embedder
-from engine.serving.async_encoder import AsyncEmbedder
+from engine.serving.async_encoder import AsyncEncoder
 from engine.serving.torch_worker import EMBEDDING_TURN, GENERATION_TURN, RequestLimits, TorchWorker
 
 MODEL_NAME = DEFAULT_EMBEDDING_MODEL
@@ -224,12 +224,12 @@ def _write_word_level_tokenizer(path) -> None:
     tok.save(os.path.join(path, "tokenizer.json"))
 
 
-# ---------------------------------------------------------------- AsyncEmbedder
+# ---------------------------------------------------------------- AsyncEncoder
 
 
 @pytest.fixture()
 def async_embedder(embedder):
-    return AsyncEmbedder(embedder)
+    return AsyncEncoder(embedder)
 
 
 def test_concurrent_single_requests_share_forwards(async_embedder, st_vectors):
@@ -250,7 +250,7 @@ def test_concurrent_single_requests_share_forwards(async_embedder, st_vectors):
 
 
 def test_big_request_is_split_by_the_token_budget(minilm_dir, st_vectors):
-    small = AsyncEmbedder(Embedder(EmbedderConfig(model=minilm_dir, max_batch_tokens=256)))
+    small = AsyncEncoder(Embedder(EmbedderConfig(model=minilm_dir, max_batch_tokens=256)))
 
     async def main():
         await small.start()
@@ -324,7 +324,7 @@ def test_an_embedding_flood_leaves_generation_its_share_of_the_worker(embedder):
     16-token generation took 79 s instead of 0.83 s during a flood.
     """
     worker = TorchWorker()
-    flooded = AsyncEmbedder(embedder, embedding_share=1 / 3)
+    flooded = AsyncEncoder(embedder, embedding_share=1 / 3)
     jobs: list[tuple[str, float, int]] = []  # (kind, seconds on the worker, inputs), in the order they ran
     real_run = worker.run
 
@@ -373,7 +373,7 @@ def test_an_embedding_flood_leaves_generation_its_share_of_the_worker(embedder):
 
 def test_full_queue_is_refused_at_once_and_frees_its_slot(embedder):
     """More waiting requests than max_queued_requests -> QueueFullError; a slot frees once a forward takes it."""
-    limited = AsyncEmbedder(embedder, limits=RequestLimits(max_queued_requests=2))
+    limited = AsyncEncoder(embedder, limits=RequestLimits(max_queued_requests=2))
     worker = TorchWorker()
     gate = threading.Event()
 
@@ -401,7 +401,7 @@ def test_full_queue_is_refused_at_once_and_frees_its_slot(embedder):
 
 
 def test_deadline_gives_a_timeout_and_drops_the_queued_inputs(embedder, monkeypatch):
-    limited = AsyncEmbedder(embedder, limits=RequestLimits(request_timeout=0.1))
+    limited = AsyncEncoder(embedder, limits=RequestLimits(request_timeout=0.1))
     gate = threading.Event()
     num_inputs_forwarded = 0
     real_forward = embedder.forward_pooled
@@ -433,7 +433,7 @@ def test_deadline_gives_a_timeout_and_drops_the_queued_inputs(embedder, monkeypa
 
 
 def test_failed_forward_fails_its_requests_only(embedder, monkeypatch):
-    async_embedder = AsyncEmbedder(embedder)
+    async_embedder = AsyncEncoder(embedder)
     real_forward = embedder.forward_pooled
     calls = 0
 
@@ -470,7 +470,7 @@ def test_pooling_and_normalisation_run_on_the_worker_thread(embedder, monkeypatc
         return real_finalize(*args, **kwargs)
 
     monkeypatch.setattr(async_embedder_module, "finalize", recording_finalize)
-    async_embedder = AsyncEmbedder(embedder)
+    async_embedder = AsyncEncoder(embedder)
 
     async def main():
         await async_embedder.start(TorchWorker("torch-test"))

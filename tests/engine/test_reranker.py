@@ -4,7 +4,7 @@ Two checkpoints are built here with transformers: a `BertForSequenceClassificati
 all-MiniLM-L6-v2 tokenizer files (WordPiece, segment ids 0/1) and an
 `XLMRobertaForSequenceClassification` with a small Unigram tokenizer made offline (one segment,
 positions offset by pad_token_id + 1). Their scores must equal transformers' logits in float32 for
-pairs of different lengths in one batch, with and without truncation, and through the AsyncEmbedder
+pairs of different lengths in one batch, with and without truncation, and through the AsyncEncoder
 batching the server uses.
 """
 
@@ -23,7 +23,7 @@ from engine.errors import InvalidRequestError, ModelLoadError
 from engine.models.bert import EncoderBatch
 from engine.models.cross_encoder import load_cross_encoder
 from engine.pooling.reranker import PairTokenIds, Reranker, sigmoid
-from engine.serving.async_encoder import AsyncEmbedder
+from engine.serving.async_encoder import AsyncEncoder
 from tests.engine.test_embedder import minilm_dir  # noqa: F401 - the session fixture, used by name
 
 MAX_POSITIONS = 64  # a small position table: over-long pairs are cheap to make
@@ -320,7 +320,7 @@ def test_async_embedder_batches_rerank_requests_exactly(rerankers):
         requests = [[(QUERY, d) for d in DOCUMENTS], [("cat", "a dog"), ("cat", "a cat")], [(DOCUMENTS[2], QUERY)]]
 
         async def run(reranker=reranker, requests=requests):
-            async_reranker = AsyncEmbedder(reranker, what="rerank")
+            async_reranker = AsyncEncoder(reranker, what="rerank")
             await async_reranker.start()
             try:
                 results = await asyncio.gather(*(async_reranker.embed(pairs) for pairs in requests))
@@ -339,7 +339,7 @@ def test_async_embedder_batches_rerank_requests_exactly(rerankers):
 
 def test_async_embedder_names_the_rerank_model_in_its_errors(rerankers):
     async def run():
-        async_reranker = AsyncEmbedder(rerankers["bert"], what="rerank")
+        async_reranker = AsyncEncoder(rerankers["bert"], what="rerank")
         with pytest.raises(Exception, match="the rerank model is not running"):
             await async_reranker.embed([("q", "d")])
         await async_reranker.start()

@@ -23,7 +23,7 @@ from fastapi import FastAPI
 
 from engine.config import EmbedderConfig, EngineConfig
 from engine.hub.models_hub import DEFAULT_GENERATION_MODEL
-from engine.serving.async_encoder import AsyncEmbedder
+from engine.serving.async_encoder import AsyncEncoder
 from engine.serving.torch_worker import RequestLimits
 from server.config import ServerConfig
 from server.errors import install_error_handlers
@@ -72,7 +72,7 @@ def _make_app(async_embedder) -> FastAPI:
 
 @pytest.fixture(scope="module")
 def server(embedder):  # noqa: F811 - the session fixture imported above
-    async_embedder = AsyncEmbedder(embedder)
+    async_embedder = AsyncEncoder(embedder)
     assert async_embedder.model_name == MODEL_NAME  # the alias it was configured with
     app = _make_app(async_embedder)
     server = ServerThread(app).start(wait_ready=False)  # the test app has no readiness to wait for
@@ -242,7 +242,7 @@ def test_embedding_queue_bound_and_deadline_answer_429_and_504(embedder, monkeyp
         return real_forward(token_ids)
 
     monkeypatch.setattr(embedder, "forward_pooled", gated_forward)
-    app = _make_app(AsyncEmbedder(embedder, limits=RequestLimits(max_queued_requests=1, request_timeout=1.0)))
+    app = _make_app(AsyncEncoder(embedder, limits=RequestLimits(max_queued_requests=1, request_timeout=1.0)))
     body = {"model": MODEL_NAME, "input": "x"}
 
     async def main():

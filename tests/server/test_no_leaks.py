@@ -77,7 +77,7 @@ def test_many_clients_leaving_at_every_moment_free_every_request(model_dir, with
     config = make_server_config(model_dir, max_num_seqs=64, max_queued_requests=512)
     with ServerThread(create_app(config, engine_factory=flaky_factory)) as srv:
         engine = state_of(srv.app).engine
-        engine.engine.step_delay = 0.02  # the loop is always mid-step: submits wait, streams are alive
+        engine.llm_engine.step_delay = 0.02  # the loop is always mid-step: submits wait, streams are alive
         requests = [
             ("/v1/completions", {**LONG, "prompt": "Hello", "stream": True}),
             ("/v1/completions", {**LONG, "prompt": ["Hello", "The quick brown fox"], "n": 2, "stream": True}),
@@ -107,7 +107,7 @@ def test_many_clients_leaving_at_every_moment_free_every_request(model_dir, with
         assert engine.stats().num_generation_tokens > 0
         elapsed = _wait_idle(engine, timeout=3.0)
         print(f"{len(clients)} abandoned requests: engine idle {elapsed * 1000:.0f} ms after the last client left")
-        engine.engine.step_delay = 0.0
+        engine.llm_engine.step_delay = 0.0
         answer = httpx.post(f"{srv.base_url}/v1/completions", json={**LONG, "prompt": "Hi", "max_tokens": 3})
         assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 3
         assert _is_idle(engine)
@@ -139,7 +139,7 @@ def test_client_leaving_at_each_moment_aborts_every_request(model_dir, without_g
             while not state.is_ready:
                 await asyncio.sleep(0.01)
             engine = state.engine
-            engine.engine.step_delay = 0.02
+            engine.llm_engine.step_delay = 0.02
             sent: list[dict] = []
             is_body_read = False
             is_head_sending = asyncio.Event()

@@ -130,13 +130,13 @@ def test_hang_up_during_a_forward_keeps_the_view_busy_until_it_ends(server):
     view = state_of(server.app).attention_view
     engine = state_of(server.app).engine
     release = threading.Event()
-    original = engine.engine.attention_weights
+    original = engine.llm_engine.attention_weights
 
     def slow(*args):
         release.wait(10)
         return original(*args)
 
-    engine.engine.attention_weights = slow
+    engine.llm_engine.attention_weights = slow
     try:
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(f"{server.base_url}/attention", json={"token_ids": [9, 9, 9]}, timeout=0.5)
@@ -149,7 +149,7 @@ def test_hang_up_during_a_forward_keeps_the_view_busy_until_it_ends(server):
         assert not view.is_running
         assert view.kept[-1].token_ids == (9, 9, 9)
     finally:
-        engine.engine.attention_weights = original
+        engine.llm_engine.attention_weights = original
         release.set()
 
 

@@ -21,10 +21,10 @@ from starlette.testclient import TestClient
 
 from engine.config import EngineConfig, RerankerConfig
 from engine.pooling.reranker import Reranker, sigmoid
-from engine.serving.async_encoder import AsyncEmbedder
+from engine.serving.async_encoder import AsyncEncoder
 from server.config import ServerConfig
 from server.errors import install_error_handlers
-from server.http.middleware import KVServeMiddleware
+from server.http.middleware import AdmissionMiddleware
 from server.routes import models as model_routes
 from server.routes import rerank as rerank_routes
 from server.state import ServerState, attach_state, state_of
@@ -86,7 +86,7 @@ def _make_app(async_reranker, *, served: bool = True) -> FastAPI:
     install_error_handlers(app)
     # the request id the answers' `id` is made of
     app.add_middleware(
-        KVServeMiddleware, is_ready=lambda: True, shutdown=state.shutdown, api_keys=None, max_request_bytes=1 << 20
+        AdmissionMiddleware, is_ready=lambda: True, shutdown=state.shutdown, api_keys=None, max_request_bytes=1 << 20
     )
     return app
 
@@ -101,7 +101,7 @@ def reranker(cross_encoder_dirs):  # noqa: F811
 
 @pytest.fixture(scope="module")
 def server(reranker):
-    app = _make_app(AsyncEmbedder(reranker, what="rerank"))
+    app = _make_app(AsyncEncoder(reranker, what="rerank"))
     server = ServerThread(app).start(wait_ready=False)  # the test app has no readiness to wait for
     yield types.SimpleNamespace(url=server.base_url, app=app)
     server.stop()

@@ -409,7 +409,7 @@ def test_the_api_document_describes_the_json_answer_and_the_named_events(server)
 
 
 def test_a_failing_stream_ends_with_error_and_response_failed(server, client):
-    engine = state_of(server.app).engine.engine
+    engine = state_of(server.app).engine.llm_engine
     engine.fail_seed = 777
     try:
         events = stream_events(server, **GREEDY, input="Hello", seed=777)
@@ -435,7 +435,7 @@ def test_a_failing_stream_ends_with_error_and_response_failed(server, client):
 
 def test_clients_leaving_mid_stream_leave_nothing_running(server, without_gc):  # noqa: F811
     engine = state_of(server.app).engine
-    engine.engine.step_delay = 0.02  # 200 steps: every client leaves while its answer is generated
+    engine.llm_engine.step_delay = 0.02  # 200 steps: every client leaves while its answer is generated
     body = {"model": MODEL, "input": "Hello", "max_output_tokens": 200}
     clients = [
         threading.Thread(target=send_and_hang_up, args=(server.base_url, "/v1/responses", payload, linger))
@@ -454,7 +454,7 @@ def test_clients_leaving_mid_stream_leave_nothing_running(server, without_gc):  
             thread.join(timeout=30)
         _wait_idle(engine, timeout=3.0)
     finally:
-        engine.engine.step_delay = 0.0
+        engine.llm_engine.step_delay = 0.0
 
 
 # ---- the real default model ----

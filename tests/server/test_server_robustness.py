@@ -56,7 +56,7 @@ def guarded(model_dir):
 
 @pytest.fixture
 def knobs(server):
-    engine = state_of(server.app).engine.engine
+    engine = state_of(server.app).engine.llm_engine
     yield engine
     engine.step_delay, engine.fail_steps, engine.fail_adds = 0.0, 0, False
     engine.fail_seed, engine.model_broken = None, False
@@ -393,7 +393,7 @@ def test_stream_whose_first_send_fails_aborts_its_request(model_dir, path):
             while not state_of(app).is_ready:
                 await asyncio.sleep(0.01)
             engine = state_of(app).engine
-            engine.engine.step_delay = 0.02  # 200 tokens take 4 s
+            engine.llm_engine.step_delay = 0.02  # 200 tokens take 4 s
             scope = post_scope(path, payload, spec_version="2.4")
             sent = []
 
@@ -450,7 +450,7 @@ def test_a_failing_request_fails_alone_while_six_streams_go_on(model_dir):
     with ServerThread(create_app(make_server_config(model_dir), engine_factory=flaky_factory)) as srv:
         url = f"{srv.base_url}/v1/completions"
         expected = [httpx.post(url, json=body(p), timeout=30).json()["choices"][0]["text"] for p in prompts]
-        knobs = state_of(srv.app).engine.engine
+        knobs = state_of(srv.app).engine.llm_engine
         knobs.step_delay = 0.02  # the six are surely mid-stream when the seventh joins
         knobs.fail_seed = 777
         clients = [httpx.Client(base_url=srv.base_url, timeout=30) for _ in prompts]
@@ -555,7 +555,7 @@ def test_full_queue_answers_429_with_retry_after(guarded, monkeypatch):
     encoded: list[str] = []
     real_encode = text_tokenizer.encode
     monkeypatch.setattr(text_tokenizer, "encode", lambda text, **kw: encoded.append(text) or real_encode(text, **kw))
-    engine = state_of(guarded.app).engine.engine
+    engine = state_of(guarded.app).engine.llm_engine
     engine.step_delay = 0.01
     body = {"model": MODEL, "prompt": "Hello", "max_tokens": 200, "ignore_eos": True, "stream": True}
     http = httpx.Client(base_url=guarded.base_url, headers=headers, timeout=30)

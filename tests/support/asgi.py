@@ -53,7 +53,7 @@ async def post_and_leave_async(app, path: str, payload: bytes, leave_when, timeo
 
 
 class SilentEncoder:
-    """An AsyncEmbedder stand-in whose answer never comes: embed() waits until it is cancelled, and counts that."""
+    """An AsyncEncoder stand-in whose answer never comes: embed() waits until it is cancelled, and counts that."""
 
     is_healthy = True
 

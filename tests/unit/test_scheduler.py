@@ -45,7 +45,7 @@ def _add(scheduler: Scheduler, *num_prompt_tokens: int) -> list[Sequence]:
 
 def _run(scheduler: Scheduler, batch: ScheduledBatch) -> None:
     """What the engine does once the model ran: advance progress, append a token where one was sampled."""
-    num_sampled = sum(batch.samples(i) for i in range(len(batch.seqs)))
+    num_sampled = sum(batch.is_sampling(i) for i in range(len(batch.seqs)))
     scheduler.update(batch, [EmittedTokens([SAMPLED_TOKEN], [None]) for _ in range(num_sampled)])
 
 
@@ -69,7 +69,7 @@ def test_running_sequences_are_served_before_waiting_ones():
     (c,) = _add(scheduler, 20)
     batch = scheduler.schedule()
     assert _plan(batch) == [(a, 1), (b, 1), (c, 8)]
-    assert [batch.samples(i) for i in range(3)] == [True, True, False]
+    assert [batch.is_sampling(i) for i in range(3)] == [True, True, False]
 
 
 def test_a_long_prompt_is_prefilled_in_chunks():
@@ -78,7 +78,7 @@ def test_a_long_prompt_is_prefilled_in_chunks():
     chunks = []
     for _ in range(3):
         batch = scheduler.schedule()
-        chunks.append((batch.num_new_tokens, batch.samples(0)))
+        chunks.append((batch.num_new_tokens, batch.is_sampling(0)))
         _run(scheduler, batch)
     assert chunks == [([4], False), ([4], False), ([2], True)]
     assert seq.num_computed_tokens == 10 and seq.num_generated_tokens == 1
@@ -160,7 +160,7 @@ def _run_scoring(scheduler: Scheduler, batch: ScheduledBatch) -> None:
         part.seq: [TokenLogprob(token_id=1, logprob=-1.0, top=[], rank=1) for _ in range(part.count)]
         for part in prompt_rows(batch)
     }
-    num_sampled = sum(batch.samples(i) for i in range(len(batch.seqs)))
+    num_sampled = sum(batch.is_sampling(i) for i in range(len(batch.seqs)))
     scheduler.update(batch, [EmittedTokens([SAMPLED_TOKEN], [None]) for _ in range(num_sampled)], scored)
 
 
