@@ -58,10 +58,10 @@ test: install models
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 bench: install models
-	$(BIN)/python -m clients.bench_suite $(ARGS)
+	$(BIN)/python -m clients.bench.suite $(ARGS)
 
 soak: install models
-	$(BIN)/python -m clients.soak $(ARGS)
+	$(BIN)/python -m clients.bench.soak $(ARGS)
 
 lint: install
 	$(BIN)/ruff check .

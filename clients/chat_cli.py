@@ -9,13 +9,13 @@ Works with piped stdin, e.g. `printf 'Hi\\n/exit\\n' | kvserve chat`.
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 from collections.abc import Sequence
 from typing import TextIO
 
 from clients.client import Client, KVServeAPIError, KVServeConnectionError, Message
+from clients.logging_setup import configure_logging
 
 HELP_TEXT = "commands: /exit  /reset  /help"
 
@@ -113,11 +113,7 @@ def run(args: argparse.Namespace, stdin: TextIO | None = None, stdout: TextIO | 
 
 def main(argv: Sequence[str] | None = None) -> int:
     # A person reads this at a terminal: no INFO chatter (one httpx line per request) unless asked for.
-    logging.basicConfig(
-        level=os.environ.get("KVSERVE_LOG_LEVEL", "warning").upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    configure_logging(os.environ.get("KVSERVE_LOG_LEVEL", "warning").upper(), quiet_httpx=False)
     parser = argparse.ArgumentParser(
         prog="kvserve chat", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )

@@ -1,6 +1,6 @@
 """The `kvserve` command line (also `python -m server`).
 
-    kvserve serve [flags]       run the HTTP server (flags: server/cli.py)
+    kvserve serve [flags]       run the HTTP server (flags: server/cli/flags.py)
     kvserve pull [NAME ...]     fetch default models into the cache (all of them without NAME)
     kvserve models              list the named models and whether they are cached
     kvserve chat [flags]        interactive chat with a running server (clients/chat_cli.py)
@@ -32,8 +32,8 @@ CLIENT_PROGRAMS = {
 
 
 def _cmd_pull(args: argparse.Namespace) -> int:
-    from engine.errors import ModelLoadError
     from engine.hub import models_hub
+    from engine.errors import ModelLoadError
 
     names = args.names or list(models_hub.MODELS)
     status = 0
@@ -77,13 +77,14 @@ def _cmd_models(args: argparse.Namespace) -> int:
 def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("serve", help=_SERVE_HELP)
     try:
-        from server import cli
+        from server.cli.args import add_arguments
+        from server.cli.runner import run
     except ImportError as exc:  # only while the server is not installed/built: say so, don't crash `kvserve pull`
         reason = str(exc)
         parser.set_defaults(func=lambda _args: _missing("serve", reason))
         return
-    cli.add_arguments(parser)
-    parser.set_defaults(func=cli.run)
+    add_arguments(parser)
+    parser.set_defaults(func=run)
 
 
 def _missing(command: str, reason: str) -> int:

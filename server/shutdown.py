@@ -1,6 +1,6 @@
 """The server's stop: its phase, the requests in flight, and the error a stopped request gets.
 
-A SIGTERM or SIGINT (server/cli.py moves the phases) takes the server through:
+A SIGTERM or SIGINT (server/cli/runner.py moves the phases) takes the server through:
 
 - serving: normal work.
 - draining: /health answers 503 {"status": "draining"} so load balancers stop sending; every

@@ -19,9 +19,8 @@ sockets answer every request, /health included, with 503. Here:
 - Connections per client (`--max-connections-per-client`): a peer address holding that many open
   connections has further ones closed at once, so idle sockets from one client cannot exhaust
   file descriptors; refusals are logged at most once per `REFUSAL_LOG_INTERVAL_S` per peer.
-- Requests in progress (`--limit-concurrency`): `cap_requests_in_progress` wraps the ASGI app and
-  answers uvicorn's plain-text 503 past the cap; idle connections hold no slot, and /health is never
-  refused, so a liveness probe cannot be starved. uvicorn's own limit stays off.
+- Requests in progress (`--limit-concurrency`): not a connection limit, so not here but in
+  server/http/request_cap.py, which wraps the ASGI app.
 
 The deadlines follow h11's own client state: "waiting for a head" is `conn.their_state is
 h11.IDLE` (left when h11 parses a `Request`, entered again by `start_next_cycle()` on a kept-alive
@@ -45,9 +44,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import h11
-from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.config import Config
-from uvicorn.protocols.http.flow_control import service_unavailable
 from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.server import ServerState
 
@@ -58,8 +55,6 @@ _BODY_TIMEOUT_BODY = b"Request Timeout: the request body did not arrive in time.
 # h11's end of a head: the first blank line, bare LF line endings accepted.
 _END_OF_HEAD = re.compile(b"\n\r?\n")
 REFUSAL_LOG_INTERVAL_S = 10.0
-# Paths `cap_requests_in_progress` always serves and does not count.
-UNCAPPED_PATHS = frozenset({"/health"})
 
 
 @dataclass(frozen=True)
@@ -363,39 +358,3 @@ class LimitedH11Protocol(H11Protocol):
                 self.transport.write(self.conn.send(event) or b"")
         except h11.LocalProtocolError:  # h11 refused: the caller just closes
             pass
-
-
-def cap_requests_in_progress(app: ASGIApp, limit: int | None) -> ASGIApp:
-    """`app`, answering uvicorn's plain-text 503 (Connection: close) to an HTTP request that finds
-    `limit` others in progress (None: `app` itself). A request is in progress from its complete head
-    to the end of its answer, a stream's last byte included; an open connection between requests
-    holds nothing. UNCAPPED_PATHS are neither refused nor counted."""
-    if limit is None:
-        return app
-    if limit < 1:
-        raise ValueError(f"limit must be positive, got {limit}")
-    in_progress = 0
-    refusals = LogThrottle(REFUSAL_LOG_INTERVAL_S)
-
-    async def capped(scope: Scope, receive: Receive, send: Send) -> None:
-        nonlocal in_progress
-        if scope["type"] != "http" or scope["path"] in UNCAPPED_PATHS:
-            await app(scope, receive, send)
-            return
-        if in_progress >= limit:
-            refused = refusals.tick("")
-            if refused is not None:
-                logger.warning(
-                    "%d request(s) in progress (--limit-concurrency): %d refused with 503 since the last such line",
-                    in_progress,
-                    refused,
-                )
-            await service_unavailable(scope, receive, send)
-            return
-        in_progress += 1
-        try:
-            await app(scope, receive, send)
-        finally:
-            in_progress -= 1
-
-    return capped

@@ -23,7 +23,7 @@ from pydantic.json_schema import models_json_schema
 from server.protocol.chat import ChatCompletionChunk
 from server.protocol.common import ErrorResponse, HealthStatus
 from server.protocol.completions import CompletionResponse
-from server.protocol.responses import ResponseStreamEvent
+from server.protocol.responses_output import ResponseStreamEvent
 
 Responses = dict[int | str, dict[str, Any]]
 
@@ -72,7 +72,7 @@ _ERRORS: dict[int, tuple[str, dict[str, Any]]] = {
     ),
     504: ("The request outlived --request-timeout (`code` request_timeout).", {}),
 }
-# uvicorn's own answer, before the app (server/http/h11_protocol.py's cap): without X-Request-Id.
+# uvicorn's own answer, before the app (server/http/request_cap.py's cap): without X-Request-Id.
 _OVER_LIMIT = "--limit-concurrency requests are already in progress: a plain-text 503, before the app."
 _PLAIN_TEXT = {"text/plain": {"schema": {"type": "string"}}}
 _ERROR_BODY = {"$ref": _REF.format(model=ErrorResponse.__name__)}

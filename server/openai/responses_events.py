@@ -17,7 +17,7 @@ from typing import Any
 from server.errors import APIError
 from server.protocol.chat import ResponseToolCall
 from server.protocol.common import Usage
-from server.protocol.responses import (
+from server.protocol.responses_output import (
     ArgumentsDeltaEvent,
     ArgumentsDoneEvent,
     ContentPartEvent,

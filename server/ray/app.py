@@ -16,7 +16,7 @@ RayService does the same from its serveConfigV2:
             ray_actor_options: {num_cpus: 4}
 
 `args` holds `kvserve serve` flags without their dashes, each parsed by the very definitions the CLI
-uses (server/cli.py FLAGS; KVSERVE_<NAME> variables set where the application is built count as there),
+uses (server/cli/flags.py FLAGS; KVSERVE_<NAME> variables set where the application is built count as there),
 so a flag means the same on Ray. Some flags belong to the server process and are Serve's on Ray: --host,
 --port, --timeout-keep-alive, --timeout-request-head, --timeout-request-body, --max-request-head-bytes,
 --max-connections-per-client (Serve's HTTP proxy has its own http_options) and --replica-metrics-port
@@ -36,7 +36,7 @@ from typing import Any, NoReturn
 
 from ray import serve
 
-from server.cli import add_arguments, config_from_args, scale_out_from_args
+from server.cli.args import add_arguments, config_from_args, scale_out_from_args
 from server.ray.deployments import kvserve_application
 
 

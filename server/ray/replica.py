@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 
 # Names the replica that answered, on every response: which replica holds a prefix, whose log to read.
 REPLICA_HEADER = b"x-kvserve-replica"
-# As in server/cli.py: the event loop, the text worker and the torch worker share the GIL, and a decode
+# As in server/cli/runner.py: the event loop, the text worker and the torch worker share the GIL, and a decode
 # step that must win it back at every native call runs far slower at the default 5 ms switch interval.
 GIL_SWITCH_INTERVAL_S = 0.0005
 READY_POLL_S = 0.05

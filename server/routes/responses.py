@@ -43,12 +43,10 @@ from server.protocol.responses import (
     FunctionCallItem,
     FunctionChoice,
     MessageItem,
-    ResponseObject,
     ResponsesRequest,
-    ResponseStreamEvent,
-    TextEcho,
     TextFormatJsonSchema,
 )
+from server.protocol.responses_output import ResponseObject, ResponseStreamEvent, TextEcho
 from server.serving import Generation, SseFraming
 from server.state import SharedState
 

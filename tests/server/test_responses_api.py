@@ -16,8 +16,8 @@ from pydantic import BaseModel, Field
 
 from server.app import create_app
 from server.state import state_of
-from tests.server.flaky_engine import flaky_factory
 from tests.server.test_no_leaks import _wait_idle, without_gc  # noqa: F401 - without_gc is a fixture
+from tests.support.flaky_engine import flaky_factory
 from tests.support.server_harness import ServerThread, make_server_config, send_and_hang_up, smollm2_server
 from tests.support.tiny_models import make_tiny_llama
 

@@ -1,6 +1,6 @@
 """No request, however bad or however abandoned, hurts the others: a real server under abuse.
 
-The engine is wrapped in `FlakyEngine` (tests/server/flaky_engine.py), which the tests steer
+The engine is wrapped in `FlakyEngine` (tests/support/flaky_engine.py), which the tests steer
 (slow steps, failing steps, a failing add) to reproduce slow generation and internal errors on demand.
 """
 
@@ -21,8 +21,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from server.app import create_app
 from server.errors import ERROR_CODES
 from server.state import state_of
-from tests.server.flaky_engine import flaky_factory
 from tests.support.asgi import post_scope
+from tests.support.flaky_engine import flaky_factory
 from tests.support.server_harness import ServerProcess, ServerThread, make_server_config, parse_sse, send_and_hang_up
 from tests.support.tiny_models import make_tiny_llama
 
@@ -582,141 +582,6 @@ def test_full_queue_answers_429_with_retry_after(guarded, monkeypatch):
         http.close()
     wait_until(lambda: gauges(guarded.base_url)["kvserve:num_requests_running"] == 0, timeout=2)
     assert_still_serves(guarded.base_url, headers)
-
-
-# ---- the command line ----
-
-
-# Every `kvserve serve` flag; each keeps its name (and KVSERVE_<NAME>) whichever config it feeds.
-SERVE_FLAGS = (
-    "model",
-    "embedding_model",
-    "rerank_model",
-    "served_model_name",
-    "host",
-    "port",
-    "dtype",
-    "quantization",
-    "device",
-    "max_model_len",
-    "kv_cache_memory",
-    "block_size",
-    "max_num_seqs",
-    "max_num_batched_tokens",
-    "sliding_window",
-    "num_sink_tokens",
-    "enable_prefix_caching",
-    "max_queued_requests",
-    "api_key",
-    "api_key_file",
-    "admin_api_key",
-    "prefix_cache_scope",
-    "allow_special_tokens_in_content",
-    "allowed_origins",
-    "request_timeout",
-    "max_request_bytes",
-    "shutdown_timeout",
-    "max_client_batch_size",
-    "max_request_cost",
-    "max_request_logprobs",
-    "embedding_max_batch_tokens",
-    "pooling",
-    "embedding_token_ids",
-    "default_max_tokens",
-    "timeout_keep_alive",
-    "timeout_request_head",
-    "timeout_request_body",
-    "limit_concurrency",
-    "max_connections_per_client",
-    "max_request_head_bytes",
-    "log_level",
-    "metrics_names",
-    "playground",
-    "num_threads",
-    "speculative_method",
-    "num_speculative_tokens",
-    "ngram_min",
-    "ngram_max",
-    "draft_model",
-    "draft_quantization",
-    "replicas",
-    "max_replicas",
-    "replica_routing",
-    "replica_metrics_port",
-)
-
-
-def test_help_documents_every_flag_and_its_env_var(capsys):
-    from server import cli
-
-    with pytest.raises(SystemExit) as exit_info:
-        cli.main(["--help"])
-    assert exit_info.value.code == 0
-    text = capsys.readouterr().out
-    assert sorted(flag.name for flag in cli.FLAGS) == sorted(SERVE_FLAGS)
-    for name in SERVE_FLAGS:
-        assert "--" + name.replace("_", "-") in text, name
-        assert "KVSERVE_" + name.upper() in text, name
-
-
-def test_every_flag_feeds_a_real_config_field_and_every_server_setting_has_a_flag():
-    import dataclasses
-
-    from engine.config import EmbedderConfig, EngineConfig, RerankerConfig, SpeculativeConfig
-    from server import cli
-    from server.config import ServerConfig
-
-    classes = {
-        "server": ServerConfig,
-        "engine": EngineConfig,
-        "embedder": EmbedderConfig,
-        "reranker": RerankerConfig,
-        "speculative": SpeculativeConfig,
-    }
-    targets = {(config, field) for flag in cli.FLAGS for config, field in flag.targets}
-    for config, field in targets:
-        assert field in {f.name for f in dataclasses.fields(classes[config])}, (config, field)
-    own_fields = {f.name for f in dataclasses.fields(ServerConfig)} - {"engine", "embedder", "reranker"}
-    assert own_fields == {field for config, field in targets if config == "server"}
-
-
-def test_flags_build_the_nested_configs(monkeypatch):
-    import argparse
-
-    from server import cli
-
-    monkeypatch.setenv("KVSERVE_POOLING", "cls")
-    parser = argparse.ArgumentParser()
-    cli.add_arguments(parser)
-    args = ["--dtype", "bfloat16", "--embedding-max-batch-tokens", "300", "--quantization", "none", "--block-size", "8"]
-    config = cli.config_from_args(parser.parse_args(args))
-    assert (config.engine.dtype, config.embedder.dtype) == ("bfloat16", "bfloat16")  # one flag, both models
-    assert (config.engine.quantization, config.engine.block_size) == ("none", 8)
-    assert (config.embedder.max_batch_tokens, config.embedder.pooling) == (300, "cls")
-    with pytest.raises(ValueError, match="float16 is only supported on CUDA"):
-        cli.config_from_args(parser.parse_args(["--dtype", "float16"]))
-    with pytest.raises(ValueError, match="pooling must be one of"):
-        cli.config_from_args(parser.parse_args(["--pooling", "max"]))
-
-
-def test_env_vars_set_defaults_and_flags_win(monkeypatch):
-    import argparse
-
-    from server import cli
-
-    monkeypatch.setenv("KVSERVE_MAX_NUM_SEQS", "3")
-    monkeypatch.setenv("KVSERVE_KV_CACHE_MEMORY", "2GB")
-    monkeypatch.setenv("KVSERVE_API_KEY", "from-env")
-    parser = argparse.ArgumentParser()
-    cli.add_arguments(parser)
-    config = cli.config_from_args(parser.parse_args(["--max-num-seqs", "5", "--embedding-model", "none"]))
-    assert config.engine.max_num_seqs == 5 and config.engine.kv_cache_memory_bytes == 2 * 10**9
-    assert config.api_key == "from-env"
-    assert config.embedder is None and config.engine.model == "smollm2-135m-instruct"
-    defaults = cli.config_from_args(argparse.ArgumentParser().parse_args([]))  # no flags at all
-    assert defaults.engine.model == "smollm2-135m-instruct" and defaults.embedder.model == "all-minilm-l6-v2"
-    assert defaults.engine.quantization == "auto"
-    assert (defaults.host, defaults.port) == ("127.0.0.1", 8000)
 
 
 def test_sigterm_lets_running_requests_finish_then_exits_0(model_dir, tmp_path):

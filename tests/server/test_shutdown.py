@@ -1,6 +1,6 @@
 """A stop is clean: SIGTERM drains, then cuts what is left with a proper ending, then exits 0.
 
-Each test runs `kvserve serve` in a subprocess (tests/server/slow_serve.py: engine steps or the
+Each test runs `kvserve serve` in a subprocess (tests/support/slow_serve.py: engine steps or the
 model load slowed down, so a request's length in time does not depend on the machine).
 """
 
@@ -16,11 +16,11 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.server.slow_serve import APP_DELAY_MARKER
 from tests.support.server_harness import ServerProcess, parse_sse
+from tests.support.slow_serve import APP_DELAY_MARKER
 from tests.support.tiny_models import make_tiny_llama
 
-SLOW_SERVE = ("-m", "tests.server.slow_serve")
+SLOW_SERVE = ("-m", "tests.support.slow_serve")
 STREAM = {"prompt": "Hello", "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
 
 

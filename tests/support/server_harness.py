@@ -17,13 +17,19 @@ from typing import TYPE_CHECKING
 
 import httpx
 
-from clients.bench_suite import free_port
 from clients.sse import iter_sse_events
 
 if TYPE_CHECKING:
     from typing import Self
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def wait_for_health(base_url: str, timeout: float = 60.0, process: subprocess.Popen | None = None) -> list[int]:
@@ -61,7 +67,7 @@ class ServerThread:
             log_level="warning",
             access_log=False,
             lifespan="on",
-            loop="asyncio",  # as `kvserve serve` runs it (server/cli.py says why)
+            loop="asyncio",  # as `kvserve serve` runs it (server/cli/runner.py says why)
             timeout_graceful_shutdown=shutdown_timeout,
         )
         self.server = uvicorn.Server(config)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from server.cli import FLAGS
+from server.cli.flags import FLAGS
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 

@@ -13,7 +13,7 @@ kept per verification = accepted / drafts. With `--llamacpp` (and llama.cpp's se
 scripts/build_llama_cpp.sh) it runs llama.cpp's server on the same GGUF without and with its own
 prompt-lookup speculation (`--spec-type ngram-simple`) on the rewrite workloads and reports that ratio too.
 
-Usage: python -m clients.bench_speculative [--quick] [--only SETUP,...] [--llamacpp] [--json PATH]
+Usage: python -m clients.bench.speculative [--quick] [--only SETUP,...] [--llamacpp] [--json PATH]
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ import json
 import logging
 import os
 import re
-import sys
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -33,8 +32,8 @@ from pathlib import Path
 
 import httpx
 
-from clients.bench import BenchResult, Workload, run_benchmark
-from clients.bench_suite import (
+from clients.bench.load import run_benchmark
+from clients.bench.processes import (
     ensure_llama_server,
     free_port,
     kvserve_server,
@@ -42,6 +41,9 @@ from clients.bench_suite import (
     resolve_gguf,
     server_process,
 )
+from clients.bench.results import BenchResult
+from clients.bench.workload import Workload
+from clients.logging_setup import configure_logging
 
 logger = logging.getLogger(__name__)
 
@@ -228,7 +230,7 @@ def comparison_table(comparisons: Sequence[Comparison]) -> str:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m clients.bench_speculative",
+        prog="python -m clients.bench.speculative",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -243,12 +245,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    logging.basicConfig(
-        level=os.environ.get("KVSERVE_LOG_LEVEL", "info").upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+    configure_logging(os.environ.get("KVSERVE_LOG_LEVEL", "info").upper())
     args = parse_args(argv)
     loads = workloads(args.quick)
     if args.workloads:

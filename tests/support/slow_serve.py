@@ -1,6 +1,6 @@
 """`kvserve serve` with a slow model load or slow engine steps: a program the shutdown tests run.
 
-    python -m tests.server.slow_serve [serve flags]
+    python -m tests.support.slow_serve [serve flags]
 
 SLOW_SERVE_LOAD_DELAY: seconds the generation model load sleeps first, on the torch thread, where
     nothing can interrupt it (as a large model read from disk or downloaded).
@@ -56,6 +56,6 @@ def _patch() -> None:
 
 if __name__ == "__main__":
     _patch()
-    from server.cli import main
+    from server.cli.runner import main
 
     sys.exit(main(sys.argv[1:]))

@@ -1,6 +1,6 @@
 """How close a quantized GGUF runs to its float32 reference: kvserve's quantization modes and llama.cpp, one run.
 
-    python -m clients.quality_suite [--model GGUF] [--modes gguf,int8] [--ctx 512] [--no-llama-cpp]
+    python -m clients.bench.quality [--model GGUF] [--modes gguf,int8] [--ctx 512] [--no-llama-cpp]
 
 `engine.bench.gguf_quality` (run as a subprocess) measures next-token distributions over a fixed text
 against the file dequantized to float32, for each kvserve mode and, with llama.cpp's `llama-perplexity`
@@ -20,7 +20,7 @@ from typing import Any
 
 import httpx
 
-from clients.bench_suite import (
+from clients.bench.processes import (
     LLAMA_SERVER,
     free_port,
     llama_server_command,
@@ -28,6 +28,7 @@ from clients.bench_suite import (
     run_json_program,
     server_process,
 )
+from clients.logging_setup import configure_logging
 
 logger = logging.getLogger(__name__)
 
@@ -91,14 +92,17 @@ def table(report: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m clients.bench.quality",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--model", default="smollm2-135m-instruct", help="a GGUF file or a default-model name")
     parser.add_argument("--modes", default="gguf,int8", help="kvserve quantization modes to compare")
     parser.add_argument("--ctx", type=int, default=512, help="tokens per scored chunk")
     parser.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+    configure_logging()
     model = resolve_gguf(args.model)
     with_llama = not args.no_llama_cpp and LLAMA_SERVER.exists() and LLAMA_PERPLEXITY.exists()
     if not args.no_llama_cpp and not with_llama:

@@ -9,7 +9,7 @@ Two probes, each run idle first and then under load, against one server in one r
   embedding flood runs (many one-input clients plus clients sending 64-input batches). The flood's
   429s are counted: a bounded queue must push back rather than queue without limit.
 
-Usage: python -m clients.bench_fairness [--base-url URL] [-- SERVE FLAGS]
+Usage: python -m clients.bench.fairness [--base-url URL] [-- SERVE FLAGS]
 Without --base-url it starts `python -m server serve SERVE FLAGS` on a free port and stops it at the end.
 """
 
@@ -30,8 +30,10 @@ from pathlib import Path
 import httpx
 from tqdm import tqdm
 
-from clients.bench import WORDS, percentile
-from clients.bench_suite import kvserve_server, split_serve_args
+from clients.bench.processes import kvserve_server, split_serve_args
+from clients.bench.results import percentile
+from clients.bench.workload import WORDS
+from clients.logging_setup import configure_logging
 from clients.sse import SSEDecoder, is_done
 
 logger = logging.getLogger(__name__)
@@ -254,7 +256,7 @@ def format_table(probes: Sequence[Probe]) -> str:
 def _parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str]]:
     argv, serve_args = split_serve_args(argv)
     parser = argparse.ArgumentParser(
-        prog="python -m clients.bench_fairness",
+        prog="python -m clients.bench.fairness",
         description=__doc__.split("\n\n")[0],
         epilog="Flags after `--` go to the `kvserve serve` it starts (without --base-url).",
     )
@@ -272,8 +274,7 @@ def _parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[st
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+    configure_logging()
     args, serve_args = _parse_args(argv)
     if args.base_url:
         probes = asyncio.run(run(args.base_url, args))

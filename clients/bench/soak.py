@@ -8,7 +8,7 @@ closed), some malformed requests. Bounded by a request count and a wall-clock li
 and its slope after the first quarter (warm-up) reported. It prints a table and exits 1 on a leak, a 5xx
 or a failed request.
 
-Usage: python -m clients.soak [--requests N] [--duration S] [--base-url URL --server-pid PID] [-- SERVE FLAGS]
+Usage: python -m clients.bench.soak [--requests N] [--duration S] [--base-url URL --server-pid PID] [-- SERVE FLAGS]
 Without --base-url it starts `python -m server serve SERVE FLAGS` on a free port and stops it at the end.
 """
 
@@ -19,7 +19,6 @@ import asyncio
 import bisect
 import json
 import logging
-import random
 import sys
 import threading
 import time
@@ -29,41 +28,17 @@ from pathlib import Path
 
 import httpx
 
-from clients.bench import WORDS
-from clients.bench_suite import kvserve_server, split_serve_args
+from clients.bench.processes import kvserve_server, split_serve_args
+from clients.bench.soak_plan import SoakPlan, SoakRequest, build_plan
+from clients.logging_setup import configure_logging
 from clients.sse import SSEDecoder, is_done
 
 logger = logging.getLogger(__name__)
 
-GENERATION_KINDS = ("completion", "completion_stream", "chat", "chat_stream")
 MIB = 1024 * 1024
 # `--long`: enough requests that a leak of a few KiB per request shows above the allocator's noise.
 LONG_SOAK_REQUESTS = 10_000
 LONG_SOAK_S = 2 * 3600.0
-
-
-@dataclass(frozen=True)
-class SoakPlan:
-    """What to send. abandon_fraction is of the streamed requests, multi_sample_fraction of the generation
-    requests, the others of all requests."""
-
-    num_requests: int = 300
-    concurrency: int = 8
-    duration_s: float = 180.0
-    abandon_fraction: float = 0.25
-    malformed_fraction: float = 0.1
-    embedding_fraction: float = 0.15
-    multi_sample_fraction: float = 0.2  # n = 2 or 3
-    max_tokens: int = 16
-    seed: int = 0
-
-
-@dataclass(frozen=True)
-class SoakRequest:
-    kind: str  # one of GENERATION_KINDS, "embedding" or "malformed"
-    body: dict | str  # a str is sent as a raw (malformed) body
-    path: str
-    abandon: bool = False
 
 
 @dataclass
@@ -101,61 +76,6 @@ class SoakReport:
     @property
     def ok(self) -> bool:
         return not self.failures and not self.leaks and self.status_5xx == 0 and self.transport_errors == 0
-
-
-def _prompt(rng: random.Random) -> str:
-    return " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 24)))
-
-
-def _malformed(rng: random.Random, model: str) -> SoakRequest:
-    """A request the server must refuse with a 4xx: broken JSON, a missing or mistyped field, an unknown model."""
-    choices = [
-        SoakRequest("malformed", '{"model": "' + model + '", "prompt": "Hi", ', "/v1/completions"),
-        SoakRequest("malformed", {"model": model}, "/v1/chat/completions"),
-        SoakRequest("malformed", {"model": model, "prompt": "Hi", "max_tokens": "many"}, "/v1/completions"),
-        SoakRequest("malformed", {"model": model, "prompt": "Hi", "n": 0}, "/v1/completions"),
-        SoakRequest("malformed", {"model": model, "messages": [{"role": "nobody"}]}, "/v1/chat/completions"),
-        SoakRequest("malformed", {"model": "no-such-model", "prompt": "Hi"}, "/v1/completions"),
-        SoakRequest("malformed", {"model": model, "prompt": "Hi", "temperature": -1}, "/v1/completions"),
-    ]
-    return rng.choice(choices)
-
-
-def build_plan(plan: SoakPlan, model: str, embedding_model: str | None) -> list[SoakRequest]:
-    """The seeded list of requests, in sending order."""
-    rng = random.Random(plan.seed)
-    requests = []
-    for _ in range(plan.num_requests):
-        draw = rng.random()
-        if draw < plan.malformed_fraction:
-            requests.append(_malformed(rng, model))
-            continue
-        if embedding_model and draw < plan.malformed_fraction + plan.embedding_fraction:
-            inputs = [_prompt(rng) for _ in range(rng.randint(1, 4))]
-            body = {"model": embedding_model, "input": inputs}
-            requests.append(SoakRequest("embedding", body, "/v1/embeddings"))
-            continue
-        kind = rng.choice(GENERATION_KINDS)
-        body: dict = {"model": model, "max_tokens": rng.randint(1, plan.max_tokens), "temperature": 0.7}
-        body["seed"] = rng.randint(0, 2**31)
-        if rng.random() < plan.multi_sample_fraction:
-            body["n"] = rng.randint(2, 3)
-        if kind.startswith("chat"):
-            body["messages"] = [{"role": "user", "content": _prompt(rng)}]
-            path = "/v1/chat/completions"
-        else:
-            body["prompt"] = _prompt(rng)
-            path = "/v1/completions"
-        abandon = False
-        if kind.endswith("_stream"):
-            body["stream"] = True
-            # Abandoned streams must outlive their first event, so the server is mid-generation when they go.
-            abandon = rng.random() < plan.abandon_fraction
-            if abandon:
-                body["max_tokens"] = max(body["max_tokens"], plan.max_tokens)
-                body["ignore_eos"] = True
-        requests.append(SoakRequest(kind, body, path, abandon))
-    return requests
 
 
 async def _send(client: httpx.AsyncClient, request: SoakRequest) -> SoakOutcome:
@@ -401,7 +321,7 @@ def _parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[st
     argv, serve_args = split_serve_args(argv)
     defaults = SoakPlan()
     parser = argparse.ArgumentParser(
-        prog="python -m clients.soak",
+        prog="python -m clients.bench.soak",
         description=__doc__.split("\n\n")[0],
         epilog="Flags after `--` go to the `kvserve serve` it starts (without --base-url).",
     )
@@ -441,8 +361,7 @@ def _parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[st
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # not one line per request
+    configure_logging()
     args, serve_args = _parse_args(argv)
     plan = SoakPlan(
         num_requests=args.requests,

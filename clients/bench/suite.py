@@ -1,55 +1,47 @@
 """`make bench`: kvserve, llama.cpp's llama-server and transformers on the same GGUF, same workloads, one run.
 
-Each server is started as a subprocess on this machine, driven by `clients.bench`, and stopped before the
-next one starts (they never compete for the CPU). The transformers baseline (`engine.bench.hf_baseline`) and
-the machine's physical limits for the model (`engine.bench.machine_limits`, reported first) run as
-subprocesses too, their results read back as JSON. Results: a side-by-side Markdown table with ratios on
-stdout and in bench-results/ (JSON + Markdown + server logs).
+Each server is started as a subprocess on this machine, driven by the load generator (`clients.bench`), and
+stopped before the next one starts (they never compete for the CPU). The transformers baseline
+(`engine.bench.hf_baseline`) and the machine's physical limits for the model (`engine.bench.machine_limits`,
+reported first) run as subprocesses too, their results read back as JSON. Results: a side-by-side Markdown
+table with ratios on stdout and in bench-results/ (JSON + Markdown + server logs).
 
-Usage: python -m clients.bench_suite [--only kvserve,llamacpp,transformers,limits] [--quick] [--workloads a,b,c,d]
-                                    [-- FLAGS FOR KVSERVE SERVE]
+Usage: python -m clients.bench.suite [--only kvserve,llamacpp,transformers,limits] [--quick] [--workloads a,b,c,d]
+                                     [-- FLAGS FOR KVSERVE SERVE]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import logging
 import os
-import shutil
-import signal
-import socket
-import subprocess
-import sys
-import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import httpx
-
-from clients.bench import (
-    BenchResult,
-    MemorySampler,
-    RequestRecord,
-    Workload,
-    build_requests,
-    draw_lengths,
-    format_value,
-    markdown_table,
-    run_benchmark,
-    summarize,
+from clients.bench.load import run_benchmark
+from clients.bench.processes import (
+    ROOT,
+    ensure_llama_server,
+    free_port,
+    kvserve_command,
+    llama_server_command,
+    python_env,
+    resolve_gguf,
+    run_json_program,
+    server_process,
+    split_serve_args,
 )
+from clients.bench.results import BenchResult, RequestRecord, format_value, markdown_table, summarize
+from clients.bench.workload import Workload, build_requests, draw_lengths
+from clients.logging_setup import configure_logging
 
 logger = logging.getLogger(__name__)
 
-ROOT = Path(__file__).resolve().parent.parent
-LLAMA_SERVER = ROOT / "third_party" / "llama.cpp" / "build" / "bin" / "llama-server"
-BUILD_SCRIPT = ROOT / "scripts" / "build_llama_cpp.sh"
 SYSTEMS = ("kvserve", "llamacpp", "transformers", "limits")
 
 
@@ -117,128 +109,6 @@ def suite_workloads(quick: bool) -> list[SuiteWorkload]:
     ]
 
 
-# --------------------------------------------------------------------------- server processes
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def server_process(
-    cmd: Sequence[str], port: int, log_path: Path, *, ready_timeout_s: float = 600.0, env: dict[str, str] | None = None
-) -> Iterator[subprocess.Popen[bytes]]:
-    """Start a server, wait for GET /health == 200, yield it, and stop it (SIGTERM, then SIGKILL)."""
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    logger.info("starting: %s", " ".join(cmd))
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            list(cmd), stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True
-        )
-        try:
-            _wait_healthy(proc, f"http://127.0.0.1:{port}/health", ready_timeout_s, log_path)
-            yield proc
-        finally:
-            _stop(proc)
-
-
-def split_serve_args(argv: Sequence[str] | None) -> tuple[list[str], list[str]]:
-    """(the program's own flags, the flags after `--` for the `kvserve serve` it starts)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if "--" not in argv:
-        return argv, []
-    cut = argv.index("--")
-    return argv[:cut], argv[cut + 1 :]
-
-
-@contextlib.contextmanager
-def kvserve_server(serve_args: Sequence[str], log_prefix: str) -> Iterator[tuple[str, int]]:
-    """`python -m server serve SERVE_ARGS` on a free port, this checkout importable; yields (base URL, pid)
-    once /health answers 200, and stops it afterwards. Its log goes to a fresh temp dir (logged)."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "server", "serve", "--port", str(port), *serve_args]
-    log_path = Path(tempfile.mkdtemp(prefix=log_prefix)) / "server.log"
-    logger.info("server log: %s", log_path)
-    with server_process(cmd, port, log_path, env=_python_env()) as proc:
-        yield f"http://127.0.0.1:{port}", proc.pid
-
-
-def _wait_healthy(proc: subprocess.Popen[bytes], url: str, timeout_s: float, log_path: Path) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            tail = log_path.read_text(errors="replace")[-2000:]
-            raise RuntimeError(f"server exited with code {proc.returncode} before it was ready:\n{tail}")
-        try:
-            if httpx.get(url, timeout=2.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"server not healthy at {url} after {timeout_s:.0f} s (log: {log_path})")
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is not None:
-        return
-    # The server runs in its own session: signal its process group so helper processes stop with it.
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
-
-
-def ensure_llama_server() -> Path | None:
-    """The llama-server binary, built from the llama-cpp-python sdist if needed; None (with a message) if not."""
-    if LLAMA_SERVER.exists():
-        return LLAMA_SERVER
-    if shutil.which("cmake") is None:
-        logger.warning(
-            "llama.cpp skipped: llama-server is not built and cmake is missing "
-            "(apt-get install -y cmake build-essential, then scripts/build_llama_cpp.sh)"
-        )
-        return None
-    logger.info("building llama-server (a few minutes): %s", BUILD_SCRIPT)
-    env = {**os.environ, "PYTHON": sys.executable}
-    if (
-        subprocess.run(["bash", str(BUILD_SCRIPT)], check=False, cwd=ROOT, env=env).returncode != 0
-        or not LLAMA_SERVER.exists()
-    ):
-        logger.warning("llama.cpp skipped: building llama-server failed")
-        return None
-    return LLAMA_SERVER
-
-
-def kvserve_command(model: str, port: int, serve_args: Sequence[str] = ()) -> list[str]:
-    return [sys.executable, "-m", "server", "serve", "--model", model, "--port", str(port), *serve_args]
-
-
-def llama_server_command(binary: Path, gguf: Path, port: int, parallel: int = 32) -> list[str]:
-    # -kvu: one KV buffer shared by all slots, so a 512-token prompt fits although 8192 / 32 slots = 256
-    # (kvserve's paged cache is shared the same way).
-    return [
-        str(binary),
-        "-m",
-        str(gguf),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "-c",
-        "8192",
-        "-np",
-        str(parallel),
-        "-kvu",
-    ]
-
-
 # --------------------------------------------------------------------------- running
 
 
@@ -246,7 +116,7 @@ def bench_server(
     label: str, cmd: list[str], port: int, model: str, workloads: list[SuiteWorkload], out_dir: Path, progress: bool
 ) -> list[BenchResult]:
     results = []
-    with server_process(cmd, port, out_dir / "logs" / f"{label}.log", env=_python_env()) as proc:
+    with server_process(cmd, port, out_dir / "logs" / f"{label}.log", env=python_env()) as proc:
         for sw in workloads:
             logger.info("%s: workload %s (%s)", label, sw.key, sw.workload.name)
             result = asyncio.run(
@@ -264,37 +134,6 @@ def bench_server(
             results.append(result)
             print(markdown_table([result]), flush=True)
     return results
-
-
-def _python_env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-
-
-def run_json_program(module: str, args: Sequence[str], *, sample_memory: bool = False) -> tuple[Any, float | None]:
-    """Run `python -m module ARGS` (its log and progress go to this terminal) and parse its stdout as JSON.
-
-    Returns the parsed output and, with `sample_memory`, the peak RSS in MiB of the program's process tree.
-    """
-    cmd = [sys.executable, "-m", module, *args]
-    logger.info("running: %s", " ".join(cmd))
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, cwd=ROOT, env=_python_env())
-    with MemorySampler(proc.pid if sample_memory else None) as sampler:
-        stdout, _ = proc.communicate()
-    if proc.returncode != 0:
-        raise RuntimeError(f"{module} exited with code {proc.returncode}")
-    try:
-        return json.loads(stdout), sampler.peak_rss_mib
-    except ValueError as exc:
-        raise RuntimeError(f"{module} printed no JSON: {stdout[-500:]!r}") from exc
-
-
-def resolve_gguf(model: str) -> Path:
-    """The model's GGUF file, as the engine's model cache resolves it."""
-    cmd = [sys.executable, "-m", "engine.bench.gguf_file", model]
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, cwd=ROOT, env=_python_env(), check=False)
-    if proc.returncode != 0:
-        raise RuntimeError(f"cannot find the GGUF of {model} (exit code {proc.returncode})")
-    return Path(proc.stdout.strip())
 
 
 def baseline_requests(workload: Workload) -> list[dict[str, Any]]:
@@ -424,7 +263,9 @@ def comparison_table(results: Sequence[BenchResult], workloads: Sequence[SuiteWo
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m clients.bench.suite", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--only", default=",".join(SYSTEMS), help=f"comma-separated subset of {','.join(SYSTEMS)}")
     parser.add_argument(
         "--workloads", default="a,b,c", help="comma-separated subset of a,b,c,d (d: 8 streams, for larger models)"
@@ -443,8 +284,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request would drown the report
+    configure_logging()
     argv, serve_args = split_serve_args(argv)
     args = parse_args(argv)
     keys = {k.strip() for k in args.workloads.split(",")}

@@ -8,7 +8,7 @@ the prefix-cache hit rate over the workload: prompt tokens found in the prefix c
 looked up, from each replica's own /metrics (kvserve:prefix_cache_hits / kvserve:prefix_cache_queries,
 scraped through the Serve address until every replica has answered, before and after the workload).
 
-Usage: python -m clients.bench_replicas [--requests 48] [--concurrency 4] [--system-prompts 8]
+Usage: python -m clients.bench.replicas [--requests 48] [--concurrency 4] [--system-prompts 8]
                                         [--max-tokens 16] [-- FLAGS FOR KVSERVE SERVE]
 """
 
@@ -22,7 +22,6 @@ import os
 import random
 import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -35,7 +34,9 @@ from pathlib import Path
 
 import httpx
 
-from clients.bench import WORDS
+from clients.bench.processes import free_port, split_serve_args
+from clients.bench.workload import WORDS
+from clients.logging_setup import configure_logging
 
 logger = logging.getLogger(__name__)
 
@@ -81,16 +82,10 @@ def workload(num_requests: int, num_system_prompts: int, seed: int = 0) -> list[
     ]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @contextlib.contextmanager
 def serving(replicas: int, routing: str, extra: Sequence[str], log_path: Path) -> Iterator[str]:
     """`kvserve serve --replicas N` on a free local port, until SIGTERM at the end; yields its base URL."""
-    port = _free_port()
+    port = free_port()
     command = [sys.executable, "-m", "server", "serve", "--host", "127.0.0.1", "--port", str(port)]
     command += ["--replicas", str(replicas), "--replica-routing", routing, "--embedding-model", "none", *extra]
     with open(log_path, "wb") as log:
@@ -207,20 +202,15 @@ def markdown(results: Sequence[Result]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    extra: list[str] = []
-    if "--" in argv:
-        extra = argv[argv.index("--") + 1 :]
-        argv = argv[: argv.index("--")]
-    parser = argparse.ArgumentParser(prog="python -m clients.bench_replicas", description=__doc__.split("\n\n")[0])
+    argv, extra = split_serve_args(argv)
+    parser = argparse.ArgumentParser(prog="python -m clients.bench.replicas", description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=48, help="requests in the workload")
     parser.add_argument("--concurrency", type=int, default=4, help="requests in flight at once")
     parser.add_argument("--system-prompts", type=int, default=8, help="distinct system prompts the requests share")
     parser.add_argument("--max-tokens", type=int, default=16, help="tokens generated per request")
     parser.add_argument("--only", default="", help="comma-separated setup numbers to run (1-3; default: all)")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
+    configure_logging()
     chosen = {int(n) for n in args.only.split(",") if n} or set(range(1, len(SETUPS) + 1))
     log_dir = Path(tempfile.mkdtemp(prefix="kvserve-bench-replicas-"))  # kept: the servers' logs
     results = []

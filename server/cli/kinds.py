@@ -1,0 +1,74 @@
+"""How a `kvserve serve` flag's text (on the command line or in KVSERVE_<NAME>) becomes its value: each is a
+Flag.kind (server/cli/flags.py). A kind raises argparse.ArgumentTypeError on text it refuses; its `metavar`,
+when it has one, is what `--help` shows for the flag's value."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import Any
+
+from server.config import parse_bytes
+from server.http.access import parse_keys, read_key_file
+
+
+def optional(kind: Callable[[str], Any]) -> Callable[[str], Any]:
+    """'none' / '' -> None, else kind(text)."""
+
+    def parse(text: str) -> Any:
+        return None if text.strip().lower() in ("", "none", "null") else kind(text)
+
+    parse.__name__ = kind.__name__
+    if hasattr(kind, "metavar"):
+        parse.metavar = kind.metavar  # type: ignore[attr-defined]
+    return parse
+
+
+def boolean(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"not a boolean: {text!r}")
+
+
+def one_of(*choices: str) -> Callable[[str], str]:
+    """A kind that accepts one of `choices` (any case); `--help` shows them as the flag's metavar."""
+
+    def parse(text: str) -> str:
+        value = text.strip().lower()
+        if value not in choices:
+            raise argparse.ArgumentTypeError(f"must be one of {', '.join(choices)}; got {text!r}")
+        return value
+
+    parse.__name__ = "choice"
+    parse.metavar = "{" + ",".join(choices) + "}"  # type: ignore[attr-defined]
+    return parse
+
+
+def byte_size(text: str) -> int:
+    try:
+        return parse_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
+def key_list(text: str) -> tuple[str, ...]:
+    return parse_keys(text)
+
+
+key_list.metavar = "KEY"  # type: ignore[attr-defined]
+
+
+def key_file(text: str) -> tuple[str, ...]:
+    """--api-key-file PATH: the keys in the file; '' or none: no file."""
+    if text.strip().lower() in ("", "none"):
+        return ()
+    try:
+        return read_key_file(text)
+    except (OSError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
+key_file.metavar = "PATH"  # type: ignore[attr-defined]
