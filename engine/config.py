@@ -1,7 +1,7 @@
 """Frozen configuration, each validated once in its own __post_init__.
 
 `EngineConfig`, `EmbedderConfig` and `RerankerConfig` are what a user sets for the generation,
-the embedding and the rerank model (server/cli.py builds them from `kvserve serve` flags).
+the embedding and the rerank model (server/cli/args.py builds them from `kvserve serve` flags).
 `ModelConfig` is what the model's own files say, resolved at load time.
 """
 
@@ -14,11 +14,12 @@ import torch
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SUPPORTED_DTYPES = tuple(TORCH_DTYPES)
-# none: weights in `dtype`. int8: weight-only int8 linear layers (CPU, float32;
-# engine/ops/int8_linear.py). gguf: a GGUF file's matrices stay in its own blocks
-# where a kernel exists for their type (engine/ops/gguf_linear.py), the others int8.
-# auto: gguf for a GGUF file on CPU in float32, none otherwise.
+# The values of `--quantization`: one per method of engine/quantization/ (none, int8, gguf: how each
+# loads and which layer replaces nn.Linear), and auto, which engine.quantization.resolve decides per
+# checkpoint (gguf for a GGUF file on CPU in float32, none otherwise).
 QUANTIZATION_MODES = ("none", "int8", "gguf", "auto")
+# The methods whose layers run only on CPU with float32 activations.
+CPU_FLOAT32_QUANTIZATIONS = ("int8", "gguf")
 # How an embedding model turns per-token hidden states into one vector (engine/pooling/embedder.py `pool`).
 POOLING_MODES = ("mean", "cls", "last")
 
@@ -84,7 +85,7 @@ class EngineConfig:
     kv_cache_memory_bytes: budget for the KV block pool; num_blocks overrides it.
     sliding_window: force a window on any model (None: the model's own, if any).
     num_sink_tokens: with a window, the first S tokens stay visible forever.
-    quantization: one of QUANTIZATION_MODES; LLM.from_config (engine/llm.py) resolves auto.
+    quantization: one of QUANTIZATION_MODES; engine/loader.py resolves auto (engine.quantization.resolve).
     speculative: speculative decoding (None: off).
     """
 
@@ -110,7 +111,7 @@ class EngineConfig:
         check_dtype(self.dtype, self.device)
         if self.quantization not in QUANTIZATION_MODES:
             raise ValueError(f"quantization must be one of {QUANTIZATION_MODES}, got {self.quantization!r}")
-        if self.quantization in ("int8", "gguf") and (self.device != "cpu" or self.dtype != "float32"):
+        if self.quantization in CPU_FLOAT32_QUANTIZATIONS and (self.device != "cpu" or self.dtype != "float32"):
             raise ValueError(f"quantization {self.quantization} runs on CPU with dtype float32; use bfloat16 on GPUs")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")

@@ -7,62 +7,15 @@ see exactly the text and stop-string handling that streamed requests see.
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import logging
-import time
 from dataclasses import dataclass
-from pathlib import Path
 
-import torch
-
-from engine.config import EngineConfig, ModelConfig
+from engine.config import EngineConfig
 from engine.engine_core import LLMEngine
-from engine.errors import ModelLoadError
-from engine.hub.models_hub import resolve_or_download
-from engine.models.weights import load_checkpoint
-from engine.ops.int8_linear import resolve_quantization
+from engine.loader import load_generation
 from engine.outputs import GenerationResult
 from engine.params import SamplingParams
-from engine.serving.output_processor import OutputProcessor
+from engine.serving.output_processor import OutputProcessor, RequestText
 from engine.text.tokenizer import Tokenizer
-
-logger = logging.getLogger(__name__)
-
-
-def _config_eos_token_ids(model_config: ModelConfig, path: Path) -> tuple[int, ...]:
-    """EOS ids that the model's config and generation_config.json name (the tokenizer adds its own)."""
-    ids: list[int] = []
-    sources = [getattr(model_config.hf_config, "eos_token_id", None)]
-    gen_config = path / "generation_config.json" if path.is_dir() else None
-    if gen_config is not None and gen_config.is_file():
-        sources.append(json.loads(gen_config.read_text()).get("eos_token_id"))
-    for source in sources:
-        ids.extend(source if isinstance(source, list) else [source] if source is not None else [])
-    return tuple(int(i) for i in ids)
-
-
-def _load_draft_model(config: EngineConfig, tokenizer: Tokenizer) -> tuple[EngineConfig, ModelConfig, dict]:
-    """The draft model of config.speculative: its config, architecture and weights, checked to share the
-    target's tokenizer (a draft token must mean the same text to both models)."""
-    assert config.speculative is not None and config.speculative.draft_model
-    path = resolve_or_download(config.speculative.draft_model)
-    draft_config = dataclasses.replace(
-        config,
-        model=config.speculative.draft_model,
-        speculative=None,
-        quantization=config.speculative.draft_quantization,
-    )
-    draft_config = dataclasses.replace(draft_config, quantization=resolve_quantization(draft_config, path))
-    model_config, state_dict = load_checkpoint(path, keep_gguf_blocks=draft_config.quantization == "gguf")
-    draft_vocabulary = Tokenizer.from_path(path).vocabulary()
-    if draft_vocabulary != tokenizer.vocabulary():
-        raise ModelLoadError(
-            f"the draft model {config.speculative.draft_model} has a different tokenizer from {config.model}; "
-            "speculative decoding needs a draft model with the same vocabulary"
-        )
-    logger.info("draft model %s (%s) loaded", config.speculative.draft_model, model_config.architecture)
-    return draft_config, model_config, state_dict
 
 
 @dataclass
@@ -74,23 +27,8 @@ class LLM:
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLM:
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
-        path = resolve_or_download(config.model)
-        config = dataclasses.replace(config, quantization=resolve_quantization(config, path))
-        started = time.monotonic()
-        model_config, state_dict = load_checkpoint(path, keep_gguf_blocks=config.quantization == "gguf")
-        tokenizer = Tokenizer.from_path(path, _config_eos_token_ids(model_config, path))
-        grammar = tokenizer.grammar_compiler(model_config.vocab_size)
-        draft = _load_draft_model(config, tokenizer) if config.speculative and config.speculative.draft_model else None
-        engine = LLMEngine(config, model_config, state_dict, tokenizer.eos_token_ids, grammar, draft)
-        logger.info(
-            "loaded %s (%s, quantization %s) in %.1f s",
-            config.model,
-            model_config.architecture,
-            config.quantization,
-            time.monotonic() - started,
-        )
+        """Load the model, its tokenizer and its engine (engine/loader.py)."""
+        engine, tokenizer = load_generation(config)
         return cls(engine, tokenizer)
 
     def generate(
@@ -99,16 +37,17 @@ class LLM:
         """Every prompt's samples, in input order. Text prompts are encoded with the model's tokenizer."""
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         processor = OutputProcessor(self.tokenizer)
+        texts: dict[str, RequestText] = {}
         request_ids = []
         for prompt, sampling in zip(prompts, params_list):
             prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
             request_id = self.engine.add_request(prompt_ids, sampling)
-            processor.add_request(request_id, prompt_ids, sampling)
+            texts[request_id] = processor.new_request_text(prompt_ids, sampling)
             request_ids.append(request_id)
         results: dict[str, dict[int, GenerationResult]] = {rid: {} for rid in request_ids}
         prompt_logprobs: dict[str, list] = {}
         while self.engine.has_unfinished_requests():
-            processed = processor.process(self.engine.step())
+            processed = processor.process(self.engine.step(), texts.get)
             for stopped in processed.stopped_samples:
                 self.engine.stop_sample(stopped.request_id, stopped.index, stopped.stop_string)
             for out in processed.request_outputs:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from engine.models import registry
 from tests.support.tiny_models import make_tiny_model
 
-ARCHS = ("llama", "mistral", "qwen2", "gpt2")
+# Every registered decoder, by model_type: the keys of tiny_model_dirs.
+ARCHS = tuple(entry.model_type for entry in registry.entries())
 
 
 @pytest.fixture(scope="session")

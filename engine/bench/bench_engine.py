@@ -158,7 +158,8 @@ def micro_benchmarks(engine: LLMEngine, repeats: int = 20) -> list[tuple[str, fl
 
 def int8_micro_benchmarks(engine: LLMEngine, row_counts: list[int], repeats: int = 5) -> list[tuple[int, float, float]]:
     """(rows, float32 ms, int8 kernel ms) for all linear layers of one step of the engine's model."""
-    from engine.ops.int8_linear import Int8Linear, available, int8_linear_native
+    from engine.ops.int8_linear import available, int8_linear_native
+    from engine.quantization.int8 import Int8Linear
 
     if not available():
         return []

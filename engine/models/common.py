@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from engine.errors import ModelLoadError
-from engine.ops.gguf_linear import BlockWeight, GgufLinear, PackedWeight, cat_weights, pack
+from engine.ops.gguf_linear import BlockWeight, PackedWeight, cat_weights
+from engine.quantization import gguf
 
 
 def take(state: dict[str, torch.Tensor], name: str, *, where: str = "checkpoint") -> torch.Tensor:
@@ -39,14 +40,11 @@ def load_linear(
     bias: torch.Tensor | None,
     label: str,
 ) -> None:
-    """Fill `owner.<name>` (an nn.Linear) with a float weight, or replace it by a GgufLinear over blocks
-    (a PackedWeight is shared as is: a tied output layer reads the embedding table's blocks)."""
+    """Fill `owner.<name>` (an nn.Linear) with a float weight, or replace it by the gguf method's layer over
+    blocks (a PackedWeight is shared as is: a tied output layer reads the embedding table's blocks)."""
     linear = getattr(owner, name)
-    if isinstance(weight, BlockWeight | PackedWeight):
-        shape = (weight.out_features, weight.in_features)
-        if tuple(linear.weight.shape) != shape:
-            raise ModelLoadError(f"weight {label!r} has shape {shape}, expected {tuple(linear.weight.shape)}")
-        setattr(owner, name, GgufLinear(weight if isinstance(weight, PackedWeight) else pack(weight), bias))
+    if gguf.is_blocks(weight):
+        setattr(owner, name, gguf.linear_over_blocks(linear, weight, bias, label))
         return
     assign(linear.weight, weight, label)
     if bias is not None:

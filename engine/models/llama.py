@@ -21,10 +21,10 @@ from torch import nn
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.paged import paged_attention, write_kv
 from engine.config import ModelConfig
-from engine.errors import ModelLoadError
 from engine.models.common import RotaryEmbedding, apply_rotary, assign, cat_rows, load_linear, take
-from engine.ops.gguf_linear import BlockWeight, GgufEmbedding, pack
+from engine.ops.gguf_linear import BlockWeight
 from engine.ops.rms_norm import rms_norm
+from engine.quantization import gguf
 
 
 class RMSNorm(nn.Module):
@@ -80,14 +80,16 @@ class LlamaLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    # True: q/k/v carry biases and o none, whatever the config says (Qwen2); False: attention_bias decides.
+    qkv_bias_always: bool = False
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         hf = config.hf_config
         self.config = config
-        is_qwen2 = config.architecture == "Qwen2ForCausalLM"
         attention_bias = bool(getattr(hf, "attention_bias", False))
-        qkv_bias = is_qwen2 or attention_bias
-        o_bias = attention_bias and not is_qwen2
+        qkv_bias = self.qkv_bias_always or attention_bias
+        o_bias = attention_bias and not self.qkv_bias_always
         mlp_bias = bool(getattr(hf, "mlp_bias", False))
         eps = hf.rms_norm_eps
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
@@ -123,10 +125,8 @@ class LlamaForCausalLM(nn.Module):
         tied = getattr(self.config.hf_config, "tie_word_embeddings", False) or "lm_head.weight" not in state
         lm_head = embedding if tied else take(state, "lm_head.weight")
         state.pop("lm_head.weight", None)
-        if isinstance(embedding, BlockWeight):
-            if embedding.shape != tuple(self.embed_tokens.weight.shape):
-                raise ModelLoadError(f"weight 'model.embed_tokens.weight' has shape {embedding.shape}")
-            self.embed_tokens = GgufEmbedding(pack(embedding))
+        if gguf.is_blocks(embedding):
+            self.embed_tokens = gguf.embedding_over_blocks(self.embed_tokens, embedding, "model.embed_tokens.weight")
             if tied:  # one copy of the blocks serves both
                 lm_head = self.embed_tokens.packed
         else:
@@ -160,3 +160,9 @@ class LlamaForCausalLM(nn.Module):
         if leftovers:
             raise ValueError(f"unexpected weights in checkpoint: {leftovers[:5]}")
         self.rotary = RotaryEmbedding(self.config.hf_config, self.config.head_dim, self.norm.weight.device)
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Qwen2: the LLaMA layers with q/k/v biases and none on o."""
+
+    qkv_bias_always = True

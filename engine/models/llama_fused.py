@@ -15,9 +15,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.attention.metadata import AttentionMetadata
-from engine.ops.gguf_linear import GgufLinear
-from engine.ops.int8_linear import Int8Linear
 from engine.ops.loader import I64, PTR, bind, unavailable_reason
+from engine.quantization import KernelWeight, kernel_weight
 
 if TYPE_CHECKING:
     from engine.models.llama import LlamaForCausalLM
@@ -79,8 +78,7 @@ def unsupported_reason(model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tens
     if not layers:
         return "the model has no layers"
     projections = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-    kinds = (Int8Linear, GgufLinear)
-    if not all(isinstance(getattr(layer, name), kinds) for layer in layers for name in projections):
+    if any(kernel_weight(getattr(layer, name)) is None for layer in layers for name in projections):
         return "its linear layers are neither int8 nor GGUF blocks (the fused kernel reads only those)"
     cache = kv_caches[0][0]
     if cache.dtype != torch.float32 or cache.device.type != "cpu" or not cache.is_contiguous():
@@ -94,11 +92,12 @@ def unsupported_reason(model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tens
     return None
 
 
-def _weight(linear: Int8Linear | GgufLinear) -> _Int8Weight:
-    bias = linear.bias.data_ptr() if linear.bias is not None else None
-    if isinstance(linear, GgufLinear):
-        return _Int8Weight(linear.blocks.data_ptr(), None, bias, linear.out_features, linear.kernel_type)
-    return _Int8Weight(linear.quantized.data_ptr(), linear.scale.data_ptr(), bias, linear.out_features, 0)
+def _weight(linear: torch.nn.Module) -> _Int8Weight:
+    """The kernel's view of one projection (a layer `unsupported_reason` accepted)."""
+    weight: KernelWeight | None = kernel_weight(linear)
+    if weight is None:
+        raise ValueError(f"the fused decode kernel cannot read a {type(linear).__name__}")
+    return _Int8Weight(weight.weight, weight.scale, weight.bias, weight.out_features, weight.block_type)
 
 
 class FusedLlamaDecode:

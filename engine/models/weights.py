@@ -14,66 +14,21 @@ import torch
 
 from engine.config import ModelConfig
 from engine.errors import ModelLoadError
+from engine.models import registry
 from engine.ops.gguf_linear import BLOCK_TYPES, BlockWeight
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "GPT2LMHeadModel")
-
 
 def _model_config_from_hf(hf_config, path: Path) -> ModelConfig:
     architectures = list(getattr(hf_config, "architectures", None) or [])
-    if not architectures:
-        # GGUF metadata carries no `architectures`; derive it from model_type.
-        by_type = {
-            "llama": "LlamaForCausalLM",
-            "mistral": "MistralForCausalLM",
-            "qwen2": "Qwen2ForCausalLM",
-            "gpt2": "GPT2LMHeadModel",
-        }
-        architectures = [by_type.get(hf_config.model_type, hf_config.model_type)]
-    architecture = architectures[0]
-    if architecture not in SUPPORTED_ARCHITECTURES:
-        raise ModelLoadError(
-            f"{path}: architecture {architecture!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
-    if architecture == "GPT2LMHeadModel":
-        hidden = hf_config.n_embd
-        heads = hf_config.n_head
-        return ModelConfig(
-            architecture=architecture,
-            vocab_size=hf_config.vocab_size,
-            hidden_size=hidden,
-            num_layers=hf_config.n_layer,
-            num_heads=heads,
-            num_kv_heads=heads,
-            head_dim=hidden // heads,
-            max_position_embeddings=hf_config.n_positions,
-            sliding_window=None,
-            hf_config=hf_config,
-        )
-    heads = hf_config.num_attention_heads
-    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
-    window = getattr(hf_config, "sliding_window", None)
-    layer_types = getattr(hf_config, "layer_types", None)
-    if architecture == "Qwen2ForCausalLM" and not getattr(hf_config, "use_sliding_window", False):
-        window = None
-    if window is not None and layer_types and len(set(layer_types)) > 1:
-        raise ModelLoadError(
-            f"{path}: models that mix full and sliding-window layers ({sorted(set(layer_types))}) are not supported yet"
-        )
-    return ModelConfig(
-        architecture=architecture,
-        vocab_size=hf_config.vocab_size,
-        hidden_size=hf_config.hidden_size,
-        num_layers=hf_config.num_hidden_layers,
-        num_heads=heads,
-        num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
-        head_dim=head_dim,
-        max_position_embeddings=hf_config.max_position_embeddings,
-        sliding_window=window,
-        hf_config=hf_config,
-    )
+    if architectures:
+        architecture = architectures[0]
+    else:
+        # GGUF metadata carries no `architectures`; its model_type names the entry.
+        entry = registry.for_model_type(hf_config.model_type)
+        architecture = entry.name if entry is not None else hf_config.model_type
+    return registry.lookup(architecture, path).model_config(hf_config, path)
 
 
 def _load_hf_directory(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
@@ -111,8 +66,8 @@ def _load_hf_directory(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]
 def _load_gguf(path: Path, keep_blocks: bool) -> tuple[ModelConfig, dict[str, torch.Tensor | BlockWeight]]:
     """Dequantize a GGUF file into Hugging Face-named float tensors via transformers' converter.
 
-    With `keep_blocks`, a LLaMA file's matrices of a type with a block kernel stay
-    as the file stores them (BlockWeight) instead.
+    With `keep_blocks`, in a file whose architecture's registry entry has gguf_blocks (LLaMA),
+    the matrices of a type with a block kernel stay as the file stores them (BlockWeight) instead.
 
     transformers maps GGUF names to its own and undoes llama.cpp's Q/K row
     permutation; it needs the target model's parameter names, so we build the
@@ -130,7 +85,7 @@ def _load_gguf(path: Path, keep_blocks: bool) -> tuple[ModelConfig, dict[str, to
     except Exception as exc:
         raise ModelLoadError(f"{path}: cannot read GGUF metadata: {exc}") from exc
     model_config = _model_config_from_hf(hf_config, path)
-    if hf_config.model_type == "llama":
+    if registry.lookup(model_config.architecture).gguf_blocks:
         tensors = _read_llama_gguf_tensors(path, model_config, keep_blocks)
         if tensors is not None:
             return model_config, tensors

@@ -1,4 +1,5 @@
-"""Linear layers and embedding tables that keep a GGUF file's own quantized blocks.
+"""Products and row lookups over a GGUF file's own quantized blocks: the AVX2 kernels, the tiled
+BLAS path and the torch reference (the layers that hold the blocks are engine/quantization/gguf.py).
 
 A GGUF weight of type Q4_0, Q4_1 or Q8_0 stays in memory exactly as the file
 stores it: each row of K weights is K / 32 blocks, one fp16 scale (and for Q4_1
@@ -18,8 +19,9 @@ scale per block (the layout of Q8_0), then
   rows at a time into a small float32 buffer and multiplied in BLAS with the same
   rounded activations (`gguf_linear_tiled`), so a row gets the kernel's numbers,
   to float32 rounding, whichever path its batch took.
-`gguf_linear_reference` is the plain definition both are tested against: the
-rounded activations times the dequantized weight, in torch.
+`gguf_linear_forward` picks the path. `gguf_linear_reference` is the plain
+definition both are tested against: the rounded activations times the
+dequantized weight, in torch.
 
 Accuracy (README, tests/unit/test_gguf_linear.py): the weights are exactly the
 file's; activation rounding adds at most d / 2 = max|x over the block| / 254 per
@@ -34,7 +36,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from engine.ops.loader import I64, PTR, bind
 
@@ -254,54 +255,9 @@ def gguf_linear_tiled(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor 
     return out
 
 
-class _BlockBuffers(nn.Module):
-    """What GgufLinear and GgufEmbedding hold: a PackedWeight's blocks as a buffer, with its type."""
-
-    def __init__(self, weight: PackedWeight) -> None:
-        super().__init__()
-        self.qtype = weight.qtype
-        self.kernel_type = weight.kernel_type
-        self.in_features = weight.in_features
-        self.out_features = weight.out_features
-        self.register_buffer("blocks", weight.blocks)
-
-    @property
-    def packed(self) -> PackedWeight:
-        return PackedWeight(self.qtype, self.blocks, self.in_features, self.kernel_type)
-
-
-class GgufLinear(_BlockBuffers):
-    """Drop-in for nn.Linear over a weight kept as GGUF blocks (CPU, float32 activations)."""
-
-    def __init__(self, weight: PackedWeight, bias: torch.Tensor | None = None) -> None:
-        super().__init__(weight)
-        self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        leading = x.shape[:-1]
-        flat = x.reshape(-1, self.in_features).float()
-        if flat.shape[0] <= MAX_KERNEL_ROWS and available():
-            out = gguf_linear_native(flat, self.packed, self.bias)
-        else:
-            out = gguf_linear_tiled(flat, self.packed, self.bias)
-        return out.view(*leading, self.out_features)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, GGUF {self.qtype} blocks"
-
-
-class GgufEmbedding(_BlockBuffers):
-    """Drop-in for nn.Embedding over a table kept as GGUF blocks: looked-up rows are dequantized."""
-
-    def __init__(self, weight: PackedWeight) -> None:
-        super().__init__(weight)
-        self.num_embeddings, self.embedding_dim = weight.out_features, weight.in_features
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        flat = ids.reshape(-1)
-        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):
-            raise IndexError(f"token id out of range for a vocabulary of {self.num_embeddings}")
-        return dequantize_rows(self.packed, rows=flat).view(*ids.shape, self.embedding_dim)
-
-    def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, GGUF {self.qtype} blocks"
+def gguf_linear_forward(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] float32 -> [M, N]: the integer kernel for decode-sized batches where it loads, the tiled
+    BLAS path (the same numbers) otherwise."""
+    if x.shape[0] <= MAX_KERNEL_ROWS and available():
+        return gguf_linear_native(x, weight, bias)
+    return gguf_linear_tiled(x, weight, bias)

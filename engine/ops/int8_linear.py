@@ -1,4 +1,4 @@
-"""Weight-only int8 linear layers for fast CPU decoding.
+"""The weight-only int8 product for fast CPU decoding: the AVX2 kernel, its torch path and the reference.
 
 Each nn.Linear's weight [N, K] is rounded to int8 with one symmetric float32
 scale per output channel (w ~= q * scale[n], q in -127..127); activations stay
@@ -10,7 +10,8 @@ rounded to the kernel's int16 grid, times the dequantized int8 weight), so a
 row gets the same result, to float32 rounding, whichever path its batch took:
 sampling stays batch-invariant. The price is memory: float32 + int8 weights.
 `int8_linear_reference` is the plain definition both are tested against; the
-torch path also runs when the kernel cannot be built.
+torch path also runs when the kernel cannot be built. `int8_linear_forward`
+picks the path; the layer that holds the weights is engine/quantization/int8.py.
 
 Accuracy (README, tests/unit/test_quantization.py): weight rounding is at most
 scale/2 per weight; the kernel also rounds each activation row to int16 with
@@ -22,13 +23,10 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-from engine.config import EngineConfig
 from engine.ops.loader import I64, PTR, bind
 
 # Up to this many rows the kernel beats float32 BLAS (it reads 4x fewer weight
@@ -117,57 +115,15 @@ def int8_linear_native(
     return out
 
 
-class Int8Linear(nn.Module):
-    """Drop-in for a float32 CPU nn.Linear whose weight is rounded to int8.
-
-    Keeps the int8 weight for the kernel and its dequantized float32 copy for
-    large batches (see the module docstring).
-    """
-
-    def __init__(self, linear: nn.Linear) -> None:
-        super().__init__()
-        if linear.weight.device.type != "cpu":
-            raise ValueError("int8 linear layers run on CPU only")
-        self.in_features = linear.in_features
-        self.out_features = linear.out_features
-        quantized, scale = quantize_int8(linear.weight)
-        self.register_buffer("quantized", quantized)
-        self.register_buffer("scale", scale)
-        self.register_buffer("dequantized", dequantize_int8(quantized, scale))
-        bias = linear.bias.detach().float().contiguous() if linear.bias is not None else None
-        self.register_buffer("bias", bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        leading = x.shape[:-1]
-        flat = x.reshape(-1, self.in_features)
-        if flat.shape[0] <= MAX_KERNEL_ROWS and available():
-            out = int8_linear_native(flat.float(), self.quantized, self.scale, self.bias)
-        else:
-            out = int8_linear_torch(flat.float(), self.dequantized, self.bias)
-        return out.view(*leading, self.out_features)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8 per channel"
-
-
-def resolve_quantization(config: EngineConfig, model_path: Path) -> str:
-    """ "none", "int8" or "gguf" for `config.quantization` (see engine.config.QUANTIZATION_MODES)."""
-    is_gguf = Path(model_path).suffix == ".gguf"
-    if config.quantization == "gguf" and not is_gguf:
-        raise ValueError(f"quantization gguf needs a .gguf model file, not {model_path}")
-    if config.quantization != "auto":
-        return config.quantization
-    on_cpu_float32 = config.device == "cpu" and config.dtype == "float32"
-    return "gguf" if on_cpu_float32 and is_gguf else "none"
-
-
-def quantize_linears(model: nn.Module) -> int:
-    """Replace every nn.Linear in `model` by an Int8Linear, in place; returns how many."""
-    count = 0
-    for name, child in list(model.named_children()):
-        if isinstance(child, nn.Linear):
-            setattr(model, name, Int8Linear(child))
-            count += 1
-        else:
-            count += quantize_linears(child)
-    return count
+def int8_linear_forward(
+    x: torch.Tensor,
+    quantized: torch.Tensor,
+    scale: torch.Tensor,
+    dequantized: torch.Tensor,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """x [M, K] float32 -> [M, N]: the kernel for decode-sized batches where it loads, float32 BLAS on the
+    same numbers otherwise (`dequantized` is dequantize_int8(quantized, scale), kept beside the int8 weight)."""
+    if x.shape[0] <= MAX_KERNEL_ROWS and available():
+        return int8_linear_native(x, quantized, scale, bias)
+    return int8_linear_torch(x, dequantized, bias)

@@ -1,7 +1,8 @@
 """Which code runs a model's decode-only steps, chosen once when the runner starts.
 
 FUSED_NATIVE: every layer of the step in one native call (engine/models/llama_fused.py),
-for LLaMA-family models with int8 or GGUF-block linear layers in float32 on CPU where the kernel loads.
+for the architectures whose registry entry has fused_decode (the LLaMA family), with int8 or
+GGUF-block linear layers in float32 on CPU where the kernel loads.
 TORCH_LAYERS: the model's own torch layers. Prefill and mixed steps always run those;
 on float32 CPU tensors they call the native per-op kernels (RMSNorm, decode attention,
 int8 products) where they load, and torch ops otherwise.
@@ -15,9 +16,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine.models import llama_fused
-from engine.models.llama import LlamaForCausalLM, RMSNorm
-from engine.ops import decode_attention, gguf_linear, int8_linear, rms_norm
+from engine.models import llama_fused, registry
+from engine.models.llama import RMSNorm
+from engine.ops import decode_attention, rms_norm
+from engine.quantization import native_linear_ops
 
 
 class DecodePath(enum.Enum):
@@ -47,17 +49,20 @@ def native_ops(model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tenso
     used = {
         "rms_norm": rms_norm.available() and any(isinstance(m, RMSNorm) for m in modules),
         "decode_attention": decode_attention.available(),
-        "int8_linear": int8_linear.available() and any(isinstance(m, int8_linear.Int8Linear) for m in modules),
-        "gguf_linear": gguf_linear.available() and any(isinstance(m, gguf_linear.GgufLinear) for m in modules),
     }
-    return tuple(name for name, is_used in used.items() if is_used)
+    return tuple(name for name, is_used in used.items() if is_used) + native_linear_ops(model)
 
 
 def choose_decode_path(model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> DecodePlan:
-    """The fused path where `model` and its caches allow it and the kernel loads, else the torch layers."""
+    """The fused path where `model` and its caches allow it and the kernel loads, else the torch layers.
+
+    `model` is a registered decoder: its `config` is the ModelConfig it was built from. Only an
+    architecture whose registry entry has fused_decode may take the fused path, whatever its class.
+    """
     ops = native_ops(model, kv_caches)
-    if not isinstance(model, LlamaForCausalLM):
-        return DecodePlan(DecodePath.TORCH_LAYERS, f"{type(model).__name__} has no fused decode kernel", ops)
+    entry = registry.lookup(model.config.architecture)
+    if not entry.fused_decode:
+        return DecodePlan(DecodePath.TORCH_LAYERS, f"{entry.name} has no fused decode kernel", ops)
     reason = llama_fused.unsupported_reason(model, kv_caches)
     if reason is not None:
         return DecodePlan(DecodePath.TORCH_LAYERS, reason, ops)

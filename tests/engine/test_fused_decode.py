@@ -1,4 +1,5 @@
-"""The fused native decode step (engine/ops/llama_decode.c) equals the torch layers it replaces."""
+"""The fused native decode step (engine/ops/llama_decode.c) equals the torch layers it replaces, for
+every registered architecture whose entry says fused_decode; the others are refused the fused path."""
 
 from __future__ import annotations
 
@@ -6,13 +7,16 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.llm import LLM
+from engine.models import registry
+from engine.ops.loader import unavailable_reason
 from engine.params import SamplingParams
 from engine.runner.decode_path import DecodePath, DecodePlan
-from tests.support.native_kernels import needs_kernels
-
-pytestmark = needs_kernels
+from tests.conftest import ARCHS
+from tests.support.native_kernels import KERNELS_EXPECTED, needs_kernels
 
 WORDS = "the quick brown fox jumps over lazy dog hello world paged cache".split()
+# The registered architectures the fused kernel computes, by model_type (tiny_model_dirs' keys).
+FUSED_ARCHS = [entry.model_type for entry in registry.entries() if entry.fused_decode]
 
 
 def _engine(model_dir: str, **overrides) -> LLM:
@@ -37,7 +41,8 @@ def _decode_metadata(engine: LLM, prompts: list[list[int]]):
     return engine.engine.runner.build_inputs(batch)
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
+@needs_kernels
+@pytest.mark.parametrize("arch", FUSED_ARCHS)
 def test_fused_step_equals_torch_layers(tiny_model_dirs, arch):
     # mistral: window 16 is shorter than the longer prompts (a masked step); qwen2: q/k/v biases.
     engine = _engine(tiny_model_dirs[arch])
@@ -69,7 +74,8 @@ def _verification_metadata(engine: LLM, prompts: list[list[int]], drafts: list[l
     return batch
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral"])
+@needs_kernels
+@pytest.mark.parametrize("arch", FUSED_ARCHS)
 def test_fused_verification_step_equals_torch_layers(tiny_model_dirs, arch):
     """A decoding token and its speculative drafts as one row each: the fused kernel sees exactly the
     keys the torch layers' mask shows each of them (drafts of one sequence see the ones before them;
@@ -90,9 +96,22 @@ def test_fused_verification_step_equals_torch_layers(tiny_model_dirs, arch):
     assert (fused - reference).abs().max() <= 1e-4 * reference.abs().max()
 
 
-def test_fused_generation_matches_torch_generation(tiny_model_dirs):
-    fused_engine = _engine(tiny_model_dirs["llama"])
-    torch_engine = _engine(tiny_model_dirs["llama"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_architecture_generates_alike_on_both_paths_or_is_refused_the_fused_one(tiny_model_dirs, arch):
+    """An architecture the registry gives fused_decode generates the same tokens and logprobs on the
+    fused kernel as on its torch layers; any other never runs the fused kernel, and says why."""
+    entry = registry.for_model_type(arch)
+    fused_engine = _engine(tiny_model_dirs[arch])
+    plan = fused_engine.engine.runner.decode_plan
+    if not entry.fused_decode:
+        assert plan.path is DecodePath.TORCH_LAYERS and fused_engine.engine.runner.fused_decode is None
+        assert plan.reason == f"{entry.name} has no fused decode kernel"
+        return
+    unavailable = unavailable_reason("llama_decode")
+    if unavailable is not None and not KERNELS_EXPECTED:
+        pytest.skip(f"the fused decode kernel cannot run here: {unavailable}")
+    assert plan.path is DecodePath.FUSED_NATIVE, plan.reason
+    torch_engine = _engine(tiny_model_dirs[arch])
     # The same int8 engine, its runner told to decode through the torch layers.
     torch_engine.engine.runner.decode_plan = DecodePlan(DecodePath.TORCH_LAYERS, "the reference", ())
     prompts = _prompts(fused_engine, 6)
@@ -107,6 +126,7 @@ def test_fused_generation_matches_torch_generation(tiny_model_dirs):
             assert abs(got.logprob - expected.logprob) < 1e-3  # float32 rounding, compounded over 20 steps
 
 
+@needs_kernels
 def test_float32_models_keep_the_torch_layers(tiny_model_dirs):
     engine = LLM.from_config(EngineConfig(model=tiny_model_dirs["llama"]))
     assert engine.engine.runner.decode_plan.path is DecodePath.TORCH_LAYERS

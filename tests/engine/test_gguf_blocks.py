@@ -10,9 +10,9 @@ import pytest
 from engine.bench.random_gguf import LlamaShape, write_random_gguf
 from engine.config import EngineConfig
 from engine.llm import LLM
-from engine.ops.gguf_linear import GgufEmbedding, GgufLinear
-from engine.ops.int8_linear import Int8Linear
 from engine.params import SamplingParams
+from engine.quantization.gguf import GgufEmbedding, GgufLinear
+from engine.quantization.int8 import Int8Linear
 from engine.runner.decode_path import DecodePath, DecodePlan
 from tests.support.native_kernels import needs_kernels
 

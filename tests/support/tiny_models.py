@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from engine.models import registry
+
 _CORPUS = (
     "The quick brown fox jumps over the lazy dog. A paged KV cache stores keys and values in blocks. "
     "Hello world! Continuous batching lets requests join and leave every step. 0123456789 "
@@ -63,47 +65,41 @@ def tokenizer_vocab_size() -> int:
     return len(json.loads((_tokenizer_dir() / "tokenizer.json").read_text())["model"]["vocab"])
 
 
-def _base_config(arch: str, vocab_size: int, overrides: dict):
-    from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
-
-    eos_id = SPECIAL_TOKENS.index("<|im_end|>")
-    bos_id = SPECIAL_TOKENS.index("<|endoftext|>")
-    common = dict(vocab_size=vocab_size, bos_token_id=bos_id, eos_token_id=eos_id, tie_word_embeddings=False)
-    if arch == "gpt2":
-        cfg = dict(common, n_embd=64, n_layer=2, n_head=4, n_positions=256)
-        cfg.update(overrides)
-        return GPT2Config(**cfg)
-    cfg = dict(
-        common,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        rms_norm_eps=1e-6,
-    )
-    cfg.update(overrides)
-    if arch == "llama":
-        return LlamaConfig(**cfg)
-    if arch == "mistral":
-        cfg.setdefault("sliding_window", 16)
-        return MistralConfig(**cfg)
-    if arch == "qwen2":
-        return Qwen2Config(**cfg)
-    raise ValueError(f"unknown tiny architecture {arch!r}")
+# model_type -> the transformers class of that architecture (named as the registry names it)
+_MODEL_CLASSES = {entry.model_type: entry.name for entry in registry.entries()}
 
 
-_MODEL_CLASSES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "gpt2": "GPT2LMHeadModel",
+# The LLaMA family's tiny shape, and each model_type's tiny config where it differs.
+_ROPE_SIZES = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+)
+_TINY_CONFIGS = {
+    "gpt2": dict(n_embd=64, n_layer=2, n_head=4, n_positions=256),
+    "mistral": dict(_ROPE_SIZES, sliding_window=16),  # a window shorter than the tests' prompts
 }
 
 
+def _base_config(arch: str, vocab_size: int, overrides: dict):
+    from transformers import AutoConfig
+
+    if arch not in _MODEL_CLASSES:
+        raise ValueError(f"unknown tiny architecture {arch!r}; registered: {sorted(_MODEL_CLASSES)}")
+    eos_id = SPECIAL_TOKENS.index("<|im_end|>")
+    bos_id = SPECIAL_TOKENS.index("<|endoftext|>")
+    common = dict(vocab_size=vocab_size, bos_token_id=bos_id, eos_token_id=eos_id, tie_word_embeddings=False)
+    cfg = dict(common, **_TINY_CONFIGS.get(arch, _ROPE_SIZES))
+    cfg.update(overrides)
+    return AutoConfig.for_model(arch, **cfg)
+
+
 def make_tiny_model(directory: Path, arch: str = "llama", seed: int = 0, **config_overrides) -> Path:
-    """Write a tiny random `arch` model with the test tokenizer into `directory` and return it.
+    """Write a tiny random `arch` model (a registered model_type) with the test tokenizer into `directory`.
 
     Weights are drawn with a larger std than the default init so logits are
     spread out (greedy ties would make token-exact comparisons meaningless).

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import subprocess
@@ -12,8 +13,9 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.llm import LLM
+from engine.models import registry
 from engine.params import SamplingParams
-from engine.runner.decode_path import DecodePath
+from engine.runner.decode_path import DecodePath, choose_decode_path
 from engine.runner.model_runner import FUSED_ROWS_MAX_QUERY, ModelRunner
 from tests.support.native_kernels import KERNELS_EXPECTED, needs_kernels
 
@@ -53,6 +55,17 @@ def test_gpt2_runs_the_torch_layers_even_in_int8(tiny_model_dirs):
     assert plan.path is DecodePath.TORCH_LAYERS
     assert plan.reason == "GPT2LMHeadModel has no fused decode kernel"
     assert plan.native_ops == (("decode_attention", "int8_linear") if KERNELS_EXPECTED else ())
+
+
+def test_the_fused_decode_runs_only_where_the_registry_entry_says_so(tiny_model_dirs, monkeypatch):
+    """The model's class alone never picks the fused kernel: an entry without fused_decode keeps the torch
+    layers, even for a LlamaForCausalLM the kernel could read."""
+    runner = _runner(tiny_model_dirs["llama"], quantization="int8")
+    entry = registry.lookup("LlamaForCausalLM")
+    monkeypatch.setitem(registry._BY_NAME, entry.name, dataclasses.replace(entry, fused_decode=False))
+    plan = choose_decode_path(runner.model, runner.kv_caches)
+    assert plan.path is DecodePath.TORCH_LAYERS
+    assert plan.reason == "LlamaForCausalLM has no fused decode kernel"
 
 
 def test_native_kernels_off_runs_the_torch_layers_with_torch_ops(tiny_model_dirs):

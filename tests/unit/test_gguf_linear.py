@@ -1,5 +1,5 @@
-"""GGUF-block linear layers (engine/ops/gguf_linear.py): the blocks decode as the `gguf` package
-decodes them, and the AVX2 kernel, the tiled BLAS path and the torch reference agree."""
+"""GGUF-block linear layers (engine/ops/gguf_linear.py, engine/quantization/gguf.py): the blocks decode as
+the `gguf` package decodes them, and the AVX2 kernel, the tiled BLAS path and the torch reference agree."""
 
 from __future__ import annotations
 
@@ -12,8 +12,6 @@ from engine.ops.gguf_linear import (
     BLOCK_TYPES,
     PAIRED,
     BlockWeight,
-    GgufEmbedding,
-    GgufLinear,
     cat_weights,
     dequantize_reference,
     dequantize_rows,
@@ -25,6 +23,8 @@ from engine.ops.gguf_linear import (
     round_activations_reference,
 )
 from engine.ops.loader import unavailable_reason
+from engine.quantization import kernel_weight
+from engine.quantization.gguf import GgufEmbedding, GgufLinear
 
 needs_kernel = pytest.mark.skipif(
     not gguf_linear.available(), reason=f"GGUF block kernel unavailable: {unavailable_reason('gguf_blocks')}"
@@ -111,6 +111,18 @@ def test_the_embedding_looks_up_decoded_rows_and_refuses_foreign_ids():
     assert torch.equal(table(ids), decoded[ids])
     with pytest.raises(IndexError):
         table(torch.tensor([50]))
+
+
+def test_the_layer_tells_the_fused_kernel_its_blocks_and_type():
+    weight, _ = _weight("Q4_0", 8, 128)
+    bias = torch.randn(8)
+    layer = GgufLinear(pack(weight), bias)
+    read = kernel_weight(layer)
+    assert (read.block_type, read.weight, read.scale) == (layer.kernel_type, layer.blocks.data_ptr(), None)
+    assert (read.bias, read.out_features) == (layer.bias.data_ptr(), 8)
+    assert read.block_type & 0xFF == BLOCK_TYPES["Q4_0"][0]  # the GGML type id, PAIRED set where repacked
+    assert kernel_weight(GgufLinear(pack(weight))).bias is None
+    assert kernel_weight(GgufEmbedding(pack(weight))) is None  # a table, not a projection
 
 
 def test_fused_projections_stay_blocks_only_when_their_types_match():

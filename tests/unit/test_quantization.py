@@ -1,4 +1,5 @@
-"""Weight-only int8: the AVX2 kernel against the plain reference, and the engine in int8."""
+"""Weight-only int8: the AVX2 kernel against the plain reference, and the engine in int8; the quantization
+modes, resolve() and the layers' kernel weights (engine/quantization/)."""
 
 from __future__ import annotations
 
@@ -8,21 +9,21 @@ import pytest
 import torch
 from torch import nn
 
-from engine.config import EngineConfig
+from engine import quantization
+from engine.config import CPU_FLOAT32_QUANTIZATIONS, QUANTIZATION_MODES, EngineConfig, SpeculativeConfig
 from engine.llm import LLM
 from engine.ops.int8_linear import (
     MAX_KERNEL_ROWS,
-    Int8Linear,
     available,
     dequantize_int8,
     int8_linear_native,
     int8_linear_reference,
     int8_linear_torch,
     quantize_int8,
-    quantize_linears,
-    resolve_quantization,
 )
 from engine.params import SamplingParams
+from engine.quantization import INT8_PER_CHANNEL, KernelWeight, kernel_weight
+from engine.quantization.int8 import Int8Linear, quantize_linears
 from tests.support.native_kernels import KERNELS_EXPECTED, needs_kernels
 
 
@@ -115,21 +116,70 @@ def test_quantize_linears_replaces_every_linear():
     assert model(torch.randn(3, 8)).shape == (3, 4)
 
 
+def _resolved(gguf_or_folder: Path, **config) -> str:
+    return quantization.resolve(EngineConfig(model="m", **config), gguf_or_folder).name
+
+
 def test_auto_means_the_gguf_blocks_for_gguf_on_cpu_float32():
     gguf, folder = Path("model.Q4_1.gguf"), Path("some-model")
-    assert resolve_quantization(EngineConfig(model="m", quantization="auto"), gguf) == "gguf"
-    assert resolve_quantization(EngineConfig(model="m", quantization="int8"), gguf) == "int8"
+    assert _resolved(gguf, quantization="auto") == "gguf"
+    assert _resolved(gguf, quantization="int8") == "int8"
     with pytest.raises(ValueError, match="needs a .gguf"):
-        resolve_quantization(EngineConfig(model="m", quantization="gguf"), folder)
+        _resolved(folder, quantization="gguf")
     with pytest.raises(ValueError, match="gguf runs on CPU"):
         EngineConfig(model="m", quantization="gguf", device="cuda")
-    assert resolve_quantization(EngineConfig(model="m", quantization="auto"), folder) == "none"
-    assert resolve_quantization(EngineConfig(model="m", quantization="auto", dtype="bfloat16"), gguf) == "none"
-    assert resolve_quantization(EngineConfig(model="m", quantization="none"), gguf) == "none"
+    assert _resolved(folder, quantization="auto") == "none"
+    assert _resolved(gguf, quantization="auto", dtype="bfloat16") == "none"
+    assert _resolved(gguf, quantization="none") == "none"
     with pytest.raises(ValueError, match="int8 runs on CPU"):
         EngineConfig(model="m", quantization="int8", dtype="bfloat16")
     with pytest.raises(ValueError, match="quantization must be one of"):
         EngineConfig(model="m", quantization="int4")
+
+
+def test_the_method_table_has_one_entry_per_mode_config_accepts():
+    assert quantization.MODES == QUANTIZATION_MODES == ("none", "int8", "gguf", "auto")
+    assert (*quantization.METHODS, quantization.AUTO) == QUANTIZATION_MODES
+    table = {name: (m.keeps_gguf_blocks, m.needs_gguf_file) for name, m in quantization.METHODS.items()}
+    assert table == {"none": (False, False), "int8": (False, False), "gguf": (True, True)}
+    assert quantization.method("gguf").layer.__name__ == "GgufLinear"
+    assert quantization.method("int8").layer is Int8Linear and quantization.method("none").layer is None
+    with pytest.raises(ValueError, match="auto names no method"):
+        quantization.method("auto")
+    with pytest.raises(ValueError, match="draft quantization must be one of"):
+        SpeculativeConfig(draft_quantization="int4")
+    # the methods with a layer of their own run on CPU in float32 only; none and auto run anywhere
+    for name, entry in quantization.METHODS.items():
+        assert (name in CPU_FLOAT32_QUANTIZATIONS) == (entry.layer is not None)
+    assert EngineConfig(model="m", device="cuda", dtype="bfloat16", quantization="auto").quantization == "auto"
+    assert _resolved(Path("model.gguf"), device="cuda", dtype="bfloat16", quantization="auto") == "none"
+
+
+def test_each_method_replaces_the_linears_it_owns():
+    def model() -> nn.Module:
+        return nn.Sequential(nn.Linear(8, 8), nn.Embedding(5, 8), nn.Linear(8, 4))
+
+    untouched = model()
+    assert quantization.method("none").quantize_model(untouched) is None
+    assert isinstance(untouched[0], nn.Linear) and not isinstance(untouched[0], Int8Linear)
+    int8_model = model()
+    assert quantization.method("int8").quantize_model(int8_model) == "int8 2 linear layers"
+    assert isinstance(int8_model[2], Int8Linear) and isinstance(int8_model[1], nn.Embedding)
+    # gguf: no layer here came from blocks, so every linear becomes int8
+    gguf_model = model()
+    assert quantization.method("gguf").quantize_model(gguf_model) == "GGUF blocks none; int8 2 linear layers"
+
+
+def test_int8_layer_tells_the_fused_kernel_its_weight():
+    layer = Int8Linear(nn.Linear(16, 6))
+    weight = kernel_weight(layer)
+    assert weight == KernelWeight(
+        INT8_PER_CHANNEL, layer.quantized.data_ptr(), layer.scale.data_ptr(), layer.bias.data_ptr(), 6
+    )
+    assert kernel_weight(Int8Linear(nn.Linear(16, 6, bias=False))).bias is None
+    assert kernel_weight(nn.Linear(16, 6)) is None  # float weights: the kernel reads only quantized ones
+    assert quantization.native_linear_ops(nn.Sequential(layer)) == (("int8_linear",) if available() else ())
+    assert quantization.native_linear_ops(nn.Sequential(nn.Linear(2, 2))) == ()
 
 
 @pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded"])

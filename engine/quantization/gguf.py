@@ -1,0 +1,121 @@
+"""gguf: a .gguf file's Q4_0 / Q4_1 / Q8_0 matrices stay in the file's own blocks (CPU, float32).
+
+The checkpoint loader keeps those matrices as BlockWeight (engine/models/weights.py), and the model's
+load_weights puts a GgufLinear (or GgufEmbedding) in place of each layer they fill (`linear_over_blocks`,
+`embedding_over_blocks`). After load, every nn.Linear left (a type with no block kernel, or a fused
+projection whose parts differ in type) becomes int8. The products and row lookups run in
+engine/ops/gguf_linear.py.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from engine.errors import ModelLoadError
+from engine.ops import gguf_linear
+from engine.ops.gguf_linear import BlockWeight, PackedWeight, dequantize_rows, pack
+from engine.quantization import int8
+from engine.quantization.method import KernelWeight, QuantizationMethod
+
+
+class _BlockBuffers(nn.Module):
+    """What GgufLinear and GgufEmbedding hold: a PackedWeight's blocks as a buffer, with its type."""
+
+    def __init__(self, weight: PackedWeight) -> None:
+        super().__init__()
+        self.qtype = weight.qtype
+        self.kernel_type = weight.kernel_type
+        self.in_features = weight.in_features
+        self.out_features = weight.out_features
+        self.register_buffer("blocks", weight.blocks)
+
+    @property
+    def packed(self) -> PackedWeight:
+        return PackedWeight(self.qtype, self.blocks, self.in_features, self.kernel_type)
+
+
+class GgufLinear(_BlockBuffers):
+    """Drop-in for nn.Linear over a weight kept as GGUF blocks (CPU, float32 activations)."""
+
+    native_op: ClassVar[str] = "gguf_linear"  # the engine/ops kernel its decode-sized products run in
+
+    def __init__(self, weight: PackedWeight, bias: torch.Tensor | None = None) -> None:
+        super().__init__(weight)
+        self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
+
+    @staticmethod
+    def has_native_op() -> bool:
+        """Whether `native_op` runs natively on this machine."""
+        return gguf_linear.available()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        leading = x.shape[:-1]
+        flat = x.reshape(-1, self.in_features).float()
+        out = gguf_linear.gguf_linear_forward(flat, self.packed, self.bias)
+        return out.view(*leading, self.out_features)
+
+    def kernel_weight(self) -> KernelWeight:
+        bias = self.bias.data_ptr() if self.bias is not None else None
+        return KernelWeight(self.kernel_type, self.blocks.data_ptr(), None, bias, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, GGUF {self.qtype} blocks"
+
+
+class GgufEmbedding(_BlockBuffers):
+    """Drop-in for nn.Embedding over a table kept as GGUF blocks: looked-up rows are dequantized."""
+
+    def __init__(self, weight: PackedWeight) -> None:
+        super().__init__(weight)
+        self.num_embeddings, self.embedding_dim = weight.out_features, weight.in_features
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):
+            raise IndexError(f"token id out of range for a vocabulary of {self.num_embeddings}")
+        return dequantize_rows(self.packed, rows=flat).view(*ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, GGUF {self.qtype} blocks"
+
+
+def is_blocks(weight: object) -> bool:
+    """Whether a loaded weight is GGUF blocks (as the file stores them, or packed for the kernel)."""
+    return isinstance(weight, BlockWeight | PackedWeight)
+
+
+def linear_over_blocks(
+    linear: nn.Linear, weight: BlockWeight | PackedWeight, bias: torch.Tensor | None, label: str
+) -> GgufLinear:
+    """The GgufLinear that takes `linear`'s place (a PackedWeight is shared as is: a tied output layer
+    reads the embedding table's blocks)."""
+    shape = (weight.out_features, weight.in_features)
+    if tuple(linear.weight.shape) != shape:
+        raise ModelLoadError(f"weight {label!r} has shape {shape}, expected {tuple(linear.weight.shape)}")
+    return GgufLinear(weight if isinstance(weight, PackedWeight) else pack(weight), bias)
+
+
+def embedding_over_blocks(embedding: nn.Embedding, weight: BlockWeight, label: str) -> GgufEmbedding:
+    """The GgufEmbedding that takes `embedding`'s place."""
+    if weight.shape != tuple(embedding.weight.shape):
+        raise ModelLoadError(f"weight {label!r} has shape {weight.shape}")
+    return GgufEmbedding(pack(weight))
+
+
+def quantize_model(model: nn.Module) -> str:
+    """The layers the file's blocks filled are GGUF layers already; every nn.Linear left becomes int8."""
+    blocks = Counter(m.qtype for m in model.modules() if isinstance(m, GgufLinear | GgufEmbedding))
+    return f"GGUF blocks {dict(blocks) or 'none'}; {int8.quantize_model(model)}"
+
+
+METHOD = QuantizationMethod(
+    name="gguf",
+    keeps_gguf_blocks=True,
+    needs_gguf_file=True,
+    layer=GgufLinear,
+    quantize_model=quantize_model,
+)

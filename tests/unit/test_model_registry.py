@@ -1,0 +1,85 @@
+"""Every entry of the model registry is consistent: its class, its names, its config mapping, its capabilities."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from torch import nn
+
+from engine.config import QUANTIZATION_MODES
+from engine.errors import ModelLoadError
+from engine.models import registry
+from engine.models.llama import LlamaForCausalLM
+from engine.models.weights import _model_config_from_hf
+from tests.support import tiny_models
+
+ENTRIES = registry.entries()
+IDS = [entry.name for entry in ENTRIES]
+
+
+def test_names_are_unique_and_each_looks_up_its_entry():
+    names = registry.names()
+    assert len(set(names)) == len(names) == len(ENTRIES)
+    assert all(registry.lookup(name) is entry for name, entry in zip(names, ENTRIES))
+
+
+def test_model_types_and_gguf_names_each_pick_one_entry():
+    model_types = [entry.model_type for entry in ENTRIES]
+    assert len(set(model_types)) == len(model_types)
+    gguf_names = [name for entry in ENTRIES for name in entry.gguf_architectures]
+    assert len(set(gguf_names)) == len(gguf_names)
+    for entry in ENTRIES:
+        assert registry.for_model_type(entry.model_type) is entry
+        assert all(registry.for_gguf(name) is entry for name in entry.gguf_architectures)
+    assert registry.for_model_type("bert") is None and registry.for_gguf("phi3") is None
+
+
+def test_an_unsupported_architecture_names_the_source_and_every_supported_one():
+    with pytest.raises(ModelLoadError) as err:
+        registry.lookup("BertForMaskedLM", "/models/bert")
+    message = str(err.value)
+    assert message.startswith("/models/bert: architecture 'BertForMaskedLM' is not supported; supported: ")
+    assert all(name in message for name in registry.names())
+
+
+@pytest.mark.parametrize("entry", ENTRIES, ids=IDS)
+def test_each_entry_names_a_model_class_and_capabilities_that_hold(entry):
+    assert issubclass(entry.model_class, nn.Module)
+    for method in ("load_weights", "compute_logits", "forward"):
+        assert callable(getattr(entry.model_class, method, None)), method
+    assert entry.attention_kinds and set(entry.attention_kinds) <= {"full", "sliding"}
+    assert entry.quantization_modes and set(entry.quantization_modes) <= set(QUANTIZATION_MODES) - {"auto"}
+    if entry.fused_decode:  # the kernel reads a LlamaForCausalLM's modules
+        assert issubclass(entry.model_class, LlamaForCausalLM)
+    if entry.gguf_blocks:
+        assert "gguf" in entry.quantization_modes and entry.gguf_architectures
+
+
+@pytest.mark.parametrize("entry", ENTRIES, ids=IDS)
+def test_each_entry_has_a_tiny_model_and_maps_its_config(entry):
+    """The tiny builder covers the entry; its config maps to this architecture, through `architectures`
+    and, as GGUF metadata gives it, through model_type alone; a window only where it has sliding attention."""
+    assert tiny_models._MODEL_CLASSES[entry.model_type] == entry.name
+    hf_config = tiny_models._base_config(entry.model_type, 384, {})
+    hf_config.architectures = [entry.name]
+    model_config = _model_config_from_hf(hf_config, Path("tiny"))
+    assert model_config.architecture == entry.name
+    assert model_config.sliding_window is None or "sliding" in entry.attention_kinds
+    hf_config.architectures = None
+    assert _model_config_from_hf(hf_config, Path("tiny")) == model_config
+
+
+def test_qwen2_windows_only_with_use_sliding_window():
+    def window(**overrides) -> int | None:
+        config = tiny_models._base_config("qwen2", 384, {"sliding_window": 16, **overrides})
+        return registry.lookup("Qwen2ForCausalLM").model_config(config, Path("tiny")).sliding_window
+
+    assert window(use_sliding_window=False) is None
+    assert window(use_sliding_window=True, max_window_layers=0) == 16
+
+
+def test_a_window_over_mixed_layer_types_is_refused():
+    config = tiny_models._base_config("mistral", 384, {"layer_types": ["full_attention", "sliding_attention"]})
+    with pytest.raises(ModelLoadError, match="mix full and sliding-window layers"):
+        registry.lookup("MistralForCausalLM").model_config(config, Path("tiny"))
