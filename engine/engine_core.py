@@ -1,7 +1,9 @@
 """The synchronous engine core: add_request / abort / step. Token ids only, no text.
 
 `step()` is three verbs: the scheduler picks the batch, the runner computes it
-and samples, the scheduler advances the sequences and applies the stop check.
+and samples, the scheduler advances the sequences, applies the stop check and
+counts. The runner is composed here once: failure isolation around the model
+runner (engine/runner/isolation.py), speculation around that when it is on.
 A request whose computation raises on its own is finished with FINISH_ERROR
 (its RequestOutput carries the error) and the rest of the step goes on; a
 failure that no request explains is raised from `step()`.
@@ -25,9 +27,10 @@ from engine.config import TORCH_DTYPES, EngineConfig, ModelConfig, cdiv
 from engine.core.block_pool import BlockPool
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.kv_snapshot import KVCacheSnapshot, take_snapshot
-from engine.core.scheduler import ScheduledBatch, Scheduler
+from engine.core.scheduler import Scheduler, StepCounters
 from engine.core.sequence import Sequence
 from engine.errors import InvalidRequestError, PromptTooLongError
+from engine.models import registry
 from engine.outputs import (
     FINISH_ABORT,
     FINISH_ERROR,
@@ -38,9 +41,9 @@ from engine.outputs import (
     TokenLogprob,
 )
 from engine.params import SamplingParams
+from engine.runner.isolation import BatchRunner, IsolatingRunner
 from engine.runner.model_runner import ModelRunner, kv_bytes_per_block
-from engine.spec.draft import DraftModelProposer
-from engine.spec.speculator import NgramProposer, Proposer, Speculator
+from engine.spec.speculative_runner import build_speculative_runner
 from engine.structured.grammar import GrammarCompiler
 
 logger = logging.getLogger(__name__)
@@ -56,9 +59,6 @@ class _EngineRequest:
     seqs: list[Sequence]
     arrival_time: float
     prompt_logprobs_sent: bool = False
-    # Prompt tokens sample 0's first scheduling found in the prefix cache (None: not scheduled yet);
-    # a rescheduling after a preemption finds more (its own blocks) and must not count.
-    num_cached_prompt_tokens: int | None = None
 
     @property
     def is_finished(self) -> bool:
@@ -119,45 +119,21 @@ class LLMEngine:
         )
         self.pool = BlockPool(num_blocks, config.enable_prefix_caching)
         self.kv_manager = KVCacheManager(self.pool, config.block_size, self.sliding_window, self.num_sink_tokens)
-        self.speculator = self._build_speculator(draft_model)
+        isolating = IsolatingRunner(self.runner)
+        self.speculative = build_speculative_runner(isolating, config, self.max_model_len, self.vocab_size, draft_model)
+        self.step_runner: BatchRunner = self.speculative or isolating  # what step() runs each batch with
         self.scheduler = Scheduler(
             self.kv_manager,
             config.max_num_seqs,
             config.max_num_batched_tokens,
             eos_token_ids,
             self.max_model_len,
-            plan_drafts=self.speculator.plan if self.speculator is not None else None,
+            plan_drafts=self.speculative.plan_drafts if self.speculative is not None else None,
+            on_finish=self.speculative.forget if self.speculative is not None else None,
         )
         self._requests: dict[str, _EngineRequest] = {}
         self._seq_ids = itertools.count()
         self._pending_outputs: list[RequestOutput] = []
-        # Token counters for /metrics (EngineStats says how each counts).
-        self.num_prompt_tokens_total = 0
-        self.num_cached_prompt_tokens_total = 0
-        self.num_computed_prompt_tokens_total = 0
-        self.num_generation_tokens_total = 0
-
-    def _build_speculator(self, draft_model: tuple[EngineConfig, ModelConfig, dict] | None) -> Speculator | None:
-        spec = self.config.speculative
-        if spec is None:
-            return None
-        proposer: Proposer
-        if spec.method == "ngram":
-            proposer = NgramProposer(spec.ngram_min, spec.ngram_max)
-        elif draft_model is None:
-            raise ValueError("speculative method draft needs the draft model loaded")
-        else:
-            draft_config, draft_model_config, draft_weights = draft_model
-            proposer = DraftModelProposer(
-                draft_model_config, draft_weights, draft_config, spec.num_speculative_tokens, self.config.max_num_seqs
-            )
-        logger.info(
-            "speculative decoding: %s, up to %d tokens per step%s",
-            spec.method,
-            spec.num_speculative_tokens,
-            f", n-grams of {spec.ngram_min} to {spec.ngram_max}" if spec.method == "ngram" else "",
-        )
-        return Speculator(spec, proposer, self.max_model_len, self.vocab_size)
 
     def _derive_max_model_len(self) -> int:
         model_limit = self.model_config.max_position_embeddings
@@ -165,7 +141,7 @@ class LLMEngine:
         if asked is None:
             return model_limit
         if asked > model_limit:
-            learned_positions = self.model_config.architecture == "GPT2LMHeadModel"
+            learned_positions = registry.lookup(self.model_config.architecture).has_learned_positions
             if self.sliding_window is None or learned_positions:
                 raise ValueError(
                     f"max_model_len {asked} exceeds the model's context of {model_limit} tokens "
@@ -260,7 +236,6 @@ class LLMEngine:
         for seq in request.seqs:
             if not seq.is_finished:
                 self.scheduler.finish(seq, FINISH_ABORT)
-        self._forget_speculation(request.seqs)
         self._pending_outputs.append(self._request_output(request, request.seqs, num_new_tokens=0))
 
     def has_unfinished_requests(self) -> bool:
@@ -274,124 +249,60 @@ class LLMEngine:
         if request is None:
             return
         self.scheduler.finish(request.seqs[index], FINISH_STOP, stop_reason)
-        self._forget_speculation([request.seqs[index]])
         if request.is_finished:
             del self._requests[request_id]
 
     def step(self) -> list[RequestOutput]:
+        """Schedule a batch, run it, advance its sequences: this step's outputs, after the notices waiting."""
         batch = self.scheduler.schedule()
-        # Taken only now: if scheduling raises, abort notices are still delivered by a later step.
-        outputs, self._pending_outputs = self._pending_outputs, []
-        if batch.is_empty:
-            return outputs
-        started = time.perf_counter()
-        if self.speculator is not None and any(batch.num_draft_slots):
-            batch.set_drafts(self.speculator.propose(batch.seqs, batch.num_draft_slots))
-        try:
-            run = self.runner.execute_isolating_failures(batch)
-        except Exception:
-            # No request explains it; nothing advanced. The notices taken above go out with a later step.
-            self._pending_outputs[:0] = outputs
-            raise
-        if self.speculator is not None and batch.decodes_only and not run.failed:
-            self.speculator.observe_step(len(batch.seqs), batch.num_drafts, time.perf_counter() - started)
-        for request_id, error in run.failed.items():
-            outputs.extend(self._fail_request(request_id, error))
-        # (sequence, drafts verified, drafts accepted), taken before update advances the sequences
-        sampling = [i for i in range(len(run.batch.seqs)) if run.batch.is_sampling(i)]
-        verified = [
-            (run.batch.seqs[i], len(run.batch.draft_token_ids[i]), tokens.num_accepted_drafts)
-            for i, tokens in zip(sampling, run.sampled, strict=True)
-            if run.batch.draft_token_ids[i]
-        ]
-        appended = self.scheduler.update(run.batch, run.sampled, run.prompt_logprobs)
-        sampled_seqs = [seq for seq, _ in appended]
-        self._count_prompt_tokens(run.batch, sampled_seqs)
-        self.num_generation_tokens_total += sum(count for _, count in appended)
-        if self.speculator is not None:
-            for seq, num_proposed, num_accepted in verified:
-                self.speculator.record(seq, num_proposed, num_accepted)
-            self._forget_speculation([seq for seq in run.batch.seqs if seq.is_finished])
-        outputs.extend(self._collect_outputs(appended))
-        return outputs
-
-    def _forget_speculation(self, finished: list[Sequence]) -> None:
-        """Finished sequences' speculation state (and a draft model's K/V for them) goes."""
-        if self.speculator is not None and finished:
-            self.speculator.forget(finished)
+        outputs: list[RequestOutput] = []
+        if not batch.is_empty:
+            # Raises when no request explains a failure: nothing advanced, the waiting notices go out later.
+            result = self.step_runner.execute(batch)
+            outputs += self._fail_requests(result.failed)
+            appended = self.scheduler.update(result.batch, result.sampled, result.prompt_logprobs)
+            outputs += self._collect_outputs(appended)
+        notices, self._pending_outputs = self._pending_outputs, []
+        return notices + outputs
 
     def probe(self) -> None:
         """One greedy token of a one-token prompt, alone in its step; raises whatever the model raises.
 
         For an engine with no request in it (a failed step's requests were just aborted): a step
         that held one request cannot tell a request that fails on its own from a model that fails
-        everything, and this can. It leaves no trace: the counters, the abort notices waiting to
-        go out and the KV blocks are as they were.
+        everything, and this can. It leaves no trace: its steps count into throwaway counters, the
+        abort notices waiting to go out wait on, and its KV blocks go back.
         """
         if self._requests:
             raise RuntimeError("probe() needs an engine with no request in it")
-        saved = (
-            self._pending_outputs,
-            self.num_prompt_tokens_total,
-            self.num_cached_prompt_tokens_total,
-            self.num_computed_prompt_tokens_total,
-            self.num_generation_tokens_total,
-        )
-        cache_stats = dataclasses.replace(self.pool.cache_stats)
-        self._pending_outputs = []
         request_id = f"kvserve-probe-{uuid.uuid4().hex}"
+        notices, self._pending_outputs = self._pending_outputs, []
         try:
-            self.add_request([_PROBE_TOKEN_ID], SamplingParams(temperature=0.0, max_tokens=1), request_id)
-            for _ in range(_PROBE_MAX_STEPS):
-                if request_id not in self._requests:
-                    return
-                self.step()
-            raise RuntimeError(f"the probe request did not finish within {_PROBE_MAX_STEPS} steps")
+            with self.scheduler.counting_into(StepCounters()):
+                self.add_request([_PROBE_TOKEN_ID], SamplingParams(temperature=0.0, max_tokens=1), request_id)
+                for _ in range(_PROBE_MAX_STEPS):
+                    if request_id not in self._requests:
+                        return
+                    self.step()
+                raise RuntimeError(f"the probe request did not finish within {_PROBE_MAX_STEPS} steps")
         finally:
             self.abort(request_id)
-            (
-                self._pending_outputs,
-                self.num_prompt_tokens_total,
-                self.num_cached_prompt_tokens_total,
-                self.num_computed_prompt_tokens_total,
-                self.num_generation_tokens_total,
-            ) = saved
-            self.pool.cache_stats = cache_stats
+            self._pending_outputs = notices
 
-    def _fail_request(self, request_id: str, error: Exception) -> list[RequestOutput]:
-        """Finish every sample of a request whose computation raised on its own; its blocks go back."""
-        request = self._requests.pop(request_id, None)
-        if request is None:
-            return []
-        logger.error("request %s failed on its own and was finished with an error: %r", request_id, error)
-        for seq in request.seqs:
-            if not seq.is_finished:
-                self.scheduler.finish(seq, FINISH_ERROR)
-        self._forget_speculation(request.seqs)
-        output = self._request_output(request, request.seqs, num_new_tokens=0)
-        return [dataclasses.replace(output, error=f"internal error while generating: {error!r}")]
-
-    def _count_prompt_tokens(self, batch: ScheduledBatch, sampled_seqs: list[Sequence]) -> None:
-        """Advance the prompt-token counters by this step (EngineStats says what each counts); after update.
-
-        A request's prompt counts once, whole, when sample 0 samples its first token: the prompt is
-        then fully computed, and a preempted sample recomputing it has generated tokens already.
-        Its cached part is what sample 0 found in the prefix cache when first scheduled.
-        """
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            start = seq.num_computed_tokens - n
-            self.num_computed_prompt_tokens_total += max(0, min(seq.num_computed_tokens, seq.num_prompt_tokens) - start)
-            if seq.index == 0:
-                request = self._requests.get(seq.request_id)
-                if request is not None and request.num_cached_prompt_tokens is None:
-                    # Its first step began where its first scheduling's prefix-cache lookup left it.
-                    request.num_cached_prompt_tokens = min(start, seq.num_prompt_tokens)
-        for seq in sampled_seqs:
-            if seq.index == 0 and seq.num_generated_tokens == 1:
-                request = self._requests.get(seq.request_id)
-                self.num_prompt_tokens_total += seq.num_prompt_tokens
-                if request is not None and request.num_cached_prompt_tokens:
-                    self.num_cached_prompt_tokens_total += request.num_cached_prompt_tokens
+    def _fail_requests(self, failed: dict[str, Exception]) -> list[RequestOutput]:
+        """Finish every sample of each request whose computation raised on its own; their blocks go back."""
+        outputs = []
+        for request_id, error in failed.items():
+            request = self._requests.pop(request_id, None)
+            if request is None:
+                continue
+            logger.error("request %s failed on its own and was finished with an error: %r", request_id, error)
+            for seq in request.seqs:
+                if not seq.is_finished:
+                    self.scheduler.finish(seq, FINISH_ERROR)
+            output = self._request_output(request, request.seqs, num_new_tokens=0)
+            outputs.append(dataclasses.replace(output, error=f"internal error while generating: {error!r}"))
+        return outputs
 
     def _collect_outputs(self, appended: list[tuple[Sequence, int]]) -> list[RequestOutput]:
         by_request: dict[str, list[tuple[Sequence, int]]] = {}
@@ -483,23 +394,6 @@ class LLMEngine:
             num_waiting=len(self.scheduler.waiting),
             num_used_blocks=self.pool.num_used_blocks,
             num_total_blocks=self.pool.num_blocks - 1,
-            prefix_cache_queries=self.pool.cache_stats.queries,
-            prefix_cache_hits=self.pool.cache_stats.hits,
-            num_preemptions=self.scheduler.num_preemptions,
-            num_prompt_tokens=self.num_prompt_tokens_total,
-            num_generation_tokens=self.num_generation_tokens_total,
-            num_cached_prompt_tokens=self.num_cached_prompt_tokens_total,
-            num_computed_prompt_tokens=self.num_computed_prompt_tokens_total,
-            **self._speculation_stats(),
+            **dataclasses.asdict(self.scheduler.counters),
+            **(self.speculative.stats_fields() if self.speculative is not None else {}),
         )
-
-    def _speculation_stats(self) -> dict[str, object]:
-        if self.speculator is None:
-            return {}
-        spec = self.speculator.stats
-        return {
-            "num_spec_drafts": spec.num_drafts,
-            "num_spec_draft_tokens": spec.num_draft_tokens,
-            "num_spec_accepted_tokens": spec.num_accepted_tokens,
-            "spec_accepted_per_position": tuple(spec.accepted_per_position),
-        }

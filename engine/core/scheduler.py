@@ -11,6 +11,9 @@ advance: progress, newly full blocks published to the prefix cache, the sampled
 token appended and the one pure stop check (EOS, stop token ids, max_tokens,
 context length) applied. Stop strings are text and are checked on the async side.
 
+The scheduler owns the engine's step counters (`StepCounters`): it is where prompts are looked up in
+the prefix cache, sequences preempted, and prompt and generated tokens computed.
+
 Prompt tokens whose logprobs a request asked for cost far more than other prompt tokens (an
 output-head row over the vocabulary, a softmax and a top-k each), so a step scores at most
 PROMPT_LOGPROB_ROWS_PER_STEP of them: a long scored prompt spreads over many steps, and the
@@ -21,7 +24,8 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from engine.core.kv_cache_manager import KVCacheManager
@@ -32,6 +36,20 @@ from engine.params import SamplingParams
 # Scored prompt tokens per step, over every sequence: 512 rows of a 49k vocabulary are ~100 MB of
 # logits in slices and a few tens of ms of head products on a CPU, a step's share, not its whole.
 PROMPT_LOGPROB_ROWS_PER_STEP = 512
+
+
+@dataclass
+class StepCounters:
+    """What the steps so far have counted; each only grows. The names are EngineStats's, which says how
+    the three prompt-token counts differ."""
+
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache, once per sequence
+    prefix_cache_hits: int = 0  # of those, found computed there
+    num_preemptions: int = 0
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    num_cached_prompt_tokens: int = 0
+    num_computed_prompt_tokens: int = 0
 
 
 @dataclass
@@ -111,18 +129,34 @@ class Scheduler:
         eos_token_ids: tuple[int, ...],
         max_model_len: int,
         plan_drafts: Callable[[list[Sequence], int], list[int]] | None = None,
+        on_finish: Callable[[Sequence], None] | None = None,
     ) -> None:
         """plan_drafts(candidates, num_seqs): how many draft tokens each decoding candidate of a step of
-        num_seqs sequences verifies (None: no speculation)."""
+        num_seqs sequences verifies (None: no speculation). on_finish(seq): called once for each sequence
+        as it finishes, however it finishes (speculation drops what it keeps for it)."""
         self.kv_manager = kv_manager
         self.plan_drafts = plan_drafts
+        self.on_finish = on_finish
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # oldest first; the newest is preempted first
-        self.num_preemptions = 0
+        self.counters = StepCounters()
+        # Prompt tokens each request's sample 0 found in the prefix cache when first scheduled, kept until
+        # its prompt is counted (its first sampled token): a rescheduling after a preemption finds more
+        # (its own blocks) and must not count.
+        self._cached_prompt_tokens: dict[Sequence, int] = {}
+
+    @contextmanager
+    def counting_into(self, counters: StepCounters) -> Iterator[StepCounters]:
+        """Count into `counters` until the block ends, then into the usual ones again (a probe's steps)."""
+        usual, self.counters = self.counters, counters
+        try:
+            yield counters
+        finally:
+            self.counters = usual
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -139,6 +173,9 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.kv_manager.free(seq)
+        self._cached_prompt_tokens.pop(seq, None)
+        if self.on_finish is not None:
+            self.on_finish(seq)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -146,7 +183,7 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
-        self.num_preemptions += 1
+        self.counters.num_preemptions += 1
 
     def _is_blocked_on_parent(self, seq: Sequence) -> bool:
         """Samples 1..n-1 wait until sample 0 has cached the shared prompt blocks."""
@@ -217,9 +254,11 @@ class Scheduler:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
                 # Prompt tokens looked up / found in the prefix cache, once per sequence (like vLLM's metrics).
-                stats = bm.pool.cache_stats
-                stats.queries += seq.num_prompt_tokens
-                stats.hits += min(seq.num_computed_tokens, seq.num_prompt_tokens)
+                num_cached = min(seq.num_computed_tokens, seq.num_prompt_tokens)
+                self.counters.prefix_cache_queries += seq.num_prompt_tokens
+                self.counters.prefix_cache_hits += num_cached
+                if seq.index == 0:
+                    self._cached_prompt_tokens[seq] = num_cached
             self.running.append(seq)
             batch.append(seq, num_new)
             budget -= num_new
@@ -266,12 +305,15 @@ class Scheduler:
         dropped: the table is trimmed and only accepted tokens' blocks reach the prefix cache).
         prompt_logprobs: the prompt tokens this step scored, per sequence that owes them, in order.
         Returns each sampling sequence with the number of tokens it appended (fewer than emitted when
-        a stop came first).
+        a stop came first). The step's tokens are counted here (see StepCounters).
         """
+        counters = self.counters
         sampled: list[int] = []
         for i, (seq, num_new) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             is_sampling = batch.is_sampling(i)
+            start = seq.num_computed_tokens
             seq.num_computed_tokens += num_new - len(batch.draft_token_ids[i])
+            counters.num_computed_prompt_tokens += max(0, min(seq.num_computed_tokens, seq.num_prompt_tokens) - start)
             if prompt_logprobs and seq in prompt_logprobs:
                 seq.prompt_logprobs.extend(prompt_logprobs[seq])
             self.kv_manager.register_computed_blocks(seq)
@@ -280,8 +322,14 @@ class Scheduler:
         appended: list[tuple[Sequence, int]] = []
         for i, tokens in zip(sampled, emitted, strict=True):
             seq = batch.seqs[i]
+            if seq.index == 0 and seq.num_generated_tokens == 0:
+                # The prompt is fully computed for the first time: it counts once, whole, for all n samples
+                # (a preempted sample recomputing it has generated tokens already).
+                counters.num_prompt_tokens += seq.num_prompt_tokens
+                counters.num_cached_prompt_tokens += self._cached_prompt_tokens.pop(seq, 0)
             count = self._append_tokens(seq, tokens)
             appended.append((seq, count))
+            counters.num_generation_tokens += count
             if batch.num_draft_slots[i] and not seq.is_finished:
                 # Every appended token but the newest had its K/V computed this step (the accepted
                 # drafts): they count, their full blocks are published, and blocks past them go back.

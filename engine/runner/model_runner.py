@@ -2,29 +2,26 @@
 
 Everything per step is built once here as flat tensors (token ids, positions,
 cache slots, masks) and passed into the model; the model never loops over
-sequences. A batch that raises is run again split by request, so a failure that
-one request causes fails that request only (`execute_isolating_failures`).
+sequences. A speculating sequence's drafts are verified in the same forward
+(engine/runner/rejection.py); engine/runner/isolation.py runs `execute` so that
+a failure one request causes fails that request only.
 """
 
 from __future__ import annotations
 
 import logging
-import traceback
-from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from engine import quantization
 from engine.attention.metadata import AttentionMetadata, build_attention_metadata, per_token_rows
 from engine.config import TORCH_DTYPES, EngineConfig, ModelConfig
 from engine.core.scheduler import ScheduledBatch
 from engine.core.sequence import Sequence
-from engine.models.gpt2 import GPT2LMHeadModel
-from engine.models.llama import LlamaForCausalLM
+from engine.models import registry
 from engine.models.llama_fused import FusedLlamaDecode
-from engine.ops.gguf_linear import GgufEmbedding, GgufLinear
-from engine.ops.int8_linear import quantize_linears
 from engine.outputs import EmittedTokens, TokenLogprob
 from engine.runner.decode_path import DecodePath, choose_decode_path
 from engine.runner.prompt_logprobs import prompt_rows, score_prompt_tokens
@@ -38,12 +35,7 @@ logger = logging.getLogger(__name__)
 # token; longer queries (prompt chunks) run the torch layers, whose attention handles them as a block.
 FUSED_ROWS_MAX_QUERY = 32
 
-_MODEL_CLASSES = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": LlamaForCausalLM,
-    "GPT2LMHeadModel": GPT2LMHeadModel,
-}
+_MODEL_CLASSES = {entry.name: entry.model_class for entry in registry.entries()}
 
 
 @dataclass
@@ -55,16 +47,6 @@ class StepResult:
 
     def parts(self) -> tuple[list[EmittedTokens], dict[Sequence, list[TokenLogprob]]]:
         return self.sampled, self.prompt_logprobs
-
-
-@dataclass
-class IsolatedExecution:
-    """A batch's results once the requests that make it fail are taken out of it."""
-
-    batch: ScheduledBatch  # the sequences whose results are used, in batch order
-    sampled: list[EmittedTokens]  # one per sequence of `batch` that samples, in order
-    prompt_logprobs: dict[Sequence, list[TokenLogprob]] = field(default_factory=dict)  # see StepResult
-    failed: dict[str, Exception] = field(default_factory=dict)  # request id -> what its part raised
 
 
 def kv_bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -94,11 +76,10 @@ class ModelRunner:
             model = _MODEL_CLASSES[model_config.architecture](model_config)
         model = model.to_empty(device=self.device).to(self.dtype)
         model.load_weights(state_dict)
-        if config.quantization in ("int8", "gguf"):
-            # In gguf mode the layers the file's blocks filled are GgufLinear already; the rest become int8.
-            blocks = Counter(m.qtype for m in model.modules() if isinstance(m, (GgufLinear, GgufEmbedding)))
-            int8 = quantize_linears(model)
-            logger.info("weights: GGUF blocks %s; int8 %d linear layers", dict(blocks) or "none", int8)
+        # The layers the quantization method swapped in while the weights loaded stay; it replaces the rest.
+        quantized = quantization.method(config.quantization).quantize_model(model)
+        if quantized is not None:
+            logger.info("weights: %s", quantized)
         self.model = model.eval().requires_grad_(False)
         shape = (num_blocks, config.block_size, model_config.num_kv_heads, model_config.head_dim)
         # One (key, value) pair per layer, allocated once for the whole life of the engine.
@@ -195,58 +176,6 @@ class ModelRunner:
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
         return SamplingRow(seq.params, seq.token_ids, seq.num_prompt_tokens, self.eos_token_ids, seq.generator)
 
-    def execute_isolating_failures(self, batch: ScheduledBatch) -> IsolatedExecution:
-        """`execute`, except that a failure pinned to some requests fails only those.
-
-        When the batch raises, its requests are split in halves and each half runs
-        alone, halving again whatever still raises: a part that succeeds keeps its
-        results, a request that raises on its own lands in `failed`. The re-runs give
-        exactly what the batch would have: K/V written again for the same positions get
-        the same values, and every seeded generator is put back to its state before the
-        failed attempt. Nothing in a sequence changes here (the scheduler advances the
-        sequences of the returned batch). Raises the first error when no part succeeds:
-        nothing pins the failure on a request, so the model itself is failing.
-        """
-        request_ids = list(dict.fromkeys(seq.request_id for seq in batch.seqs))
-        if len(request_ids) == 1:  # a re-run alone is the same batch
-            return IsolatedExecution(batch, *self.execute(batch).parts())
-        generator_states = _generator_states(batch.seqs)
-        try:
-            return IsolatedExecution(batch, *self.execute(batch).parts())
-        except Exception as exc:  # noqa: BLE001 - re-run below, raised again if no request explains it
-            first_error = _without_locals(exc)
-        logger.warning(
-            "a batch of %d requests raised %r; running it again split by request", len(request_ids), first_error
-        )
-        sampled: dict[Sequence, EmittedTokens] = {}
-        scored_prompts: dict[Sequence, list[TokenLogprob]] = {}
-        succeeded: set[str] = set()
-        failed: dict[str, Exception] = {}
-        parts = _halves(request_ids)
-        while parts:
-            part_ids = parts.pop()
-            part = batch.only(set(part_ids))
-            for seq in part.seqs:
-                if seq in generator_states:
-                    seq.generator.set_state(generator_states[seq])
-            try:
-                output, part_prompts = self.execute(part).parts()
-            except Exception as exc:  # noqa: BLE001 - pinned below, or split further
-                if len(part_ids) == 1:
-                    failed[part_ids[0]] = _without_locals(exc)
-                else:
-                    parts.extend(_halves(part_ids))
-                continue
-            succeeded.update(part_ids)
-            scored_prompts.update(part_prompts)
-            sampling_seqs = [seq for i, seq in enumerate(part.seqs) if part.is_sampling(i)]
-            sampled.update(zip(sampling_seqs, output, strict=True))
-        if not succeeded:
-            raise first_error
-        survivors = batch.only(succeeded)
-        rows = [sampled[seq] for i, seq in enumerate(survivors.seqs) if survivors.is_sampling(i)]
-        return IsolatedExecution(survivors, rows, scored_prompts, failed)
-
     def run_model(self, batch: ScheduledBatch) -> torch.Tensor:
         """The batch's final hidden states [T, hidden], one row per new token in batch order."""
         input_ids, positions, meta = self.build_inputs(batch)
@@ -268,20 +197,3 @@ class ModelRunner:
         if all_positions:
             return self.model.compute_logits(hidden)
         return self._sampling_logits(batch, hidden)
-
-
-def _halves(items: list[str]) -> list[list[str]]:
-    middle = len(items) // 2
-    return [items[:middle], items[middle:]]
-
-
-def _without_locals(exc: Exception) -> Exception:
-    """The error with its traceback's finished frames cleared, so the failed attempt's tensors are freed
-    before the re-runs (an out-of-memory error would otherwise strike again)."""
-    traceback.clear_frames(exc.__traceback__)
-    return exc
-
-
-def _generator_states(seqs: list[Sequence]) -> dict[Sequence, torch.Tensor]:
-    """Each seeded sequence's generator state, to put back before a re-run."""
-    return {seq: seq.generator.get_state() for seq in seqs if seq.generator is not None}

@@ -7,9 +7,11 @@ steps (on the event-loop thread, while no step runs), runs `LLMEngine.step()`
 on the torch worker so the event loop keeps serving HTTP, and while the next
 step runs turns the last step's token ids into text with the output processor
 (on the event-loop thread: the tokenizer is only ever used there) and hands
-each `RequestOutput` to its request's asyncio.Queue. A stop string found in the
+each `RequestOutput` to its request's queue. A stop string found in the
 text stops its sample in the engine before the step after (the core may
-compute a few tokens more, which the output processor drops).
+compute a few tokens more, which the output processor drops). All the async
+side knows of a request is one record (engine/serving/request_table.py), from
+`submit()` until the engine forgets it.
 
 Guarantees (the contract shared with the embedder, see engine/serving/torch_worker.py):
 - validation errors from `LLMEngine.add_request` reach the caller of `submit()`
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import time
 import uuid
@@ -45,15 +48,15 @@ from engine.errors import (
     InvalidRequestError,
     RequestTimeoutError,
 )
+from engine.model_info import ModelInfo, read_model_info
 from engine.outputs import EngineStats, RequestOutput
 from engine.params import SamplingParams
 from engine.serving.output_processor import OutputProcessor, StoppedSample
+from engine.serving.request_table import RequestStream, RequestTable, TrackedRequest
 from engine.serving.torch_worker import GENERATION_TURN, INSPECT_TURN, RequestLimits, TorchWorker, wait_until
 from engine.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
-    from typing import Self
-
     from engine.attention.probe import AttentionWeights
     from engine.core.kv_snapshot import KVCacheSnapshot
     from engine.engine_core import LLMEngine
@@ -64,63 +67,10 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class _PendingAdd:
-    request_id: str
+    request: TrackedRequest
     prompt_token_ids: list[int]
     params: SamplingParams
-    done: asyncio.Future
-    queue: asyncio.Queue
-
-
-class RequestStream:
-    """Outputs of one request, as an async iterator. Close it (or use `async with`) when done early.
-
-    Iteration ends after the output with `finished=True`; an engine-side failure is raised
-    from `__anext__`.
-    """
-
-    def __init__(self, engine: AsyncEngine, request_id: str, queue: asyncio.Queue, deadline: float | None) -> None:
-        self.request_id = request_id
-        self._engine = engine
-        self._queue = queue
-        self._deadline = deadline
-        self._finished = False
-        self._closed = False
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self._finished or self._closed:
-            raise StopAsyncIteration
-        try:
-            item = await wait_until(self._queue.get(), self._deadline)
-        except TimeoutError:  # the builtin TimeoutError from 3.11 on
-            self.close()
-            raise RequestTimeoutError(f"request {self.request_id} timed out and was aborted") from None
-        except BaseException:
-            self.close()  # cancelled: the client is gone
-            raise
-        if isinstance(item, BaseException):
-            self._finished = True  # the engine already dropped it
-            self.close()
-            raise item
-        if item.finished:
-            self._finished = True
-            self.close()
-        return item
-
-    def close(self) -> None:
-        """Stop listening; aborts the request unless it finished. Safe to call many times, from `finally`."""
-        if self._closed:
-            return
-        self._closed = True
-        self._engine._release(self.request_id, abort=not self._finished)
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        self.close()
+    done: asyncio.Future  # set when the loop applied it: None, or the engine's rejection
 
 
 class AsyncEngine:
@@ -150,14 +100,12 @@ class AsyncEngine:
         self.failure_reset_idle_s = failure_reset_idle_s
         # Touched only on the event-loop thread.
         self._output_processor = OutputProcessor(tokenizer)
-        self._queues: dict[str, asyncio.Queue] = {}
+        self._requests = RequestTable()  # every request from submit() until forgotten
+        # The loop's inbox, applied between steps.
         self._pending_adds: list[_PendingAdd] = []
         self._pending_aborts: set[str] = set()
         self._pending_stops: list[StoppedSample] = []
-        self._snapshot_waiters: list[asyncio.Future[KVCacheSnapshot]] = []  # kv_snapshot calls, served between steps
-        # Requests submitted that have produced no output yet (pending adds included).
-        self._not_started: set[str] = set()
-        self._deadlines: dict[str, float] = {}
+        self._snapshot_waiters: list[asyncio.Future[KVCacheSnapshot]] = []  # kv_snapshot calls
         self._idle_since_failure = 0.0
         self._stats: EngineStats = engine.stats()
         self._wakeup: asyncio.Event | None = None
@@ -189,6 +137,11 @@ class AsyncEngine:
         """Token ids a request may carry are in [0, vocab_size) (see LLMEngine.vocab_size)."""
         return self.llm_engine.vocab_size
 
+    @property
+    def model_info(self) -> ModelInfo:
+        """The model's shape and attention masking, read-only (the playground's views check against it)."""
+        return read_model_info(self.llm_engine)
+
     # ---- life cycle ----
     async def start(self, worker: TorchWorker | None = None) -> None:
         """Start the step loop; steps run on `worker` (the server's one torch worker), or on one of its own."""
@@ -204,8 +157,8 @@ class AsyncEngine:
         if self._loop_task is None:
             return
         self._is_stopping = True
-        for request_id in list(self._queues):
-            self._queues[request_id].put_nowait(EngineDeadError("server is shutting down"))
+        for request in self._requests:
+            request.queue.put_nowait(EngineDeadError("server is shutting down"))
         self._wake()
         await self._loop_task  # the loop catches (and logs) its own errors
         if self._owns_worker and self._worker is not None:
@@ -230,7 +183,7 @@ class AsyncEngine:
 
         Counts requests, not sequences: a request with n=128 is one.
         """
-        return len(self._not_started)
+        return self._requests.num_without_output
 
     def check_admission(self) -> None:
         """Raise now what `submit` would raise for a full queue or a dead engine: callers check before
@@ -240,7 +193,7 @@ class AsyncEngine:
 
     @property
     def num_active_requests(self) -> int:
-        return len(self._queues)
+        return len(self._requests)
 
     @property
     def grammar(self) -> GrammarCompiler | None:
@@ -257,7 +210,7 @@ class AsyncEngine:
 
         num_waiting counts requests (not sequences) that have produced no output yet.
         """
-        return dataclasses.replace(self._stats, num_waiting=len(self._not_started))
+        return dataclasses.replace(self._stats, num_waiting=self.num_queued_requests)
 
     async def kv_snapshot(self) -> KVCacheSnapshot:
         """The block pool and running sequences' block tables. The step loop takes it between two steps, on
@@ -290,17 +243,12 @@ class AsyncEngine:
         self._check_alive()
         deadline = self.limits.admit(self.num_queued_requests, "generation")
         request_id = request_id or uuid.uuid4().hex
-        if request_id in self._queues:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
-        queue: asyncio.Queue = asyncio.Queue()
+        request = self._requests.track(request_id, deadline)
         done = asyncio.get_running_loop().create_future()
-        self._queues[request_id] = queue
-        self._not_started.add(request_id)
-        if deadline is not None:
-            self._deadlines[request_id] = deadline
-        self._pending_adds.append(_PendingAdd(request_id, list(prompt_token_ids), params, done, queue))
+        self._pending_adds.append(_PendingAdd(request, list(prompt_token_ids), params, done))
         self._wake()
-        stream = RequestStream(self, request_id, queue, deadline)
+        # Made now, so it keeps the deadline as admitted (the record drops it once the request finished).
+        stream = RequestStream(request, functools.partial(self._release, request))
         try:
             await wait_until(asyncio.shield(done), deadline)
         except BaseException as exc:
@@ -309,8 +257,7 @@ class AsyncEngine:
             was_rejected = done.done() and not done.cancelled() and done.exception() is not None
             if not done.done():
                 done.cancel()
-            stream._finished = was_rejected
-            stream.close()
+            self._release(request, abort=not was_rejected)
             if isinstance(exc, asyncio.TimeoutError):
                 raise RequestTimeoutError(f"request {request_id} timed out before it was accepted") from None
             raise
@@ -338,16 +285,13 @@ class AsyncEngine:
         if self._wakeup is not None:
             self._wakeup.set()
 
-    def _forget(self, request_id: str) -> None:
-        self._queues.pop(request_id, None)
-        self._not_started.discard(request_id)
-        self._deadlines.pop(request_id, None)
-        self._output_processor.drop(request_id)
+    def _release(self, request: TrackedRequest, abort: bool) -> None:
+        """Forget a request its consumer is done with (or that timed out), and abort it in the engine if asked.
 
-    def _release(self, request_id: str, abort: bool) -> None:
-        self._forget(request_id)
-        if abort:
-            self._pending_aborts.add(request_id)
+        One forgotten already needs no abort: the engine aborted or dropped it when it forgot it.
+        """
+        if self._requests.forget(request) and abort:
+            self._pending_aborts.add(request.request_id)
             self._wake()
 
     async def _run_loop(self) -> None:
@@ -406,22 +350,16 @@ class AsyncEngine:
                 raise
 
     def _next_deadline_in(self) -> float | None:
-        if not self._deadlines:
+        deadline = self._requests.next_deadline()
+        if deadline is None:
             return None
-        return max(min(self._deadlines.values()) - time.monotonic(), 0.0) + 0.001
+        return max(deadline - time.monotonic(), 0.0) + 0.001
 
     def _expire_deadlines(self) -> None:
         """Abort every request past its deadline, read or not (the consumer gets RequestTimeoutError)."""
-        if not self._deadlines:
-            return
-        now = time.monotonic()
-        for request_id, deadline in list(self._deadlines.items()):
-            if deadline > now:
-                continue
-            queue = self._queues.get(request_id)
-            if queue is not None:
-                queue.put_nowait(RequestTimeoutError(f"request {request_id} timed out and was aborted"))
-            self._release(request_id, abort=True)
+        for request in self._requests.past_deadline(time.monotonic()):
+            request.queue.put_nowait(RequestTimeoutError(f"request {request.request_id} timed out and was aborted"))
+            self._release(request, abort=True)
 
     def _apply_pending(self) -> None:
         # Aborts first: an abort must never hit a request added after it (same id reused).
@@ -433,22 +371,22 @@ class AsyncEngine:
             self.llm_engine.stop_sample(stop.request_id, stop.index, stop.stop_string)
         adds, self._pending_adds = self._pending_adds, []
         for add in adds:
-            if add.done.done() or self._queues.get(add.request_id) is not add.queue:
-                # The caller left (or was aborted) before it was applied.
-                if self._queues.get(add.request_id) is add.queue:
-                    self._forget(add.request_id)
+            request = add.request
+            if add.done.done() or not self._requests.is_current(request):
+                # The caller left (or it timed out) before it was applied.
+                self._requests.forget(request)
                 if not add.done.done():
-                    add.done.set_exception(RequestTimeoutError(f"request {add.request_id} was aborted"))
+                    add.done.set_exception(RequestTimeoutError(f"request {request.request_id} was aborted"))
                 continue
             try:
-                self.llm_engine.add_request(add.prompt_token_ids, add.params, add.request_id)
+                self.llm_engine.add_request(add.prompt_token_ids, add.params, request.request_id)
             except Exception as exc:
-                self._forget(add.request_id)
+                self._requests.forget(request)
                 if not isinstance(exc, InvalidRequestError):
-                    logger.exception("add_request failed for %s", add.request_id)
+                    logger.exception("add_request failed for %s", request.request_id)
                 add.done.set_exception(exc)
             else:
-                self._output_processor.add_request(add.request_id, add.prompt_token_ids, add.params)
+                request.text = self._output_processor.new_request_text(add.prompt_token_ids, add.params)
                 add.done.set_result(None)
         if adds or aborts or stops:
             self._stats = self.llm_engine.stats()
@@ -460,23 +398,22 @@ class AsyncEngine:
             logger.debug("abort of %s ignored", request_id, exc_info=True)
 
     def _abort_all_in_engine(self) -> None:
-        for request_id in list(self._queues):
-            self._abort_in_engine(request_id)
+        for request in self._requests:
+            self._abort_in_engine(request.request_id)
 
     def _dispatch(self, core_outputs: list[RequestOutput]) -> None:
         """Token ids -> text, then each output to its request's queue."""
-        processed = self._output_processor.process(core_outputs)
+        processed = self._output_processor.process(core_outputs, self._requests.text_of)
         self._pending_stops.extend(processed.stopped_samples)
         for output in processed.request_outputs:
-            queue = self._queues.get(output.request_id)
-            if queue is not None and output.error is not None:
-                queue.put_nowait(EngineStepError(output.error))  # the core already dropped it
-                self._forget(output.request_id)
-            elif queue is not None:
-                self._not_started.discard(output.request_id)
-                if output.finished:
-                    self._deadlines.pop(output.request_id, None)
-                queue.put_nowait(output)
+            request = self._requests.get(output.request_id)
+            if request is None:
+                continue
+            if output.error is not None:
+                request.queue.put_nowait(EngineStepError(output.error))  # the core already dropped it
+                self._requests.forget(request)
+            else:
+                request.deliver(output)
 
     def _note_step_success(self) -> None:
         """A step that computed tokens ends a run of failures; one that only handed out notices does not."""
@@ -496,10 +433,9 @@ class AsyncEngine:
         if self._idle_since_failure >= self.failure_reset_idle_s:
             self._num_step_failures = 0  # the last failure was followed by a quiet spell
         self._idle_since_failure = 0.0
-        pending = {add.request_id for add in self._pending_adds}  # not in the engine yet: not in the step
-        failed = [request_id for request_id in self._queues if request_id not in pending]
-        for request_id in failed:
-            self._abort_in_engine(request_id)
+        failed = [request for request in self._requests if request.is_accepted]  # pending adds were in no step
+        for request in failed:
+            self._abort_in_engine(request.request_id)
         try:
             await self._worker.run(self.llm_engine.probe, kind=GENERATION_TURN)
         except EngineDeadError:
@@ -517,11 +453,9 @@ class AsyncEngine:
         else:
             logger.error("engine step failed; the model computes alone, so its requests were failed", exc_info=exc)
         error = EngineStepError(f"internal error while generating: {exc!r}")
-        for request_id in failed:
-            queue = self._queues.get(request_id)
-            if queue is not None:
-                queue.put_nowait(error)
-                self._forget(request_id)
+        for request in failed:
+            if self._requests.forget(request):  # its consumer may have left during the probe
+                request.queue.put_nowait(error)
         self._stats = self.llm_engine.stats()
 
     def _take_snapshots(self) -> None:
@@ -542,11 +476,8 @@ class AsyncEngine:
             if not add.done.done():
                 add.done.set_exception(error)
         self._pending_adds = []
-        for queue in self._queues.values():
-            queue.put_nowait(error)
-        self._queues.clear()
-        self._not_started.clear()
-        self._deadlines.clear()
+        for request in self._requests.forget_all():
+            request.queue.put_nowait(error)
 
 
 def _tokens_computed(stats: EngineStats) -> int:

@@ -11,6 +11,10 @@ meanwhile: one, or up to k+1 with speculative decoding; they are dropped here,
 and so are the tokens after the stop within the step that found it). A RequestOutput with an `error`
 (the core failed that request alone) is passed on as the request's last output.
 
+Each request's text state (`RequestText`: its samples' detokenizers) is held by
+the processor's driver, next to what else it keeps per request; the processor
+makes it (`new_request_text`) and is the only one to read or change it.
+
 Runs on one thread only (the event loop in the server), so the tokenizer is
 never used by two threads at once.
 """
@@ -18,6 +22,7 @@ never used by two threads at once.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.outputs import FINISH_STOP, CompletionOutput, RequestOutput
@@ -48,38 +53,47 @@ class _SampleText:
 
 
 @dataclass
-class _RequestText:
+class RequestText:
+    """One request's text state: a detokenizer per sample. Opaque to its holder: only the processor uses it."""
+
     samples: list[_SampleText]
-    num_finished: int = 0
+
+    @property
+    def is_finished(self) -> bool:
+        """Every sample has finished: the request's later core outputs are dropped."""
+        return all(sample.is_finished for sample in self.samples)
 
 
 class OutputProcessor:
+    """Token ids -> text with one tokenizer, for requests whose text state (RequestText) its driver holds."""
+
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
-        self._requests: dict[str, _RequestText] = {}
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        samples = [
-            _SampleText(IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)) for _ in range(params.n)
-        ]
-        self._requests[request_id] = _RequestText(samples)
+    def new_request_text(self, prompt_token_ids: list[int], params: SamplingParams) -> RequestText:
+        """The text state of a request the core just accepted; its driver holds it until it forgets the request."""
+        return RequestText(
+            [_SampleText(IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)) for _ in range(params.n)]
+        )
 
-    def drop(self, request_id: str) -> None:
-        """Forget a request (finished, aborted or failed); unknown ids are ignored."""
-        self._requests.pop(request_id, None)
+    def process(
+        self, core_outputs: list[RequestOutput], text_of: Callable[[str], RequestText | None]
+    ) -> ProcessedOutputs:
+        """Fill in text for one step's core outputs, each with its request's text state (`text_of(request_id)`).
 
-    def process(self, core_outputs: list[RequestOutput]) -> ProcessedOutputs:
-        """Fill in text for one step's core outputs; outputs of unknown requests are dropped."""
+        Outputs of requests without one (forgotten by the driver) or already finished are dropped.
+        """
         processed = ProcessedOutputs()
         for core_output in core_outputs:
-            request = self._requests.get(core_output.request_id)
-            if request is None:
+            request = text_of(core_output.request_id)
+            if request is None or request.is_finished:
                 continue
             if core_output.error is not None:
                 # The core finished the request on an error: pass it on (samples not yet
-                # finished here, no text) and forget the request's text state.
-                del self._requests[core_output.request_id]
+                # finished here, no text) and finish its text state.
                 unfinished = [c for c in core_output.outputs if not request.samples[c.index].is_finished]
+                for sample in request.samples:
+                    sample.is_finished = True
                 processed.request_outputs.append(dataclasses.replace(core_output, outputs=unfinished, finished=True))
                 continue
             completions = []
@@ -87,9 +101,7 @@ class OutputProcessor:
                 completion = self._process_sample(core_output.request_id, request, delta, processed)
                 if completion is not None:
                     completions.append(completion)
-            finished = request.num_finished == len(request.samples)
-            if finished:
-                del self._requests[core_output.request_id]
+            finished = request.is_finished
             if completions or finished:
                 processed.request_outputs.append(
                     dataclasses.replace(core_output, outputs=completions, finished=finished)
@@ -97,7 +109,7 @@ class OutputProcessor:
         return processed
 
     def _process_sample(
-        self, request_id: str, request: _RequestText, delta: CompletionOutput, processed: ProcessedOutputs
+        self, request_id: str, request: RequestText, delta: CompletionOutput, processed: ProcessedOutputs
     ) -> CompletionOutput | None:
         sample = request.samples[delta.index]
         if sample.is_finished:
@@ -122,7 +134,6 @@ class OutputProcessor:
                 break
         if finish_reason is not None:
             sample.is_finished = True
-            request.num_finished += 1
         return dataclasses.replace(
             delta,
             text=sample.detokenizer.take_new_text(sample.is_finished),

@@ -1,8 +1,9 @@
 """Speculative decoding's policy and bookkeeping: who speculates how far, and how well it went.
 
-The engine owns one Speculator. Before a step the scheduler asks `plan` how many drafts each decoding
-sequence verifies and makes room; the Speculator's proposer then fills the slots (`propose`); after the
-step `record` takes each verification's outcome and `observe_step` the step's time. Two things keep
+The speculative runner (engine/spec/speculative_runner.py) owns one Speculator. Before a step the
+scheduler asks `plan` how many drafts each decoding sequence verifies and makes room; the Speculator's
+proposer then fills the slots (`propose`); once the batch is verified `record` takes each verification's
+outcome and `observe_step` the step's time, and `forget` drops a finished sequence. Two things keep
 speculation from costing more than it brings:
 - the plan gives a sequence drafts only while their expected tokens per second beat the step's
   (engine/spec/draft_budget.py), from each sequence's acceptance and the step times measured so far:
@@ -142,7 +143,8 @@ class Speculator:
         return drafts
 
     def record(self, seq: Sequence, num_proposed: int, num_accepted: int) -> None:
-        """One verification's outcome for a sequence that proposed num_proposed > 0 tokens."""
+        """One verification's outcome for a sequence that proposed num_proposed > 0 tokens, before the
+        sequence appends the accepted drafts and the token after them (a pause counts from there on)."""
         stats = self.stats
         stats.num_drafts += 1
         stats.num_draft_tokens += num_proposed
@@ -154,7 +156,7 @@ class Speculator:
         rate = num_accepted / (num_accepted + (num_accepted < num_proposed))
         state.acceptance += ACCEPTANCE_SMOOTHING * (rate - state.acceptance)
         if state.acceptance < MIN_ACCEPTANCE:
-            state.paused_until = seq.num_generated_tokens + state.pause
+            state.paused_until = seq.num_generated_tokens + num_accepted + 1 + state.pause
             state.pause = min(2 * state.pause, MAX_PAUSE_TOKENS)
             state.acceptance = MIN_ACCEPTANCE  # after the pause it gets a fair new chance
         elif rate >= 0.5:

@@ -386,6 +386,43 @@ def test_abort_of_an_old_request_never_hits_a_new_one_with_the_same_id():
     run(main())
 
 
+class RequestFailingEngine(ScriptedEngine):
+    """Fails one request alone when told to, as the core does when computing that request raised."""
+
+    fail_request_id: str | None = None
+
+    def step(self) -> list[RequestOutput]:
+        outputs = super().step()
+        request_id, self.fail_request_id = self.fail_request_id, None
+        if request_id is not None and self.requests.pop(request_id, None) is not None:
+            outputs = [o for o in outputs if o.request_id != request_id]
+            outputs.append(RequestOutput(request_id, [], [], True, error="scripted request failure"))
+        return outputs
+
+
+def test_an_old_stream_closing_late_never_touches_a_new_request_with_the_same_id():
+    """The engine forgot the old request (it failed), its id was reused, then its stream read the error."""
+    scripted = RequestFailingEngine(step_delay=0.005)
+
+    async def main():
+        engine = await _started(scripted)
+        old = await engine.submit([1], SamplingParams(max_tokens=40), request_id="same")
+        scripted.fail_request_id = "same"
+        await _until(lambda: engine.num_active_requests == 0)  # failed and forgotten; its stream is unread
+        new = await engine.submit([5], SamplingParams(max_tokens=3), request_id="same")
+        with pytest.raises(EngineStepError):
+            async for _ in old:  # ends on the error, then closes the old stream
+                pass
+        assert engine.num_active_requests == 1
+        async with asyncio.timeout(2):
+            tokens = [t async for output in new for t in output.outputs[0].token_ids]
+        assert tokens == [6, 7, 8]
+        await engine.stop()
+
+    run(main())
+    assert scripted.num_aborts == 0
+
+
 class SeqCountingEngine(ScriptedEngine):
     """Like the real scheduler: num_waiting counts sequences (n per request)."""
 

@@ -37,7 +37,7 @@ def _assert_nothing_held(llm: LLM) -> None:
     engine = llm.engine
     assert engine.stats().num_used_blocks == 0
     assert not engine.scheduler.running and not engine.scheduler.waiting
-    proposer = engine.speculator.proposer if engine.speculator is not None else None
+    proposer = engine.speculative.speculator.proposer if engine.speculative is not None else None
     if proposer is not None and hasattr(proposer, "pool"):
         assert proposer.pool.num_used_blocks == 0 and proposer.num_mirrors == 0
 
@@ -75,6 +75,9 @@ def test_ngram_greedy_equals_plain_batched_with_requests_that_do_not_speculate(t
     assert stats.num_spec_draft_tokens >= stats.num_spec_accepted_tokens
     assert sum(stats.spec_accepted_per_position) == stats.num_spec_accepted_tokens
     assert stats.num_generation_tokens == sum(len(t) for t in _tokens(got))
+    # Rejected drafts are not prompt tokens: without preemption each prompt token is computed once or cached.
+    assert stats.num_preemptions == 0
+    assert stats.num_computed_prompt_tokens == stats.num_prompt_tokens - stats.num_cached_prompt_tokens
     _assert_nothing_held(spec)
 
 
@@ -208,23 +211,31 @@ def _decoding_seq(params: SamplingParams, generated: int = 0) -> Sequence:
     return seq
 
 
+def _verify(speculator: Speculator, seq: Sequence, num_proposed: int, num_accepted: int) -> None:
+    """One verification recorded, then its tokens appended (the accepted drafts and the one after them)."""
+    speculator.record(seq, num_proposed, num_accepted)
+    seq.token_ids += [4] * (num_accepted + 1)
+
+
 def test_a_sequence_whose_drafts_are_rejected_pauses_and_the_pause_doubles():
     speculator = Speculator(NGRAM, NgramProposer(1, 3), max_model_len=1000, vocab_size=100)
     seq = _decoding_seq(SamplingParams(temperature=0, max_tokens=500))
     assert speculator.draft_slots(seq) == 4
-    speculator.record(seq, 4, 0)
-    speculator.record(seq, 4, 0)
-    speculator.record(seq, 4, 0)  # the moving average falls under the threshold
+    _verify(speculator, seq, 4, 0)
+    _verify(speculator, seq, 4, 0)
+    _verify(speculator, seq, 4, 0)  # the moving average falls under the threshold
     assert speculator.draft_slots(seq) == 0
-    seq.token_ids += [4] * FIRST_PAUSE_TOKENS
+    seq.token_ids += [4] * (FIRST_PAUSE_TOKENS - 1)
+    assert speculator.draft_slots(seq) == 0  # the pause counts from the verification's own token on
+    seq.token_ids += [4]
     assert speculator.draft_slots(seq) == 4  # the pause is over
-    speculator.record(seq, 4, 0)  # failing again pauses twice as long
+    _verify(speculator, seq, 4, 0)  # failing again pauses twice as long
     seq.token_ids += [4] * FIRST_PAUSE_TOKENS
     assert speculator.draft_slots(seq) == 0
     seq.token_ids += [4] * FIRST_PAUSE_TOKENS
     assert speculator.draft_slots(seq) == 4
     for _ in range(5):
-        speculator.record(seq, 4, 4)  # accepted drafts keep it going
+        _verify(speculator, seq, 4, 4)  # accepted drafts keep it going
     assert speculator.draft_slots(seq) == 4
     assert speculator.stats.num_drafts == 9 and speculator.stats.accepted_per_position == [5, 5, 5, 5]
 
@@ -257,7 +268,7 @@ def test_a_failing_draft_model_costs_drafts_not_requests(tiny_llama_dir, plain, 
     """The draft model raising mid-proposal: those steps decode without drafts, output unchanged, nothing held."""
     spec_config = SpeculativeConfig(method="draft", draft_model=tiny_llama_dir, num_speculative_tokens=3)
     spec = LLM.from_config(EngineConfig(model=tiny_llama_dir, block_size=4, speculative=spec_config))
-    proposer = spec.engine.speculator.proposer
+    proposer = spec.engine.speculative.speculator.proposer
     calls = {"n": 0}
     original = proposer.runner.compute_logits
 

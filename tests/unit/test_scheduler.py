@@ -1,16 +1,17 @@
-"""Scheduler.schedule() at block_size=2, no model: token budget, chunking, sequence cap, preemption."""
+"""Scheduler.schedule() at block_size=2, no model: token budget, chunking, sequence cap, preemption, counters."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
 
 from engine.core.block_pool import BlockPool
 from engine.core.kv_cache_manager import KVCacheManager
-from engine.core.scheduler import ScheduledBatch, Scheduler
+from engine.core.scheduler import ScheduledBatch, Scheduler, StepCounters
 from engine.core.sequence import Sequence, SequenceStatus
-from engine.outputs import EmittedTokens
+from engine.outputs import FINISH_STOP, EmittedTokens
 from engine.params import SamplingParams
 
 SAMPLED_TOKEN = 7
@@ -108,7 +109,7 @@ def test_the_newest_running_sequence_is_preempted_and_waits_in_front():
 
     batch = scheduler.schedule()
     assert _plan(batch) == [(a, 1), (b, 1)]
-    assert scheduler.num_preemptions == 1
+    assert scheduler.counters.num_preemptions == 1
     assert scheduler.running == [a, b]
     assert list(scheduler.waiting) == [c, d]
     assert c.status is SequenceStatus.WAITING
@@ -121,6 +122,42 @@ def test_a_sequence_that_can_never_fit_is_an_error():
     _add(scheduler, 10)
     with pytest.raises(RuntimeError, match="cannot hold one sequence of 10 tokens"):
         scheduler.schedule()
+
+
+def _token_counts(counters: StepCounters) -> tuple[int, int, int, int]:
+    """(prompt tokens computed, prompts counted, of those cached, tokens generated)."""
+    c = counters
+    return c.num_computed_prompt_tokens, c.num_prompt_tokens, c.num_cached_prompt_tokens, c.num_generation_tokens
+
+
+def test_the_counters_count_a_prompt_once_whole_and_every_token_computed():
+    scheduler = _scheduler(num_blocks=7, max_num_batched_tokens=4, prefix_caching=True)
+    counters = scheduler.counters
+    (first,) = _add(scheduler, 6)
+    _run(scheduler, scheduler.schedule())  # 4 of its 6 prompt tokens
+    assert _token_counts(counters) == (4, 0, 0, 0)
+    _run(scheduler, scheduler.schedule())  # the last 2, then its first token
+    assert _token_counts(counters) == (6, 6, 0, 1)
+    scheduler.finish(first, FINISH_STOP)
+
+    _add(scheduler, 6)  # the same prompt: its first two blocks come from the prefix cache
+    _run(scheduler, scheduler.schedule())
+    assert (counters.prefix_cache_queries, counters.prefix_cache_hits) == (12, 4)
+    assert _token_counts(counters) == (8, 12, 4, 2)
+    _run(scheduler, scheduler.schedule())  # a decode: no prompt token
+    assert _token_counts(counters) == (8, 12, 4, 3)
+
+
+def test_steps_counted_into_other_counters_leave_the_usual_ones_as_they_were():
+    scheduler = _scheduler()
+    before = dataclasses.replace(scheduler.counters)
+    with scheduler.counting_into(StepCounters()) as scratch:
+        _add(scheduler, 5)
+        _run(scheduler, scheduler.schedule())
+    assert (scratch.num_prompt_tokens, scratch.num_generation_tokens, scratch.prefix_cache_queries) == (5, 1, 5)
+    assert scheduler.counters == before
+    _run(scheduler, scheduler.schedule())
+    assert scheduler.counters.num_generation_tokens == 1 and scheduler.counters.num_prompt_tokens == 0
 
 
 def test_later_samples_wait_for_the_first_and_take_its_cached_prompt():

@@ -1,0 +1,50 @@
+"""ModelInfo: the facts about a loaded generation model that callers read and never change.
+
+The model's shape (layers, heads, head size, vocabulary) and how its attention is masked as this
+engine runs it (the engine's sliding window and sink tokens, which may override the checkpoint's).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.engine_core import LLMEngine
+
+# ModelInfo.attention_kinds: which keys a layer's queries see.
+ATTENTION_FULL = "full"  # every earlier position (causal)
+ATTENTION_SLIDING = "sliding"  # the last sliding_window positions, plus the first num_sink_tokens
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    model_name: str
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    attention_kinds: tuple[str, ...]  # one per layer: ATTENTION_FULL or ATTENTION_SLIDING
+    sliding_window: int | None  # keys each sliding layer sees; None where every layer is full
+    num_sink_tokens: int  # leading positions a sliding layer keeps visible; 0 without a window
+    max_model_len: int  # prompt plus generated tokens of one sequence
+    vocab_size: int  # token ids are in [0, vocab_size)
+
+
+def read_model_info(llm_engine: LLMEngine) -> ModelInfo:
+    """The engine's model, as the engine runs it: its window and sinks apply to every layer."""
+    model = llm_engine.model_config
+    window = llm_engine.sliding_window
+    kind = ATTENTION_FULL if window is None else ATTENTION_SLIDING
+    return ModelInfo(
+        model_name=llm_engine.model_name,
+        num_layers=model.num_layers,
+        num_heads=model.num_heads,
+        num_kv_heads=model.num_kv_heads,
+        head_dim=model.head_dim,
+        attention_kinds=(kind,) * model.num_layers,
+        sliding_window=window,
+        num_sink_tokens=llm_engine.num_sink_tokens,
+        max_model_len=llm_engine.max_model_len,
+        vocab_size=llm_engine.vocab_size,
+    )
