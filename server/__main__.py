@@ -32,7 +32,7 @@ CLIENT_PROGRAMS = {
 
 
 def _cmd_pull(args: argparse.Namespace) -> int:
-    from engine.hub import models_hub
+    from engine import models_hub
     from engine.errors import ModelLoadError
 
     names = args.names or list(models_hub.MODELS)
@@ -60,7 +60,7 @@ def _format_size(num_bytes: int) -> str:
 
 
 def _cmd_models(args: argparse.Namespace) -> int:
-    from engine.hub import models_hub
+    from engine import models_hub
 
     rows = [("NAME", "ROLE", "PACKAGE", "CACHED", "SIZE", "PATH")]
     for m in models_hub.list_models():

@@ -19,14 +19,8 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
+from engine import LLM, AsyncEncoder, AsyncEngine, Embedder, RequestLimits, Reranker, TextWorker, TorchWorker
 from engine.config import EmbedderConfig, EngineConfig, RerankerConfig
-from engine.llm import LLM
-from engine.pooling.embedder import Embedder
-from engine.pooling.reranker import Reranker
-from engine.serving.async_encoder import AsyncEncoder
-from engine.serving.async_engine import AsyncEngine
-from engine.serving.text_worker import TextWorker
-from engine.serving.torch_worker import RequestLimits, TorchWorker
 from server.config import ServerConfig
 from server.errors import install_error_handlers
 from server.http.access import ApiKeys

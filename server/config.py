@@ -2,7 +2,7 @@
 
 It holds the generation model's `EngineConfig`, the embedding model's `EmbedderConfig` and the
 rerank model's `RerankerConfig` (engine/config.py validates those) plus the server's own settings
-(network, auth, limits). server/cli.py builds them all from the flags.
+(network, auth, limits). server/cli/args.py builds them all from the flags.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from engine import DEFAULT_EMBEDDING_MODEL, DEFAULT_GENERATION_MODEL
 from engine.config import EmbedderConfig, EngineConfig, RerankerConfig
-from engine.hub.models_hub import DEFAULT_EMBEDDING_MODEL, DEFAULT_GENERATION_MODEL
 from server.http.access import PREFIX_CACHE_SCOPES, parse_keys
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")

@@ -39,10 +39,10 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from engine import AsyncEngine, RequestStream
 from engine.errors import EngineDeadError, KVServeError
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from engine.params import SamplingParams
-from engine.serving.async_engine import AsyncEngine, RequestStream
 from server.errors import APIError, api_error_for
 from server.http.json_answer import json_response
 from server.metrics.server_metrics import RequestTimer, TokenCounts

@@ -18,9 +18,8 @@ from server.playground.attention_view import AttentionView
 from server.shutdown import Shutdown
 
 if TYPE_CHECKING:
+    from engine import AsyncEncoder, AsyncEngine
     from engine.outputs import EngineStats
-    from engine.serving.async_encoder import AsyncEncoder
-    from engine.serving.async_engine import AsyncEngine
     from server.openai.text import RequestText
 
 

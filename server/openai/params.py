@@ -10,9 +10,9 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
+from engine import StructuredOutput
 from engine.errors import InvalidRequestError
 from engine.params import SamplingParams
-from engine.structured.spec import StructuredOutput
 from server.config import ServerConfig
 from server.errors import APIError
 from server.protocol.common import SamplingFields

@@ -14,8 +14,7 @@ from server.errors import APIError, clip
 from server.state import ServerState
 
 if TYPE_CHECKING:
-    from engine.serving.async_encoder import AsyncEncoder
-    from engine.serving.async_engine import AsyncEngine
+    from engine import AsyncEncoder, AsyncEngine
     from server.openai.text import RequestText
 
 Task = Literal["generate", "embed", "rerank"]

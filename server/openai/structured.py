@@ -11,15 +11,14 @@ import json
 import time
 from typing import TYPE_CHECKING, Any
 
+from engine import StructuredOutput, wait_until
 from engine.errors import InvalidRequestError
-from engine.serving.torch_worker import wait_until
-from engine.structured.spec import StructuredOutput
 from server.protocol.structured import GuidedFields, ResponseFormat
 
 COMPILE_TIMEOUT_S = 10.0  # the compile goes on in the text worker; the request gets its 400 now
 
 if TYPE_CHECKING:
-    from engine.serving.async_engine import AsyncEngine
+    from engine import AsyncEngine
     from server.openai.text import RequestText
 
 

@@ -11,8 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from engine.serving.text_worker import TextWorker
-from engine.text.tokenizer import Tokenizer
+from engine import TextWorker, Tokenizer
 from server.protocol.chat import ChatMessage
 
 T = TypeVar("T")

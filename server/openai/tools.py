@@ -31,8 +31,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from engine import StructuredOutput
 from engine.errors import InvalidRequestError
-from engine.structured.spec import StructuredOutput
 from server.errors import clip
 from server.openai.tool_stream import GENERIC, GENERIC_CALLS_ONLY, HERMES, Framing, decode_string_prefix
 from server.protocol.chat import ChatCompletionRequest, ChatMessage, ResponseToolCall, Tool, ToolCallFunction

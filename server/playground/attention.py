@@ -14,8 +14,8 @@ import json
 from fastapi import APIRouter
 from fastapi.responses import Response
 
-from engine.attention.probe import AttentionWeights
-from engine.text.tokenizer import Tokenizer
+from engine import Tokenizer
+from engine.inspect import AttentionWeights
 from server.errors import APIError
 from server.http.json_body import StrictJSONRoute
 from server.http.openapi import attention_responses
@@ -68,10 +68,11 @@ async def attention(body: AttentionRequest, state: SharedState) -> Response:
             code="context_length_exceeded",
         )
     check_token_ids(token_ids, engine.vocab_size, "token_ids")
-    window, sinks = _masking(body, engine.llm_engine.sliding_window, engine.llm_engine.num_sink_tokens)
+    model = engine.model_info
+    window, sinks = _masking(body, model.sliding_window, model.num_sink_tokens)
 
-    num_layers = engine.llm_engine.model_config.num_layers
-    num_heads = engine.llm_engine.model_config.num_heads
+    num_layers = model.num_layers
+    num_heads = model.num_heads
     if body.layer >= num_layers:
         raise APIError(400, f"layer must be in [0, {num_layers}); got {body.layer}", param="layer")
     if body.head != "mean" and body.head >= num_heads:

@@ -12,8 +12,8 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from engine.attention.probe import AttentionWeights
-from engine.serving.async_engine import AsyncEngine
+from engine import AsyncEngine
+from engine.inspect import AttentionWeights
 from server.errors import APIError
 
 KEPT_FORWARDS = 2

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from engine.core.kv_snapshot import BLOCK_CACHED_FREE, BLOCK_FREE, BLOCK_IN_USE, BLOCK_SHARED
+from engine.inspect import BLOCK_CACHED_FREE, BLOCK_FREE, BLOCK_IN_USE, BLOCK_SHARED
 from server.http.access import caller_of
 from server.http.openapi import tokenizer_responses
 from server.openai.served_models import generation_engine

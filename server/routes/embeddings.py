@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import APIRouter
 from fastapi.responses import Response
 
-from engine.pooling.embedder import EmbedResult
+from engine import EmbedResult
 from server import serving
 from server.errors import APIError
 from server.http.json_body import StrictJSONRoute
@@ -29,7 +29,7 @@ from server.protocol.embeddings import EmbeddingRequest, EmbeddingResponse, Embe
 from server.state import SharedState
 
 if TYPE_CHECKING:
-    from engine.serving.async_encoder import AsyncEncoder
+    from engine import AsyncEncoder
 
 router = APIRouter(route_class=StrictJSONRoute)
 

@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from engine import TextPair, sigmoid
 from engine.errors import InvalidRequestError
-from engine.pooling.reranker import TextPair, sigmoid
 from server import serving
 from server.errors import APIError
 from server.http.json_body import StrictJSONRoute
@@ -47,7 +47,7 @@ from server.routes.embeddings import embed_observed
 from server.state import SharedState
 
 if TYPE_CHECKING:
-    from engine.serving.async_encoder import AsyncEncoder
+    from engine import AsyncEncoder
 
 router = APIRouter(route_class=StrictJSONRoute)
 

@@ -21,9 +21,9 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from engine import StructuredOutput
 from engine.errors import InvalidRequestError
 from engine.params import SamplingParams
-from engine.structured.spec import StructuredOutput
 from server import serving
 from server.errors import APIError
 from server.http.access import request_cache_salt
