@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from engine.hub import models_hub
     from engine.hub.models_hub import DEFAULT_EMBEDDING_MODEL, DEFAULT_GENERATION_MODEL
     from engine.llm import LLM
+    from engine.loader import LoadedGeneration, load_generation
     from engine.model_info import ModelInfo
     from engine.outputs import CompletionOutput, EngineStats, GenerationResult, RequestOutput, TokenLogprob
     from engine.params import SamplingParams
@@ -82,6 +83,8 @@ _EXPORTS: dict[str, str] = {
     "Tokenizer": "engine.text.tokenizer",
     # generation: offline, and served
     "LLM": "engine.llm",
+    "load_generation": "engine.loader",
+    "LoadedGeneration": "engine.loader",
     "AsyncEngine": "engine.serving.async_engine",
     "RequestStream": "engine.serving.async_engine",
     # embeddings and reranking: the models, and the batcher that serves them
@@ -103,6 +106,7 @@ __all__ = [
     "DEFAULT_EMBEDDING_MODEL",
     "DEFAULT_GENERATION_MODEL",
     "LLM",
+    "LoadedGeneration",
     "AsyncEncoder",
     "AsyncEngine",
     "CompletionOutput",
@@ -137,6 +141,7 @@ __all__ = [
     "TokenLogprob",
     "Tokenizer",
     "TorchWorker",
+    "load_generation",
     "models_hub",
     "sigmoid",
     "wait_until",

@@ -20,6 +20,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.engine_core import LLMEngine
 from engine.errors import ModelLoadError
 from engine.hub.models_hub import resolve_or_download
+from engine.models import registry
 from engine.models.weights import load_checkpoint
 from engine.text.tokenizer import Tokenizer
 
@@ -46,6 +47,7 @@ def load_generation(config: EngineConfig) -> LoadedGeneration:
     config = dataclasses.replace(config, quantization=method.name)
     started = time.monotonic()
     model_config, state_dict = load_checkpoint(path, keep_gguf_blocks=method.keeps_gguf_blocks)
+    check_quantization_applies(model_config.architecture, method.name, path)
     tokenizer = Tokenizer.from_path(path, _config_eos_token_ids(model_config, path))
     grammar = tokenizer.grammar_compiler(model_config.vocab_size)
     draft = _load_draft_model(config, tokenizer) if config.speculative and config.speculative.draft_model else None
@@ -58,6 +60,16 @@ def load_generation(config: EngineConfig) -> LoadedGeneration:
         time.monotonic() - started,
     )
     return LoadedGeneration(engine, tokenizer)
+
+
+def check_quantization_applies(architecture: str, method_name: str, source: Path) -> None:
+    """ModelLoadError unless the registry says `architecture` runs under quantization `method_name`."""
+    entry = registry.lookup(architecture, source)
+    if method_name not in entry.quantization_modes:
+        raise ModelLoadError(
+            f"{source}: {architecture} does not run under quantization {method_name!r}; "
+            f"it runs under {', '.join(entry.quantization_modes)}"
+        )
 
 
 def _config_eos_token_ids(model_config: ModelConfig, path: Path) -> tuple[int, ...]:
@@ -86,6 +98,7 @@ def _load_draft_model(config: EngineConfig, tokenizer: Tokenizer) -> tuple[Engin
     method = quantization.resolve(draft_config, path)
     draft_config = dataclasses.replace(draft_config, quantization=method.name)
     model_config, state_dict = load_checkpoint(path, keep_gguf_blocks=method.keeps_gguf_blocks)
+    check_quantization_applies(model_config.architecture, method.name, path)
     draft_vocabulary = Tokenizer.from_path(path).vocabulary()
     if draft_vocabulary != tokenizer.vocabulary():
         raise ModelLoadError(

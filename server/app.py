@@ -19,7 +19,17 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
-from engine import LLM, AsyncEncoder, AsyncEngine, Embedder, RequestLimits, Reranker, TextWorker, TorchWorker
+from engine import (
+    AsyncEncoder,
+    AsyncEngine,
+    Embedder,
+    LoadedGeneration,
+    RequestLimits,
+    Reranker,
+    TextWorker,
+    TorchWorker,
+    load_generation,
+)
 from engine.config import EmbedderConfig, EngineConfig, RerankerConfig
 from server.config import ServerConfig
 from server.errors import install_error_handlers
@@ -48,8 +58,8 @@ EmbedderFactory = Callable[[EmbedderConfig], Any]
 RerankerFactory = Callable[[RerankerConfig], Any]
 
 
-def _default_engine_factory(engine_config: EngineConfig) -> LLM:
-    return LLM.from_config(engine_config)
+def _default_engine_factory(engine_config: EngineConfig) -> LoadedGeneration:
+    return load_generation(engine_config)
 
 
 def _default_embedder_factory(embedder_config: EmbedderConfig) -> Embedder:
@@ -68,7 +78,8 @@ def create_app(
     reranker_factory: RerankerFactory | None = None,
     on_fatal: Callable[[BaseException], None] | None = None,
 ) -> FastAPI:
-    """engine_factory(EngineConfig) -> LLM (default: LLM.from_config),
+    """engine_factory(EngineConfig) -> an object with `.engine` (the LLMEngine) and `.tokenizer`
+    (default: engine.load_generation, the loader the offline LLM uses too),
     embedder_factory(EmbedderConfig) -> Embedder (default: Embedder) and
     reranker_factory(RerankerConfig) -> Reranker (default: Reranker) run on the server's one torch
     worker (engine/serving/torch_worker.py), off the event loop so /health answers meanwhile.
@@ -171,10 +182,10 @@ async def _load_models(
     limits = RequestLimits(config.max_queued_requests, config.request_timeout)
     try:
         logger.info("loading generation model %s", config.engine.model)
-        llm = await worker.run(engine_factory, config.engine)
+        generation = await worker.run(engine_factory, config.engine)
         # The loop detokenizes with the engine's tokenizer; the text worker encodes with its own copy.
-        text_tokenizer = await text_worker.run(0, llm.tokenizer.copy)
-        engine = AsyncEngine(llm.engine, llm.tokenizer, limits=limits)
+        text_tokenizer = await text_worker.run(0, generation.tokenizer.copy)
+        engine = AsyncEngine(generation.engine, generation.tokenizer, limits=limits)
         await engine.start(worker)
         state.text = RequestText(text_worker, text_tokenizer)
         state.engine = engine

@@ -83,3 +83,17 @@ def test_a_window_over_mixed_layer_types_is_refused():
     config = tiny_models._base_config("mistral", 384, {"layer_types": ["full_attention", "sliding_attention"]})
     with pytest.raises(ModelLoadError, match="mix full and sliding-window layers"):
         registry.lookup("MistralForCausalLM").model_config(config, Path("tiny"))
+
+
+def test_the_loader_refuses_a_quantization_the_entry_does_not_list(tiny_llama_dir, monkeypatch):
+    import dataclasses
+
+    from engine.config import EngineConfig
+    from engine.loader import load_generation
+
+    entry = registry.lookup("LlamaForCausalLM")
+    monkeypatch.setitem(registry._BY_NAME, entry.name, dataclasses.replace(entry, quantization_modes=("none",)))
+    refusal = "LlamaForCausalLM does not run under quantization 'int8'; it runs under none"
+    with pytest.raises(ModelLoadError, match=refusal):
+        load_generation(EngineConfig(model=tiny_llama_dir, quantization="int8", num_blocks=16))
+    assert load_generation(EngineConfig(model=tiny_llama_dir, num_blocks=16)).engine.config.quantization == "none"
