@@ -14,7 +14,7 @@ from engine.engine_core import LLMEngine
 from engine.loader import load_generation
 from engine.outputs import GenerationResult
 from engine.params import SamplingParams
-from engine.serving.output_processor import OutputProcessor, RequestText
+from engine.serving.output_processor import OutputProcessor, RequestTextState
 from engine.text.tokenizer import Tokenizer
 
 
@@ -37,7 +37,7 @@ class LLM:
         """Every prompt's samples, in input order. Text prompts are encoded with the model's tokenizer."""
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         processor = OutputProcessor(self.tokenizer)
-        texts: dict[str, RequestText] = {}
+        texts: dict[str, RequestTextState] = {}
         request_ids = []
         for prompt, sampling in zip(prompts, params_list):
             prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)

@@ -55,7 +55,7 @@ def make_sentences(num_sentences: int, seed: int, min_words: int = 10, max_words
 
 
 @dataclass
-class Row:
+class EmbeddingBenchRow:
     name: str
     seconds: float
     vectors: torch.Tensor | None = None
@@ -207,15 +207,15 @@ def main(argv: list[str] | None = None) -> int:
                 lambda: asyncio.run(_http_single_requests(args.url, sentences, args.concurrency)),
             )
         )
-    best: dict[str, Row] = {}
+    best: dict[str, EmbeddingBenchRow] = {}
     for _ in tqdm(range(args.repeats), desc="repeats", file=sys.stderr):
         for name, fn in runs:
             seconds, vectors = _timed(fn)
             if name not in best or seconds < best[name].seconds:
-                best[name] = Row(name, seconds, vectors.cpu().float() if vectors is not None else None)
+                best[name] = EmbeddingBenchRow(name, seconds, vectors.cpu().float() if vectors is not None else None)
     if not args.skip_st_single:  # slow: once
         seconds, vectors = _timed(st_single)
-        best["st1"] = Row(
+        best["st1"] = EmbeddingBenchRow(
             "sentence-transformers, one sentence at a time", seconds, vectors.cpu(), len(single_sentences)
         )
 

@@ -31,7 +31,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass
-class Row:
+class EngineBenchRow:
     name: str
     kvserve: float
     transformers: float | None
@@ -212,19 +212,19 @@ def main(argv: list[str] | None = None) -> int:
         hf_model = AutoModelForCausalLM.from_pretrained(location, dtype=_DTYPES[args.dtype], **kwargs).eval()
 
     batches = [int(b) for b in args.batches.split(",")]
-    rows: list[Row] = []
+    rows: list[EngineBenchRow] = []
     with tqdm(total=1 + len(batches), desc="benchmark", unit="case") as bar:
         prompt = _prompt(engine, args.prefill_tokens, seed=0)
         kvserve_prefill(engine, prompt[:64])  # warm-up
         ours = kvserve_prefill(engine, _prompt(engine, args.prefill_tokens, seed=1))
         theirs = hf_prefill(hf_model, prompt) if hf_model is not None else None
-        rows.append(Row(f"prefill, {args.prefill_tokens}-token prompt", ours, theirs, "tokens/s"))
+        rows.append(EngineBenchRow(f"prefill, {args.prefill_tokens}-token prompt", ours, theirs, "tokens/s"))
         bar.update()
         for batch in batches:
             prompts = [_prompt(engine, 32, seed=100 + i) for i in range(batch)]
             ours = kvserve_decode(engine, prompts, args.decode_steps)
             theirs = hf_decode(hf_model, prompts, args.decode_steps) if hf_model is not None else None
-            rows.append(Row(f"decode, batch {batch}", ours, theirs, "tokens/s"))
+            rows.append(EngineBenchRow(f"decode, batch {batch}", ours, theirs, "tokens/s"))
             bar.update()
 
     threads = torch.get_num_threads()

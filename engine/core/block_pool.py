@@ -39,12 +39,6 @@ def hash_block_tokens(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
     return hashlib.sha256(parent_hash + array("q", token_ids).tobytes()).digest()
 
 
-@dataclass
-class PrefixCacheStats:
-    queries: int = 0  # tokens looked up
-    hits: int = 0  # of which found computed in the cache
-
-
 @dataclass(frozen=True)
 class _CachedBlock:
     """What a registered block holds, checked on every hit."""
@@ -67,7 +61,6 @@ class BlockPool:
         # Blocks with ref count 0, evicted from the front.
         self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, num_blocks))
         self._cached: dict[bytes, int] = {}  # digest -> block id
-        self.cache_stats = PrefixCacheStats()
 
     @property
     def num_free_blocks(self) -> int:

@@ -28,6 +28,10 @@ Guarantees (the contract shared with the embedder, see engine/serving/torch_work
 - a failed step (a failure no request explains) fails the requests in the engine with
   EngineStepError; `max_consecutive_step_failures` of them in a row, or a dead loop, turn
   `is_healthy` False and every request gets `EngineDeadError`.
+
+This file stays past 400 lines on purpose: the loop, its inbox and its failure counting are
+one owner of the loop's state, and every method here runs on that loop; what could stand
+alone (the per-request records and their streams) lives in request_table.py.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ meanwhile: one, or up to k+1 with speculative decoding; they are dropped here,
 and so are the tokens after the stop within the step that found it). A RequestOutput with an `error`
 (the core failed that request alone) is passed on as the request's last output.
 
-Each request's text state (`RequestText`: its samples' detokenizers) is held by
+Each request's text state (`RequestTextState`: its samples' detokenizers) is held by
 the processor's driver, next to what else it keeps per request; the processor
 makes it (`new_request_text`) and is the only one to read or change it.
 
@@ -53,7 +53,7 @@ class _SampleText:
 
 
 @dataclass
-class RequestText:
+class RequestTextState:
     """One request's text state: a detokenizer per sample. Opaque to its holder: only the processor uses it."""
 
     samples: list[_SampleText]
@@ -65,19 +65,19 @@ class RequestText:
 
 
 class OutputProcessor:
-    """Token ids -> text with one tokenizer, for requests whose text state (RequestText) its driver holds."""
+    """Token ids -> text with one tokenizer, for requests whose text state (RequestTextState) its driver holds."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
 
-    def new_request_text(self, prompt_token_ids: list[int], params: SamplingParams) -> RequestText:
+    def new_request_text(self, prompt_token_ids: list[int], params: SamplingParams) -> RequestTextState:
         """The text state of a request the core just accepted; its driver holds it until it forgets the request."""
-        return RequestText(
+        return RequestTextState(
             [_SampleText(IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)) for _ in range(params.n)]
         )
 
     def process(
-        self, core_outputs: list[RequestOutput], text_of: Callable[[str], RequestText | None]
+        self, core_outputs: list[RequestOutput], text_of: Callable[[str], RequestTextState | None]
     ) -> ProcessedOutputs:
         """Fill in text for one step's core outputs, each with its request's text state (`text_of(request_id)`).
 
@@ -109,7 +109,7 @@ class OutputProcessor:
         return processed
 
     def _process_sample(
-        self, request_id: str, request: RequestText, delta: CompletionOutput, processed: ProcessedOutputs
+        self, request_id: str, request: RequestTextState, delta: CompletionOutput, processed: ProcessedOutputs
     ) -> CompletionOutput | None:
         sample = request.samples[delta.index]
         if sample.is_finished:

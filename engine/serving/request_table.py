@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from engine.errors import InvalidRequestError, RequestTimeoutError
 from engine.outputs import RequestOutput
-from engine.serving.output_processor import RequestText
+from engine.serving.output_processor import RequestTextState
 from engine.serving.torch_worker import wait_until
 
 if TYPE_CHECKING:
@@ -38,7 +38,7 @@ class TrackedRequest:
     # RequestOutputs, then maybe the exception that ends the request; its RequestStream reads them.
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     has_output: bool = False  # until its first output it counts as queued (the queue bound)
-    text: RequestText | None = None  # its samples' text state, from the moment the engine accepted it
+    text: RequestTextState | None = None  # its samples' text state, from the moment the engine accepted it
 
     @property
     def is_accepted(self) -> bool:
@@ -102,7 +102,7 @@ class RequestTable:
     def past_deadline(self, now: float) -> list[TrackedRequest]:
         return [r for r in self._by_id.values() if r.deadline is not None and r.deadline <= now]
 
-    def text_of(self, request_id: str) -> RequestText | None:
+    def text_of(self, request_id: str) -> RequestTextState | None:
         """The request's text state, for the output processor; None if untracked or not accepted yet."""
         request = self._by_id.get(request_id)
         return request.text if request is not None else None

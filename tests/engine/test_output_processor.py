@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.params import SamplingParams
-from engine.serving.output_processor import OutputProcessor, RequestText, StoppedSample
+from engine.serving.output_processor import OutputProcessor, RequestTextState, StoppedSample
 
 
 class ScriptedTokenizer:
@@ -24,7 +24,7 @@ def _output(request_id: str, *deltas: CompletionOutput, finished: bool = False, 
 
 def test_text_state_lives_with_the_driver_and_unknown_requests_are_dropped():
     processor = OutputProcessor(ScriptedTokenizer())
-    texts: dict[str, RequestText] = {"a": processor.new_request_text([1], SamplingParams(max_tokens=4))}
+    texts: dict[str, RequestTextState] = {"a": processor.new_request_text([1], SamplingParams(max_tokens=4))}
     processed = processor.process([_output("a", _delta([2, 3], 2)), _output("gone", _delta([9], 1))], texts.get)
     assert [(o.request_id, o.outputs[0].text) for o in processed.request_outputs] == [("a", "<2><3>")]
     processed = processor.process([_output("a", _delta([4], 3, finish_reason="length"), finished=True)], texts.get)
