@@ -4,7 +4,7 @@
     kvserve pull [NAME ...]     fetch default models into the cache (all of them without NAME)
     kvserve models              list the named models and whether they are cached
     kvserve chat [flags]        interactive chat with a running server (clients/chat_cli.py)
-    kvserve bench [flags]       load generator / benchmark against a running server (clients/bench.py)
+    kvserve bench [flags]       load generator / benchmark against a running server (clients/bench/)
 
 `serve` imports the server only when chosen, so `pull` and `models` start without torch. `chat` and `bench`
 are HTTP client programs: this process becomes `python -m clients.<program>` with the same arguments.

@@ -8,7 +8,7 @@ within 1e-4). A fixed text (engine/bench/quality_text.md, ~3,500 tokens) is cut 
 tokens whose second halves are scored, as llama.cpp's `llama-perplexity` scores them; for each kvserve
 quantization mode: the mean KL divergence from the reference, the mean |difference| of the actual next
 token's logprob, and how often the likeliest token is the reference's. Then 8 held-out prompts get 64
-greedy tokens from the reference and from each mode (clients/quality_suite.py compares the answers,
+greedy tokens from the reference and from each mode (clients/bench/quality.py compares the answers,
 llama.cpp's included). With --llama-perplexity, llama.cpp's KL divergence and top-token agreement on
 the same text: `llama-perplexity --kl-divergence` against a float32 GGUF written from the same file
 (its own float32 reference, on its own tokenization of the text).

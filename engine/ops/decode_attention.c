@@ -10,7 +10,7 @@
  * Reads keys and values in place, where torch's path gathers whole blocks into
  * a dense copy first and pays a dozen op dispatches per layer. Scores and the
  * softmax are float32 with the max subtracted, like the reference
- * (engine/runner/attention.py: paged_attention and dense_reference_attention).
+ * (engine/attention/paged.py: paged_attention; engine/attention/reference.py: dense_reference_attention).
  */
 #include <immintrin.h>
 #include <math.h>
