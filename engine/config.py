@@ -221,3 +221,6 @@ class ModelConfig:
     max_position_embeddings: int
     sliding_window: int | None
     hf_config: Any = field(compare=False, repr=False)
+    # Divisors of RoPE's inverse frequencies, one per rotary pair: a GGUF file's `rope_freqs` tensor, where
+    # llama.cpp's converter bakes a Llama 3 style frequency scaling into the file (None: no such tensor).
+    rope_freq_factors: tuple[float, ...] | None = None

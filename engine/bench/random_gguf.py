@@ -47,6 +47,20 @@ class LlamaShape:
         return self.hidden_size // self.num_heads
 
 
+def add_shape_metadata(writer, shape: LlamaShape, vocab_size: int) -> None:
+    """The `llama.*` keys a reader needs to build the model: layer count, sizes, heads, RoPE and norm."""
+    writer.add_block_count(shape.num_layers)
+    writer.add_context_length(shape.context_length)
+    writer.add_embedding_length(shape.hidden_size)
+    writer.add_feed_forward_length(shape.intermediate_size)
+    writer.add_head_count(shape.num_heads)
+    writer.add_head_count_kv(shape.num_kv_heads)
+    writer.add_rope_freq_base(shape.rope_theta)
+    writer.add_rope_dimension_count(shape.head_dim)
+    writer.add_layer_norm_rms_eps(shape.rms_norm_eps)
+    writer.add_vocab_size(vocab_size)
+
+
 def _tensor_shapes(shape: LlamaShape, vocab_size: int) -> list[tuple[str, tuple[int, ...]]]:
     """GGUF tensor names with their numpy shapes [rows, columns] (a linear layer's [out, in])."""
     h, kv = shape.hidden_size, shape.num_kv_heads * shape.head_dim
@@ -115,16 +129,7 @@ def write_random_gguf(
     writer = gguf.GGUFWriter(str(out), "llama")
     writer.add_name(f"random-llama-{shape.num_layers}x{shape.hidden_size}-{weight_type}")
     vocab_size = _copy_tokenizer(gguf.GGUFReader(str(tokenizer_from)), writer)
-    writer.add_block_count(shape.num_layers)
-    writer.add_context_length(shape.context_length)
-    writer.add_embedding_length(shape.hidden_size)
-    writer.add_feed_forward_length(shape.intermediate_size)
-    writer.add_head_count(shape.num_heads)
-    writer.add_head_count_kv(shape.num_kv_heads)
-    writer.add_rope_freq_base(shape.rope_theta)
-    writer.add_rope_dimension_count(shape.head_dim)
-    writer.add_layer_norm_rms_eps(shape.rms_norm_eps)
-    writer.add_vocab_size(vocab_size)
+    add_shape_metadata(writer, shape, vocab_size)
     file_type = "ALL_F32" if weight_type == "F32" else f"MOSTLY_{weight_type}"
     writer.add_file_type(gguf.LlamaFileType[file_type])
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)

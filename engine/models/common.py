@@ -55,10 +55,13 @@ class RotaryEmbedding:
     """cos/sin for arbitrary positions (no table, so positions may exceed the trained context).
 
     Uses transformers' own RoPE parameter functions for the scaling types
-    (linear, llama3, yarn), so scaled configs match the reference exactly.
+    (linear, llama3, yarn), so scaled configs match the reference exactly. A GGUF file
+    carries a Llama 3 scaling as per-frequency divisors instead (freq_factors).
     """
 
-    def __init__(self, hf_config, head_dim: int, device: torch.device) -> None:
+    def __init__(
+        self, hf_config, head_dim: int, device: torch.device, freq_factors: tuple[float, ...] | None = None
+    ) -> None:
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
         params = getattr(hf_config, "rope_parameters", None) or {}
@@ -71,6 +74,17 @@ class RotaryEmbedding:
             raise ModelLoadError(f"rope scaling type {rope_type!r} is not supported yet")
         else:
             inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+        if freq_factors is not None:
+            # A GGUF's rope_freqs: the scaled frequencies are the defaults divided by these factors.
+            if rope_type != "default":
+                raise ModelLoadError(
+                    f"the model's config scales RoPE ({rope_type}) and its GGUF file carries rope_freqs too"
+                )
+            if len(freq_factors) != inv_freq.shape[0]:
+                raise ModelLoadError(
+                    f"rope_freqs has {len(freq_factors)} factors; head dim {head_dim} needs {inv_freq.shape[0]}"
+                )
+            inv_freq = inv_freq / torch.tensor(freq_factors, dtype=torch.float)
         self.inv_freq = inv_freq.float().to(device)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -159,7 +159,9 @@ class LlamaForCausalLM(nn.Module):
         leftovers = [k for k in state if "rotary_emb" not in k]
         if leftovers:
             raise ValueError(f"unexpected weights in checkpoint: {leftovers[:5]}")
-        self.rotary = RotaryEmbedding(self.config.hf_config, self.config.head_dim, self.norm.weight.device)
+        self.rotary = RotaryEmbedding(
+            self.config.hf_config, self.config.head_dim, self.norm.weight.device, self.config.rope_freq_factors
+        )
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

@@ -6,6 +6,7 @@ model files only ever see one naming scheme.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -85,6 +86,9 @@ def _load_gguf(path: Path, keep_blocks: bool) -> tuple[ModelConfig, dict[str, to
     except Exception as exc:
         raise ModelLoadError(f"{path}: cannot read GGUF metadata: {exc}") from exc
     model_config = _model_config_from_hf(hf_config, path)
+    freq_factors = _rope_freq_factors(path)
+    if freq_factors is not None:
+        model_config = dataclasses.replace(model_config, rope_freq_factors=freq_factors)
     if registry.lookup(model_config.architecture).gguf_blocks:
         tensors = _read_llama_gguf_tensors(path, model_config, keep_blocks)
         if tensors is not None:
@@ -116,6 +120,25 @@ _LLAMA_GGUF_TOP = {
 }
 
 
+# Not a weight: the Llama 3 frequency scaling, read into ModelConfig.rope_freq_factors.
+_GGUF_ROPE_FREQS = "rope_freqs.weight"
+
+
+def _rope_freq_factors(path: Path) -> tuple[float, ...] | None:
+    """The file's rope_freqs tensor (one divisor per rotary pair), or None when it has none."""
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+        tensor = next((t for t in reader.tensors if t.name == _GGUF_ROPE_FREQS), None)
+        if tensor is None:
+            return None
+        factors = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(-1)
+    except Exception as exc:
+        raise ModelLoadError(f"{path}: cannot read the GGUF's {_GGUF_ROPE_FREQS}: {exc}") from exc
+    return tuple(float(f) for f in factors)
+
+
 def _unpermute_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     """Undo llama.cpp's Q/K row order (rotary pairs interleaved per head) -> HF's half-split order."""
     rows = weight.shape[0]
@@ -137,6 +160,8 @@ def _read_llama_gguf_tensors(
         dequantized_types: set[str] = set()
         for tensor in reader.tensors:
             name = tensor.name
+            if name == _GGUF_ROPE_FREQS:
+                continue  # read by _rope_freq_factors
             if name in _LLAMA_GGUF_TOP:
                 hf_name = _LLAMA_GGUF_TOP[name]
             else:

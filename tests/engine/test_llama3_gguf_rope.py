@@ -1,0 +1,71 @@
+"""A Llama 3 GGUF carries its RoPE scaling as a `rope_freqs` tensor (llama.cpp's converter writes the scaled
+frequencies' divisors there, not the config's rope_parameters). The engine must read it: the same tiny
+checkpoint gives the same greedy tokens and logprobs from its folder and from its GGUF file."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.config import EngineConfig
+from engine.engine_core import LLMEngine
+from engine.models.weights import load_checkpoint
+from engine.params import SamplingParams
+from tests.support.llama_gguf import write_llama_gguf
+from tests.support.tiny_models import make_tiny_llama
+
+# A short original context, so most of head dim 16's frequencies are scaled and a 60-token prompt reaches them.
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 10000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}
+PROMPTS = [[(7 * i + 3 * j) % 200 + 10 for j in range(60 + 5 * i)] for i in range(3)]
+
+
+@pytest.fixture(scope="module")
+def llama3_checkpoints(tmp_path_factory):
+    folder = make_tiny_llama(tmp_path_factory.mktemp("llama3"), rope_parameters=LLAMA3_ROPE)
+    gguf_dir = tmp_path_factory.mktemp("llama3-gguf")
+    return (
+        folder,
+        write_llama_gguf(folder, gguf_dir / "tiny-llama3-F32.gguf"),
+        write_llama_gguf(folder, gguf_dir / "tiny-llama3-no-rope-freqs-F32.gguf", with_rope_freqs=False),
+    )
+
+
+def _greedy(checkpoint) -> list[tuple[list[int], list[float]]]:
+    model_config, state = load_checkpoint(checkpoint)
+    engine = LLMEngine(EngineConfig(model=str(checkpoint), num_blocks=64), model_config, state, eos_token_ids=())
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=0)
+    ids = [engine.add_request(prompt, params) for prompt in PROMPTS]
+    done = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                sample = output.outputs[0]
+                done[output.request_id] = (list(sample.token_ids), [e.logprob for e in sample.logprobs])
+    return [done[i] for i in ids]
+
+
+def test_the_gguf_reads_its_rope_freqs_and_equals_the_folder(llama3_checkpoints):
+    folder, gguf_file, _ = llama3_checkpoints
+    model_config, _ = load_checkpoint(gguf_file)
+    assert model_config.rope_freq_factors is not None and max(model_config.rope_freq_factors) == 8.0
+    from_folder, from_gguf = _greedy(folder), _greedy(gguf_file)
+    assert [tokens for tokens, _ in from_gguf] == [tokens for tokens, _ in from_folder]
+    for (_, folder_logprobs), (_, gguf_logprobs) in zip(from_folder, from_gguf, strict=True):
+        assert gguf_logprobs == pytest.approx(folder_logprobs, abs=1e-4)
+
+
+def test_without_rope_freqs_the_same_weights_compute_other_logprobs(llama3_checkpoints):
+    """The check above can fail: dropping the scaling changes what the model computes."""
+    folder, _, unscaled = llama3_checkpoints
+    assert load_checkpoint(unscaled)[0].rope_freq_factors is None
+    from_folder, from_unscaled = _greedy(folder), _greedy(unscaled)
+    assert any(
+        unscaled_logprobs != pytest.approx(folder_logprobs, abs=1e-3)
+        for (_, folder_logprobs), (_, unscaled_logprobs) in zip(from_folder, from_unscaled, strict=True)
+    )

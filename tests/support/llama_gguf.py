@@ -1,0 +1,88 @@
+"""Write a tiny Hugging Face LLaMA folder as a float32 GGUF file, the way llama.cpp's converter lays it out:
+llama.cpp's tensor names, Q/K rows in its interleaved rotary order, and a Llama 3 RoPE scaling baked into a
+`rope_freqs` tensor (one divisor per rotary pair) instead of the config's rope_parameters."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from engine.bench.random_gguf import LlamaShape, add_shape_metadata
+
+_LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+_TOP_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
+
+
+def _permute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """HF's half-split rotary rows -> llama.cpp's pairs interleaved per head."""
+    rows = weight.shape[0]
+    return weight.reshape(num_heads, 2, rows // num_heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def rope_freq_factors(hf_config) -> np.ndarray:
+    """The divisors that turn the default inverse frequencies into the config's scaled ones."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = hf_config.rope_parameters
+    head_dim = hf_config.hidden_size // hf_config.num_attention_heads
+    default = 1.0 / (params["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+    scaled, _ = ROPE_INIT_FUNCTIONS[params["rope_type"]](hf_config, torch.device("cpu"))
+    return (default / scaled).numpy().astype(np.float32)
+
+
+def write_llama_gguf(model_dir: Path, out: Path, *, with_rope_freqs: bool = True) -> Path:
+    """`model_dir` (a tiny LLaMA with rope_type llama3) as an F32 GGUF at `out`; without `with_rope_freqs`
+    the scaling is left out, as a converter that drops it would."""
+    import gguf
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir)
+    state = load_file(str(Path(model_dir) / "model.safetensors"))
+    writer = gguf.GGUFWriter(str(out), "llama")
+    writer.add_name("tiny-llama3")
+    shape = LlamaShape(
+        num_layers=config.num_hidden_layers,
+        hidden_size=config.hidden_size,
+        num_heads=config.num_attention_heads,
+        num_kv_heads=config.num_key_value_heads,
+        intermediate_size=config.intermediate_size,
+        context_length=config.max_position_embeddings,
+        rope_theta=config.rope_parameters["rope_theta"],
+        rms_norm_eps=config.rms_norm_eps,
+    )
+    add_shape_metadata(writer, shape, config.vocab_size)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    if with_rope_freqs:
+        writer.add_tensor("rope_freqs.weight", rope_freq_factors(config))
+    for name, tensor in state.items():
+        weight = tensor.float().numpy()
+        if name in _TOP_NAMES:
+            gguf_name = _TOP_NAMES[name]
+        elif name == "lm_head.weight":
+            gguf_name = "output.weight"
+        else:
+            layer, suffix = name.removeprefix("model.layers.").split(".", 1)
+            gguf_name = f"blk.{layer}.{_LAYER_NAMES[suffix]}"
+            if suffix == "self_attn.q_proj.weight":
+                weight = _permute_rows(weight, config.num_attention_heads)
+            elif suffix == "self_attn.k_proj.weight":
+                weight = _permute_rows(weight, config.num_key_value_heads)
+        writer.add_tensor(gguf_name, np.ascontiguousarray(weight))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
