@@ -1,7 +1,7 @@
-"""The LLaMA family: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM.
+"""The LLaMA family: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM (Qwen3: engine/models/qwen3.py).
 
 RoPE (with transformers' scaling types), RMSNorm, SwiGLU, grouped- and
-multi-query attention, optional q/k/v(/o) biases (Qwen2, attention_bias), tied
+multi-query attention, optional per-head q/k norms (Qwen3), optional q/k/v(/o) biases (Qwen2, attention_bias), tied
 or untied embeddings. Sliding windows are expressed in the attention metadata,
 not here. All activations are flat: [T, ...] for the T new tokens of a step.
 
@@ -38,7 +38,9 @@ class RMSNorm(nn.Module):
 
 
 class LlamaLayer(nn.Module):
-    def __init__(self, config: ModelConfig, qkv_bias: bool, o_bias: bool, mlp_bias: bool, eps: float) -> None:
+    def __init__(
+        self, config: ModelConfig, qkv_bias: bool, o_bias: bool, mlp_bias: bool, eps: float, qk_norm: bool = False
+    ) -> None:
         super().__init__()
         hidden = config.hidden_size
         self.num_heads = config.num_heads
@@ -50,6 +52,9 @@ class LlamaLayer(nn.Module):
         self.intermediate = intermediate
         self.input_norm = RMSNorm(hidden, eps)
         self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        # Qwen3: an RMSNorm over each head's query and key (weights [head_dim]) before RoPE.
+        self.q_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
         self.o_proj = nn.Linear(self.q_size, hidden, bias=o_bias)
         self.post_attention_norm = RMSNorm(hidden, eps)
         self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=mlp_bias)
@@ -67,8 +72,12 @@ class LlamaLayer(nn.Module):
         num_tokens = hidden.shape[0]
         normed = self.input_norm(hidden)
         qk, v = self.qkv_proj(normed).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qk = qk.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
         # Rotate queries and keys together: [T, H_q + H_kv, D].
-        qk = apply_rotary(qk.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
+        qk = apply_rotary(qk, cos, sin)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         key_cache, value_cache = kv_cache
@@ -82,6 +91,8 @@ class LlamaLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     # True: q/k/v carry biases and o none, whatever the config says (Qwen2); False: attention_bias decides.
     qkv_bias_always: bool = False
+    # True: each head's query and key pass an RMSNorm before RoPE (Qwen3).
+    has_qk_norm: bool = False
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -94,7 +105,7 @@ class LlamaForCausalLM(nn.Module):
         eps = hf.rms_norm_eps
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            [LlamaLayer(config, qkv_bias, o_bias, mlp_bias, eps) for _ in range(config.num_layers)]
+            [LlamaLayer(config, qkv_bias, o_bias, mlp_bias, eps, self.has_qk_norm) for _ in range(config.num_layers)]
         )
         self.norm = RMSNorm(config.hidden_size, eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -150,6 +161,9 @@ class LlamaForCausalLM(nn.Module):
             load_linear(layer, "gate_up_proj", gate_up, gate_up_bias, f"{p}mlp.gate_up")
             down_bias = biases(["mlp.down_proj"]) if has_mlp_bias else None
             load_linear(layer, "down_proj", take(state, f"{p}mlp.down_proj.weight"), down_bias, f"{p}mlp.down_proj")
+            if layer.q_norm is not None:
+                assign(layer.q_norm.weight, take(state, f"{p}self_attn.q_norm.weight"), f"{p}self_attn.q_norm")
+                assign(layer.k_norm.weight, take(state, f"{p}self_attn.k_norm.weight"), f"{p}self_attn.k_norm")
             assign(layer.input_norm.weight, take(state, f"{p}input_layernorm.weight"), f"{p}input_layernorm")
             assign(
                 layer.post_attention_norm.weight,

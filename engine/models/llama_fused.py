@@ -77,6 +77,8 @@ def unsupported_reason(model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tens
     layers = list(model.layers)
     if not layers:
         return "the model has no layers"
+    if any(layer.q_norm is not None for layer in layers):
+        return "its layers norm each head's query and key (the fused kernel does not)"
     projections = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
     if any(kernel_weight(getattr(layer, name)) is None for layer in layers for name in projections):
         return "its linear layers are neither int8 nor GGUF blocks (the fused kernel reads only those)"

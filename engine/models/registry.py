@@ -25,6 +25,7 @@ from engine.config import ModelConfig
 from engine.errors import ModelLoadError
 from engine.models.gpt2 import GPT2LMHeadModel
 from engine.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
+from engine.models.qwen3 import Qwen3ForCausalLM
 
 AttentionKind = Literal["full", "sliding"]
 # (architecture, transformers config, the checkpoint it came from) -> the engine's ModelConfig
@@ -140,6 +141,15 @@ _ENTRIES = (
         config_mapper=_qwen2_config,
         attention_kinds=("full", "sliding"),
         fused_decode=True,
+    ),
+    ModelEntry(
+        name="Qwen3ForCausalLM",
+        model_class=Qwen3ForCausalLM,
+        model_type="qwen3",
+        gguf_architectures=("qwen3",),
+        config_mapper=_qwen2_config,  # the same use_sliding_window rule
+        attention_kinds=("full", "sliding"),
+        # The native fused decode has no q/k norm: Qwen3 decodes through the torch layers.
     ),
     ModelEntry(
         name="GPT2LMHeadModel",

@@ -82,6 +82,7 @@ _ROPE_SIZES = dict(
 _TINY_CONFIGS = {
     "gpt2": dict(n_embd=64, n_layer=2, n_head=4, n_positions=256),
     "mistral": dict(_ROPE_SIZES, sliding_window=16),  # a window shorter than the tests' prompts
+    "qwen3": dict(_ROPE_SIZES, head_dim=16),  # Qwen3's configs name head_dim (128 by default)
 }
 
 
