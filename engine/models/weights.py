@@ -32,6 +32,37 @@ def _model_config_from_hf(hf_config, path: Path) -> ModelConfig:
     return registry.lookup(architecture, path).model_config(hf_config, path)
 
 
+def _refuse_unserved_architecture(config_file: Path, path: Path) -> None:
+    """The registry's one-line refusal, before transformers is asked to parse an architecture we do not serve
+    (and, for one it does not know either, answers with paragraphs)."""
+    try:
+        raw = json.loads(config_file.read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"{config_file}: cannot parse the model config: {exc}") from exc
+    architectures = raw.get("architectures") if isinstance(raw, dict) else None
+    if isinstance(architectures, list) and architectures and isinstance(architectures[0], str):
+        registry.lookup(architectures[0], path)
+    elif isinstance(raw, dict) and isinstance(raw.get("model_type"), str):
+        if registry.for_model_type(raw["model_type"]) is None:
+            registry.lookup(raw["model_type"], path)
+
+
+def _refuse_unserved_gguf_architecture(path: Path) -> None:
+    """The one-line refusal of a GGUF whose `general.architecture` no registry entry reads."""
+    import gguf
+
+    try:
+        field = gguf.GGUFReader(str(path)).get_field("general.architecture")
+        architecture = field.contents() if field is not None else None
+    except Exception as exc:
+        raise ModelLoadError(f"{path}: cannot read GGUF metadata: {exc}") from exc
+    if isinstance(architecture, str) and registry.for_gguf(architecture) is None:
+        served = sorted({name for entry in registry.entries() for name in entry.gguf_architectures})
+        raise ModelLoadError(
+            f"{path}: GGUF architecture {architecture!r} is not supported; supported: {', '.join(served)}"
+        )
+
+
 def _load_hf_directory(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     from safetensors.torch import load_file
     from transformers import AutoConfig
@@ -39,6 +70,7 @@ def _load_hf_directory(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]
     config_file = path / "config.json"
     if not config_file.is_file():
         raise ModelLoadError(f"{path}: no config.json; expected a Hugging Face model directory or a .gguf file")
+    _refuse_unserved_architecture(config_file, path)
     try:
         hf_config = AutoConfig.from_pretrained(str(path))
     except Exception as exc:
@@ -77,6 +109,7 @@ def _load_gguf(path: Path, keep_blocks: bool) -> tuple[ModelConfig, dict[str, to
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
+    _refuse_unserved_gguf_architecture(path)
     try:
         parsed = load_gguf_checkpoint(str(path), return_tensors=False)
         config_dict = dict(parsed["config"])

@@ -135,3 +135,25 @@ def test_env_vars_set_defaults_and_flags_win(monkeypatch):
     assert defaults.engine.model == "smollm2-135m-instruct" and defaults.embedder.model == "all-minilm-l6-v2"
     assert defaults.engine.quantization == "auto"
     assert (defaults.host, defaults.port) == ("127.0.0.1", 8000)
+
+
+def test_an_architecture_not_served_is_one_line_at_start_and_a_failing_exit(tmp_path):
+    """No traceback: the line names the architecture and every supported one, and the process exits non-zero."""
+    import json
+
+    from engine.models import registry
+    from tests.support.server_harness import ServerProcess
+
+    model_dir = tmp_path / "gemma3"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps({"architectures": ["Gemma3ForCausalLM"], "model_type": "x"}))
+    proc = ServerProcess(["--model", str(model_dir), "--embedding-model", "none"], tmp_path / "server.log")
+    try:
+        assert proc.wait(timeout=120) != 0
+    finally:
+        proc.kill()
+    log = proc.log()
+    refusals = [line for line in log.splitlines() if "model loading failed" in line]
+    assert len(refusals) == 1, log
+    assert "architecture 'Gemma3ForCausalLM' is not supported; supported: " + ", ".join(registry.names()) in log
+    assert "Traceback" not in log

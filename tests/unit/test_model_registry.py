@@ -97,3 +97,27 @@ def test_the_loader_refuses_a_quantization_the_entry_does_not_list(tiny_llama_di
     with pytest.raises(ModelLoadError, match=refusal):
         load_generation(EngineConfig(model=tiny_llama_dir, quantization="int8", num_blocks=16))
     assert load_generation(EngineConfig(model=tiny_llama_dir, num_blocks=16)).engine.config.quantization == "none"
+
+
+def test_an_architecture_not_served_is_refused_in_one_line_before_transformers_reads_it(tmp_path):
+    """Both from a folder (even a model_type transformers does not know) and from a GGUF file."""
+    import json
+
+    import gguf
+
+    from engine.models.weights import load_checkpoint
+
+    folder = tmp_path / "unknown"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "brand_new_arch", "hidden_size": 8}))
+    with pytest.raises(ModelLoadError, match=r"architecture 'brand_new_arch' is not supported; supported: Llama") as e:
+        load_checkpoint(folder)
+    assert "\n" not in str(e.value)
+    writer = gguf.GGUFWriter(str(tmp_path / "g.gguf"), "gemma3")
+    writer.add_block_count(1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelLoadError, match=r"GGUF architecture 'gemma3' is not supported; supported: gpt2, llama"):
+        load_checkpoint(tmp_path / "g.gguf")
