@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -47,16 +48,41 @@ def _refuse_unserved_architecture(config_file: Path, path: Path) -> None:
             registry.lookup(raw["model_type"], path)
 
 
-def _refuse_unserved_gguf_architecture(path: Path) -> None:
-    """The one-line refusal of a GGUF whose `general.architecture` no registry entry reads."""
+# Not a weight: the Llama 3 frequency scaling, read into ModelConfig.rope_freq_factors.
+_GGUF_ROPE_FREQS = "rope_freqs.weight"
+
+
+@dataclass(frozen=True)
+class _GgufFacts:
+    """What the engine reads from a GGUF file itself, beside transformers' reading of its metadata."""
+
+    architecture: str | None  # general.architecture
+    key_length: int | None  # <architecture>.attention.key_length: the head size, where the file gives it
+    rope_freq_factors: tuple[float, ...] | None  # the rope_freqs tensor: one RoPE divisor per rotary pair
+
+
+def _read_gguf_facts(path: Path) -> _GgufFacts:
     import gguf
 
     try:
-        field = gguf.GGUFReader(str(path)).get_field("general.architecture")
+        reader = gguf.GGUFReader(str(path))
+        field = reader.get_field("general.architecture")
         architecture = field.contents() if field is not None else None
+        key_field = reader.get_field(f"{architecture}.attention.key_length") if architecture else None
+        key_length = int(key_field.contents()) if key_field is not None else None
+        rope_freqs = next((t for t in reader.tensors if t.name == _GGUF_ROPE_FREQS), None)
+        factors = None
+        if rope_freqs is not None:
+            values = gguf.quants.dequantize(rope_freqs.data, rope_freqs.tensor_type).reshape(-1)
+            factors = tuple(float(f) for f in values)
     except Exception as exc:
         raise ModelLoadError(f"{path}: cannot read GGUF metadata: {exc}") from exc
-    if isinstance(architecture, str) and registry.for_gguf(architecture) is None:
+    return _GgufFacts(architecture if isinstance(architecture, str) else None, key_length, factors)
+
+
+def _refuse_unserved_gguf_architecture(path: Path, architecture: str | None) -> None:
+    """The one-line refusal of a GGUF whose `general.architecture` no registry entry reads."""
+    if architecture is not None and registry.for_gguf(architecture) is None:
         served = sorted({name for entry in registry.entries() for name in entry.gguf_architectures})
         raise ModelLoadError(
             f"{path}: GGUF architecture {architecture!r} is not supported; supported: {', '.join(served)}"
@@ -109,19 +135,23 @@ def _load_gguf(path: Path, keep_blocks: bool) -> tuple[ModelConfig, dict[str, to
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    _refuse_unserved_gguf_architecture(path)
+    facts = _read_gguf_facts(path)
+    _refuse_unserved_gguf_architecture(path, facts.architecture)
     try:
         parsed = load_gguf_checkpoint(str(path), return_tensors=False)
         config_dict = dict(parsed["config"])
         model_type = config_dict.pop("model_type")
         config_dict.pop("_model_name_or_path", None)
+        if facts.key_length is not None:
+            # transformers' mapping skips the head size for some architectures (Qwen3), whose configs then
+            # default to 128 whatever the file says.
+            config_dict["head_dim"] = facts.key_length
         hf_config = AutoConfig.for_model(model_type, **config_dict)
     except Exception as exc:
         raise ModelLoadError(f"{path}: cannot read GGUF metadata: {exc}") from exc
     model_config = _model_config_from_hf(hf_config, path)
-    freq_factors = _rope_freq_factors(path)
-    if freq_factors is not None:
-        model_config = dataclasses.replace(model_config, rope_freq_factors=freq_factors)
+    if facts.rope_freq_factors is not None:
+        model_config = dataclasses.replace(model_config, rope_freq_factors=facts.rope_freq_factors)
     if registry.lookup(model_config.architecture).gguf_blocks:
         tensors = _read_llama_gguf_tensors(path, model_config, keep_blocks)
         if tensors is not None:
@@ -153,25 +183,6 @@ _LLAMA_GGUF_TOP = {
 }
 
 
-# Not a weight: the Llama 3 frequency scaling, read into ModelConfig.rope_freq_factors.
-_GGUF_ROPE_FREQS = "rope_freqs.weight"
-
-
-def _rope_freq_factors(path: Path) -> tuple[float, ...] | None:
-    """The file's rope_freqs tensor (one divisor per rotary pair), or None when it has none."""
-    import gguf
-
-    try:
-        reader = gguf.GGUFReader(str(path))
-        tensor = next((t for t in reader.tensors if t.name == _GGUF_ROPE_FREQS), None)
-        if tensor is None:
-            return None
-        factors = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(-1)
-    except Exception as exc:
-        raise ModelLoadError(f"{path}: cannot read the GGUF's {_GGUF_ROPE_FREQS}: {exc}") from exc
-    return tuple(float(f) for f in factors)
-
-
 def _unpermute_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     """Undo llama.cpp's Q/K row order (rotary pairs interleaved per head) -> HF's half-split order."""
     rows = weight.shape[0]
@@ -194,7 +205,7 @@ def _read_llama_gguf_tensors(
         for tensor in reader.tensors:
             name = tensor.name
             if name == _GGUF_ROPE_FREQS:
-                continue  # read by _rope_freq_factors
+                continue  # read by _read_gguf_facts
             if name in _LLAMA_GGUF_TOP:
                 hf_name = _LLAMA_GGUF_TOP[name]
             else:

@@ -22,6 +22,8 @@ _LAYER_NAMES = {
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
 }
+# Qwen3's per-head query and key norms.
+_QK_NORM_NAMES = {"self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight"}
 _TOP_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
 
 
@@ -45,14 +47,24 @@ def rope_freq_factors(hf_config) -> np.ndarray:
 def write_llama_gguf(model_dir: Path, out: Path, *, with_rope_freqs: bool = True) -> Path:
     """`model_dir` (a tiny LLaMA with rope_type llama3) as an F32 GGUF at `out`; without `with_rope_freqs`
     the scaling is left out, as a converter that drops it would."""
+    return _write_gguf(model_dir, out, "llama", with_rope_freqs=with_rope_freqs)
+
+
+def write_qwen3_gguf(model_dir: Path, out: Path) -> Path:
+    """`model_dir` (a tiny Qwen3) as an F32 GGUF at `out`: llama.cpp keeps Qwen's rotary row order (NeoX
+    style), so no rows are permuted, and the q/k norms get their own names."""
+    return _write_gguf(model_dir, out, "qwen3", with_rope_freqs=False)
+
+
+def _write_gguf(model_dir: Path, out: Path, architecture: str, *, with_rope_freqs: bool) -> Path:
     import gguf
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model_dir)
     state = load_file(str(Path(model_dir) / "model.safetensors"))
-    writer = gguf.GGUFWriter(str(out), "llama")
-    writer.add_name("tiny-llama3")
+    writer = gguf.GGUFWriter(str(out), architecture)
+    writer.add_name(f"tiny-{architecture}")
     shape = LlamaShape(
         num_layers=config.num_hidden_layers,
         hidden_size=config.hidden_size,
@@ -64,6 +76,10 @@ def write_llama_gguf(model_dir: Path, out: Path, *, with_rope_freqs: bool = True
         rms_norm_eps=config.rms_norm_eps,
     )
     add_shape_metadata(writer, shape, config.vocab_size)
+    head_dim = getattr(config, "head_dim", None)
+    if head_dim:  # a config that names its head size (Qwen3): llama.cpp's converter writes it as the key length
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
     if with_rope_freqs:
         writer.add_tensor("rope_freqs.weight", rope_freq_factors(config))
@@ -75,8 +91,10 @@ def write_llama_gguf(model_dir: Path, out: Path, *, with_rope_freqs: bool = True
             gguf_name = "output.weight"
         else:
             layer, suffix = name.removeprefix("model.layers.").split(".", 1)
-            gguf_name = f"blk.{layer}.{_LAYER_NAMES[suffix]}"
-            if suffix == "self_attn.q_proj.weight":
+            gguf_name = f"blk.{layer}.{_LAYER_NAMES.get(suffix) or _QK_NORM_NAMES[suffix]}"
+            if architecture != "llama":
+                pass  # only LLaMA's rows are stored permuted
+            elif suffix == "self_attn.q_proj.weight":
                 weight = _permute_rows(weight, config.num_attention_heads)
             elif suffix == "self_attn.k_proj.weight":
                 weight = _permute_rows(weight, config.num_key_value_heads)

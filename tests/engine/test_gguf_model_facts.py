@@ -1,6 +1,8 @@
-"""A Llama 3 GGUF carries its RoPE scaling as a `rope_freqs` tensor (llama.cpp's converter writes the scaled
-frequencies' divisors there, not the config's rope_parameters). The engine must read it: the same tiny
-checkpoint gives the same greedy tokens and logprobs from its folder and from its GGUF file."""
+"""What a GGUF file says beside its weights, read so that the file computes what its folder computes.
+
+A Llama 3 GGUF carries its RoPE scaling as a `rope_freqs` tensor (llama.cpp's converter writes the scaled
+frequencies' divisors there, not the config's rope_parameters); a Qwen3 GGUF gives its head size as the
+attention key length. Each tiny checkpoint gives the same greedy tokens and logprobs from both."""
 
 from __future__ import annotations
 
@@ -10,8 +12,8 @@ from engine.config import EngineConfig
 from engine.engine_core import LLMEngine
 from engine.models.weights import load_checkpoint
 from engine.params import SamplingParams
-from tests.support.llama_gguf import write_llama_gguf
-from tests.support.tiny_models import make_tiny_llama
+from tests.support.llama_gguf import write_llama_gguf, write_qwen3_gguf
+from tests.support.tiny_models import make_tiny_llama, make_tiny_model
 
 # A short original context, so most of head dim 16's frequencies are scaled and a 60-token prompt reaches them.
 LLAMA3_ROPE = {
@@ -69,3 +71,16 @@ def test_without_rope_freqs_the_same_weights_compute_other_logprobs(llama3_check
         unscaled_logprobs != pytest.approx(folder_logprobs, abs=1e-3)
         for (_, folder_logprobs), (_, unscaled_logprobs) in zip(from_folder, from_unscaled, strict=True)
     )
+
+
+def test_a_qwen3_gguf_reads_its_head_size_and_equals_its_folder(tmp_path):
+    """transformers' GGUF mapping leaves Qwen3's head size to its default (128); the file's key length says
+    it, and the q/k norms load under their GGUF names."""
+    folder = make_tiny_model(tmp_path / "qwen3", "qwen3")
+    gguf_file = write_qwen3_gguf(folder, tmp_path / "tiny-qwen3-F32.gguf")
+    model_config, _ = load_checkpoint(gguf_file)
+    assert model_config.architecture == "Qwen3ForCausalLM" and model_config.head_dim == 16
+    from_folder, from_gguf = _greedy(folder), _greedy(gguf_file)
+    assert [tokens for tokens, _ in from_gguf] == [tokens for tokens, _ in from_folder]
+    for (_, folder_logprobs), (_, gguf_logprobs) in zip(from_folder, from_gguf, strict=True):
+        assert gguf_logprobs == pytest.approx(folder_logprobs, abs=1e-4)
