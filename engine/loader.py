@@ -43,11 +43,8 @@ def load_generation(config: EngineConfig) -> LoadedGeneration:
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     path = resolve_or_download(config.model)
-    method = quantization.resolve(config, path)
-    config = dataclasses.replace(config, quantization=method.name)
     started = time.monotonic()
-    model_config, state_dict = load_checkpoint(path, keep_gguf_blocks=method.keeps_gguf_blocks)
-    check_quantization_applies(model_config.architecture, method.name, path)
+    config, model_config, state_dict = _load_weights(config, path)
     tokenizer = Tokenizer.from_path(path, _config_eos_token_ids(model_config, path))
     grammar = tokenizer.grammar_compiler(model_config.vocab_size)
     draft = _load_draft_model(config, tokenizer) if config.speculative and config.speculative.draft_model else None
@@ -60,6 +57,15 @@ def load_generation(config: EngineConfig) -> LoadedGeneration:
         time.monotonic() - started,
     )
     return LoadedGeneration(engine, tokenizer)
+
+
+def _load_weights(config: EngineConfig, path: Path) -> tuple[EngineConfig, ModelConfig, dict]:
+    """The checkpoint's architecture and weights as `config`'s quantization resolves for it; the config
+    comes back with that method named."""
+    method = quantization.resolve(config, path)
+    model_config, state_dict = load_checkpoint(path, keep_gguf_blocks=method.keeps_gguf_blocks)
+    check_quantization_applies(model_config.architecture, method.name, path)
+    return dataclasses.replace(config, quantization=method.name), model_config, state_dict
 
 
 def check_quantization_applies(architecture: str, method_name: str, source: Path) -> None:
@@ -95,10 +101,7 @@ def _load_draft_model(config: EngineConfig, tokenizer: Tokenizer) -> tuple[Engin
         speculative=None,
         quantization=config.speculative.draft_quantization,
     )
-    method = quantization.resolve(draft_config, path)
-    draft_config = dataclasses.replace(draft_config, quantization=method.name)
-    model_config, state_dict = load_checkpoint(path, keep_gguf_blocks=method.keeps_gguf_blocks)
-    check_quantization_applies(model_config.architecture, method.name, path)
+    draft_config, model_config, state_dict = _load_weights(draft_config, path)
     draft_vocabulary = Tokenizer.from_path(path).vocabulary()
     if draft_vocabulary != tokenizer.vocabulary():
         raise ModelLoadError(

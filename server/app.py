@@ -204,15 +204,13 @@ async def _load_models(
         logger.info("kvserve ready: serving %s", config.model_name)
     except asyncio.CancelledError:
         raise
-    except ModelLoadError as exc:
-        # The model is refused for a reason the message gives whole (an architecture not served, a file
-        # that is not a model): one line, no traceback.
-        logger.error("model loading failed: %s", exc)
-        state.load_error = f"model loading failed: {exc}"
-        if on_fatal is not None:
-            on_fatal(exc)
     except Exception as exc:
-        logger.exception("model loading failed")
+        if isinstance(exc, ModelLoadError):
+            # Refused for a reason the message gives whole (an architecture not served, a file that is
+            # not a model): one line, no traceback.
+            logger.error("model loading failed: %s", exc)
+        else:
+            logger.exception("model loading failed")
         state.load_error = f"model loading failed: {exc}"
         if on_fatal is not None:
             on_fatal(exc)

@@ -11,6 +11,7 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -22,14 +23,19 @@ from engine.ops.gguf_linear import BLOCK_TYPES, BlockWeight
 logger = logging.getLogger(__name__)
 
 
+def _architecture_named(architectures: object, model_type: object) -> str | None:
+    """The architecture a config names: its first `architectures` entry, else the registry entry of its
+    model_type (GGUF metadata carries no `architectures`), else the model_type itself."""
+    if isinstance(architectures, list | tuple) and architectures and isinstance(architectures[0], str):
+        return architectures[0]
+    if not isinstance(model_type, str):
+        return None
+    entry = registry.for_model_type(model_type)
+    return entry.name if entry is not None else model_type
+
+
 def _model_config_from_hf(hf_config, path: Path) -> ModelConfig:
-    architectures = list(getattr(hf_config, "architectures", None) or [])
-    if architectures:
-        architecture = architectures[0]
-    else:
-        # GGUF metadata carries no `architectures`; its model_type names the entry.
-        entry = registry.for_model_type(hf_config.model_type)
-        architecture = entry.name if entry is not None else hf_config.model_type
+    architecture = _architecture_named(getattr(hf_config, "architectures", None), hf_config.model_type)
     return registry.lookup(architecture, path).model_config(hf_config, path)
 
 
@@ -40,12 +46,8 @@ def _refuse_unserved_architecture(config_file: Path, path: Path) -> None:
         raw = json.loads(config_file.read_text())
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"{config_file}: cannot parse the model config: {exc}") from exc
-    architectures = raw.get("architectures") if isinstance(raw, dict) else None
-    if isinstance(architectures, list) and architectures and isinstance(architectures[0], str):
-        registry.lookup(architectures[0], path)
-    elif isinstance(raw, dict) and isinstance(raw.get("model_type"), str):
-        if registry.for_model_type(raw["model_type"]) is None:
-            registry.lookup(raw["model_type"], path)
+    if isinstance(raw, dict) and (architecture := _architecture_named(raw.get("architectures"), raw.get("model_type"))):
+        registry.lookup(architecture, path)
 
 
 # Not a weight: the Llama 3 frequency scaling, read into ModelConfig.rope_freq_factors.
@@ -56,6 +58,7 @@ _GGUF_ROPE_FREQS = "rope_freqs.weight"
 class _GgufFacts:
     """What the engine reads from a GGUF file itself, beside transformers' reading of its metadata."""
 
+    reader: Any  # the parsed file (gguf.GGUFReader, memory-mapped), for the tensor pass
     architecture: str | None  # general.architecture
     key_length: int | None  # <architecture>.attention.key_length: the head size, where the file gives it
     rope_freq_factors: tuple[float, ...] | None  # the rope_freqs tensor: one RoPE divisor per rotary pair
@@ -77,7 +80,7 @@ def _read_gguf_facts(path: Path) -> _GgufFacts:
             factors = tuple(float(f) for f in values)
     except Exception as exc:
         raise ModelLoadError(f"{path}: cannot read GGUF metadata: {exc}") from exc
-    return _GgufFacts(architecture if isinstance(architecture, str) else None, key_length, factors)
+    return _GgufFacts(reader, architecture if isinstance(architecture, str) else None, key_length, factors)
 
 
 def _refuse_unserved_gguf_architecture(path: Path, architecture: str | None) -> None:
@@ -153,7 +156,7 @@ def _load_gguf(path: Path, keep_blocks: bool) -> tuple[ModelConfig, dict[str, to
     if facts.rope_freq_factors is not None:
         model_config = dataclasses.replace(model_config, rope_freq_factors=facts.rope_freq_factors)
     if registry.lookup(model_config.architecture).gguf_blocks:
-        tensors = _read_llama_gguf_tensors(path, model_config, keep_blocks)
+        tensors = _read_llama_gguf_tensors(facts.reader, path, model_config, keep_blocks)
         if tensors is not None:
             return model_config, tensors
     try:
@@ -190,16 +193,15 @@ def _unpermute_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 def _read_llama_gguf_tensors(
-    path: Path, model_config: ModelConfig, keep_blocks: bool = False
+    reader: Any, path: Path, model_config: ModelConfig, keep_blocks: bool = False
 ) -> dict[str, torch.Tensor | BlockWeight] | None:
-    """One pass over a LLaMA GGUF with the `gguf` package: dequantize and rename (~3x faster than
-    transformers' converter, which parses the file again). None when a tensor is not one we know,
-    so the caller falls back to transformers. With `keep_blocks`, matrices of the types in
-    BLOCK_TYPES are copied as the file's bytes (BlockWeight), never dequantized."""
+    """One pass over a LLaMA GGUF's tensors (`reader`: the file as gguf.GGUFReader parsed it): dequantize
+    and rename (~3x faster than transformers' converter, which parses the file again). None when a tensor
+    is not one we know, so the caller falls back to transformers. With `keep_blocks`, matrices of the types
+    in BLOCK_TYPES are copied as the file's bytes (BlockWeight), never dequantized."""
     import gguf
 
     try:
-        reader = gguf.GGUFReader(str(path))
         tensors: dict[str, torch.Tensor | BlockWeight] = {}
         dequantized_types: set[str] = set()
         for tensor in reader.tensors:

@@ -92,11 +92,10 @@ def _write_gguf(model_dir: Path, out: Path, architecture: str, *, with_rope_freq
         else:
             layer, suffix = name.removeprefix("model.layers.").split(".", 1)
             gguf_name = f"blk.{layer}.{_LAYER_NAMES.get(suffix) or _QK_NORM_NAMES[suffix]}"
-            if architecture != "llama":
-                pass  # only LLaMA's rows are stored permuted
-            elif suffix == "self_attn.q_proj.weight":
+            # Only LLaMA's Q/K rows are stored permuted.
+            if architecture == "llama" and suffix == "self_attn.q_proj.weight":
                 weight = _permute_rows(weight, config.num_attention_heads)
-            elif suffix == "self_attn.k_proj.weight":
+            elif architecture == "llama" and suffix == "self_attn.k_proj.weight":
                 weight = _permute_rows(weight, config.num_key_value_heads)
         writer.add_tensor(gguf_name, np.ascontiguousarray(weight))
     writer.write_header_to_file()
