@@ -224,3 +224,14 @@ class ModelConfig:
     # Divisors of RoPE's inverse frequencies, one per rotary pair: a GGUF file's `rope_freqs` tensor, where
     # llama.cpp's converter bakes a Llama 3 style frequency scaling into the file (None: no such tensor).
     rope_freq_factors: tuple[float, ...] | None = None
+    # Each layer's sliding window (None: that layer sees every key) where the layers differ, as in models
+    # that interleave sliding and full layers; None: every layer uses `sliding_window`.
+    layer_windows: tuple[int | None, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.layer_windows is not None and len(self.layer_windows) != self.num_layers:
+            raise ValueError(f"layer_windows has {len(self.layer_windows)} entries for {self.num_layers} layers")
+
+    def windows(self) -> tuple[int | None, ...]:
+        """The sliding window of every layer (None: full attention)."""
+        return self.layer_windows if self.layer_windows is not None else (self.sliding_window,) * self.num_layers

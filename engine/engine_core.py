@@ -23,9 +23,10 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention.probe import AttentionWeights, attention_weights
-from engine.config import TORCH_DTYPES, EngineConfig, ModelConfig, cdiv
+from engine.config import TORCH_DTYPES, EngineConfig, ModelConfig
 from engine.core.block_pool import BlockPool
 from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.kv_layout import plan_kv_layout
 from engine.core.kv_snapshot import KVCacheSnapshot, take_snapshot
 from engine.core.scheduler import Scheduler, StepCounters
 from engine.core.sequence import Sequence
@@ -92,7 +93,13 @@ class LLMEngine:
         self.model_config = model_config
         self.eos_token_ids = eos_token_ids
         self.model_name = config.model
-        self.sliding_window = config.sliding_window or model_config.sliding_window
+        # A window given to the engine applies to every layer; otherwise each layer has the model's own.
+        windows = (
+            (config.sliding_window,) * model_config.num_layers if config.sliding_window else model_config.windows()
+        )
+        self.layout = plan_kv_layout(windows, config.num_sink_tokens)
+        # The sliding layers' window (None: every layer is full); sinks count only with a window.
+        self.sliding_window = next((w for w in windows if w is not None), None)
         self.num_sink_tokens = config.num_sink_tokens if self.sliding_window is not None else 0
         self.max_model_len = self._derive_max_model_len()
         # The one bound on token ids a request may carry (prompt ids, logit_bias keys; the server checks
@@ -102,23 +109,23 @@ class LLMEngine:
         # between are ones the model itself can emit, so the detokenizer already handles them.
         self.vocab_size = model_config.vocab_size
 
-        per_block = kv_bytes_per_block(model_config, config.block_size, TORCH_DTYPES[config.dtype])
-        blocks_per_seq = self._max_blocks_per_seq()
+        per_block = kv_bytes_per_block(model_config, self.layout, config.block_size, TORCH_DTYPES[config.dtype])
+        blocks_per_seq = self.layout.max_blocks_per_seq(
+            self.max_model_len, config.block_size, config.max_num_batched_tokens
+        )
         useful = config.max_num_seqs * blocks_per_seq + 1  # more than this is never used at once
         num_blocks = config.num_blocks or max(2, min(config.kv_cache_memory_bytes // per_block, useful))
         logger.info(
-            "KV cache: %d blocks of %d tokens (%.1f MiB), max_model_len %d, sliding window %s",
+            "KV cache: %d blocks of %d tokens (%.1f MiB), max_model_len %d, attention %s",
             num_blocks,
             config.block_size,
             num_blocks * per_block / 2**20,
             self.max_model_len,
-            self.sliding_window,
+            self.layout.describe(),
         )
-        self.runner = ModelRunner(
-            model_config, state_dict, config, num_blocks, self.sliding_window, self.num_sink_tokens, eos_token_ids
-        )
+        self.runner = ModelRunner(model_config, state_dict, config, num_blocks, self.layout, eos_token_ids)
         self.pool = BlockPool(num_blocks, config.enable_prefix_caching)
-        self.kv_manager = KVCacheManager(self.pool, config.block_size, self.sliding_window, self.num_sink_tokens)
+        self.kv_manager = KVCacheManager(self.pool, config.block_size, self.layout.groups)
         isolating = IsolatingRunner(self.runner)
         self.speculative = build_speculative_runner(isolating, config, self.max_model_len, self.vocab_size, draft_model)
         self.step_runner: BatchRunner = self.speculative or isolating  # what step() runs each batch with
@@ -142,20 +149,12 @@ class LLMEngine:
             return model_limit
         if asked > model_limit:
             learned_positions = registry.lookup(self.model_config.architecture).has_learned_positions
-            if self.sliding_window is None or learned_positions:
+            if not self.layout.every_layer_slides or learned_positions:
                 raise ValueError(
                     f"max_model_len {asked} exceeds the model's context of {model_limit} tokens "
                     "(only RoPE models with a sliding window can stream past it)"
                 )
         return asked
-
-    def _max_blocks_per_seq(self) -> int:
-        bs = self.config.block_size
-        if self.sliding_window is None:
-            return cdiv(self.max_model_len, bs)
-        live = cdiv(self.sliding_window, bs) + 1 + cdiv(self.num_sink_tokens, bs)
-        chunk = cdiv(self.config.max_num_batched_tokens, bs) + 1
-        return min(cdiv(self.max_model_len, bs), live + chunk)
 
     # ----------------------------------------------------------------- requests
 
@@ -183,8 +182,9 @@ class LLMEngine:
                 "max_tokens",
             )
         longest = min(limit, num_prompt_tokens + (params.max_tokens or limit))
-        # With a window a sequence never holds more than its live window (plus a prefill chunk).
-        blocks = min(cdiv(longest, self.config.block_size), self._max_blocks_per_seq())
+        # Every group's table covers the sequence; a sliding group's never holds more than its live window
+        # (plus a prefill chunk).
+        blocks = self.layout.max_blocks_per_seq(longest, self.config.block_size, self.config.max_num_batched_tokens)
         if blocks > self.pool.num_blocks - 1:
             raise PromptTooLongError(
                 f"a sequence of {longest} tokens needs {blocks} KV blocks but the cache has only "
@@ -363,13 +363,19 @@ class LLMEngine:
             self.config.block_size,
             self.sliding_window,
             self.num_sink_tokens,
+            self.layout.groups,
         )
 
     def attention_weights(
-        self, token_ids: list[int], sliding_window: int | None, num_sink_tokens: int
+        self,
+        token_ids: list[int],
+        sliding_window: int | None,
+        num_sink_tokens: int,
+        layer_windows: tuple[int | None, ...] | None = None,
     ) -> AttentionWeights:
         """Every layer's and head's attention weights over token_ids, by the reference path
-        (engine/attention/probe.py) on this engine's model; the serving cache is not used."""
+        (engine/attention/probe.py) on this engine's model; the serving cache is not used. Every layer
+        attends under sliding_window, or each under its own (layer_windows, one per layer)."""
         self._check_prompt_ids(token_ids)
         if len(token_ids) > self.max_model_len:
             limit = self.max_model_len
@@ -385,7 +391,8 @@ class LLMEngine:
             dtype=runner.dtype,
             device=runner.device,
             sliding_window=sliding_window,
-            num_sink_tokens=num_sink_tokens if sliding_window is not None else 0,
+            num_sink_tokens=num_sink_tokens if sliding_window is not None or layer_windows else 0,
+            layer_windows=layer_windows,
         )
 
     def stats(self) -> EngineStats:

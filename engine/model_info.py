@@ -32,17 +32,21 @@ class ModelInfo:
 
 
 def read_model_info(llm_engine: LLMEngine) -> ModelInfo:
-    """The engine's model, as the engine runs it: its window and sinks apply to every layer."""
+    """The engine's model, as the engine runs it: each layer full or under the engine's window and sinks."""
     model = llm_engine.model_config
     window = llm_engine.sliding_window
-    kind = ATTENTION_FULL if window is None else ATTENTION_SLIDING
+    layout = llm_engine.layout
+    kinds = tuple(
+        ATTENTION_FULL if layout.window_of_layer(layer) is None else ATTENTION_SLIDING
+        for layer in range(model.num_layers)
+    )
     return ModelInfo(
         model_name=llm_engine.model_name,
         num_layers=model.num_layers,
         num_heads=model.num_heads,
         num_kv_heads=model.num_kv_heads,
         head_dim=model.head_dim,
-        attention_kinds=(kind,) * model.num_layers,
+        attention_kinds=kinds,
         sliding_window=window,
         num_sink_tokens=llm_engine.num_sink_tokens,
         max_model_len=llm_engine.max_model_len,

@@ -14,7 +14,7 @@ each sequence's queries read, and the boolean mask (causal, window, sinks).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -67,8 +67,10 @@ class AttentionMetadata:
         return self.key_blocks.shape[0]
 
 
-# (query [T, H_q, D], key_cache, value_cache, meta, scale) -> attention output [T, H_q, D]
-AttentionProbe = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor]
+# (query [T, H_q, D], key_cache, value_cache, meta, scale, softcap or None) -> attention output [T, H_q, D]
+AttentionProbe = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float, float | None], torch.Tensor
+]
 
 
 def visible_mask(
@@ -90,6 +92,44 @@ def visible_mask(
     return mask
 
 
+def _logical_blocks(
+    starts: list[int], counts: list[int], block_size: int, sliding_window: int | None, num_sink_tokens: int
+) -> np.ndarray:
+    """int64 [B, N]: the logical blocks each sequence's queries may read, padded with -1.
+
+    The sink blocks, then every block from the first query's window start to the last new token;
+    bounded by (W + S + chunk) / block_size with a window, the whole context without.
+    """
+    rows = []
+    for start, count in zip(starts, counts):
+        last_block = (start + count - 1) // block_size
+        if sliding_window is None:
+            rows.append(np.arange(last_block + 1))
+        else:
+            low_block = max(start - sliding_window + 1, 0) // block_size
+            num_sink_blocks = min(cdiv(num_sink_tokens, block_size), low_block)
+            rows.append(np.concatenate([np.arange(num_sink_blocks), np.arange(low_block, last_block + 1)]))
+    logical = np.full((len(rows), max(len(r) for r in rows)), -1, dtype=np.int64)
+    for i, row in enumerate(rows):
+        logical[i, : len(row)] = row
+    return logical
+
+
+def _bind_tables(
+    logical: np.ndarray, starts: list[int], counts: list[int], block_tables: list[list[int]], block_size: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """(key_blocks int64 [B, N], slot_mapping int64 [T]) of these block tables for the logical blocks."""
+    key_blocks = np.zeros(logical.shape, dtype=np.int64)
+    new_slots = []
+    for i, (start, count, table) in enumerate(zip(starts, counts, block_tables)):
+        table = np.asarray(table, dtype=np.int64)
+        valid = logical[i] >= 0
+        key_blocks[i, valid] = table[logical[i, valid]]
+        positions = np.arange(start, start + count)
+        new_slots.append(table[positions // block_size] * block_size + positions % block_size)
+    return key_blocks, np.concatenate(new_slots)
+
+
 def build_attention_metadata(
     starts: list[int],
     counts: list[int],
@@ -101,29 +141,8 @@ def build_attention_metadata(
 ) -> AttentionMetadata:
     """Metadata for B sequences where sequence i computes positions [starts[i], starts[i] + counts[i])."""
     num_seqs = len(starts)
-    # Logical blocks each sequence may read: the sink blocks, then every block from the
-    # first query's window start to the last new token. Bounded by (W + S + chunk) / block_size.
-    block_rows = []
-    new_slots = []
-    for start, count, table in zip(starts, counts, block_tables):
-        end = start + count
-        last_block = (end - 1) // block_size
-        if sliding_window is None:
-            logical = np.arange(last_block + 1)
-        else:
-            low_block = max(start - sliding_window + 1, 0) // block_size
-            num_sink_blocks = min(cdiv(num_sink_tokens, block_size), low_block)
-            logical = np.concatenate([np.arange(num_sink_blocks), np.arange(low_block, last_block + 1)])
-        block_rows.append(logical)
-        table = np.asarray(table, dtype=np.int64)
-        positions = np.arange(start, end)
-        new_slots.append(table[positions // block_size] * block_size + positions % block_size)
-    max_blocks = max(len(r) for r in block_rows)
-    key_blocks = np.zeros((num_seqs, max_blocks), dtype=np.int64)
-    logical_blocks = np.full((num_seqs, max_blocks), -1, dtype=np.int64)
-    for i, (table, logical) in enumerate(zip(block_tables, block_rows)):
-        key_blocks[i, : len(logical)] = np.asarray(table, dtype=np.int64)[logical]
-        logical_blocks[i, : len(logical)] = logical
+    logical_blocks = _logical_blocks(starts, counts, block_size, sliding_window, num_sink_tokens)
+    key_blocks, slot_mapping = _bind_tables(logical_blocks, starts, counts, block_tables, block_size)
     offsets = np.arange(block_size)
     key_positions = (logical_blocks[:, :, None] * block_size + offsets).reshape(num_seqs, -1)
     key_positions[np.repeat(logical_blocks < 0, block_size, axis=1)] = -1
@@ -157,7 +176,7 @@ def build_attention_metadata(
         attn_mask = None if bool(mask.all()) else mask.to(device)
     query_offsets = np.cumsum([0, *counts[:-1]])
     return AttentionMetadata(
-        slot_mapping=torch.from_numpy(np.concatenate(new_slots)).to(device),
+        slot_mapping=torch.from_numpy(slot_mapping).to(device),
         key_blocks=torch.from_numpy(key_blocks).to(device),
         attn_mask=attn_mask,
         query_index=torch.from_numpy(query_index).to(device),
@@ -170,6 +189,37 @@ def build_attention_metadata(
         sliding_window=sliding_window,
         num_sink_tokens=num_sink_tokens,
     )
+
+
+def build_group_metadata(
+    starts: list[int],
+    counts: list[int],
+    tables_by_group: list[list[list[int]]],
+    kinds: list[tuple[int | None, int]],
+    block_size: int,
+    device: torch.device,
+) -> list[AttentionMetadata]:
+    """One AttentionMetadata per attention group: tables_by_group[g][i] is sequence i's table in group g,
+    kinds[g] its group's (sliding_window, num_sink_tokens). Groups of one kind share the masks and
+    positions (built once) and differ only in the blocks they read and write."""
+    by_kind: dict[tuple[int | None, int], tuple[AttentionMetadata, np.ndarray]] = {}
+    metas = []
+    for tables, kind in zip(tables_by_group, kinds, strict=True):
+        if kind not in by_kind:
+            meta = build_attention_metadata(starts, counts, tables, block_size, *kind, device)
+            by_kind[kind] = meta, _logical_blocks(starts, counts, block_size, *kind)
+            metas.append(meta)
+            continue
+        first, logical = by_kind[kind]
+        key_blocks, slot_mapping = _bind_tables(logical, starts, counts, tables, block_size)
+        metas.append(
+            replace(
+                first,
+                slot_mapping=torch.from_numpy(slot_mapping).to(device),
+                key_blocks=torch.from_numpy(key_blocks).to(device),
+            )
+        )
+    return metas
 
 
 def per_token_rows(meta: AttentionMetadata, block_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -11,10 +11,10 @@ import functools
 import logging
 
 import torch
-import torch.nn.functional as F
 
 from engine.attention.metadata import AttentionMetadata
 from engine.ops.decode_attention import decode_attention, gather_blocks
+from engine.ops.sdpa import sdpa
 
 logger = logging.getLogger(__name__)
 
@@ -38,8 +38,13 @@ def paged_attention(
     value_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    *,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of T flat queries [T, H_q, D] over the paged cache -> [T, H_q, D].
+
+    softcap: attention-logit softcapping, every score s (after scaling, before the mask and softmax)
+    becoming softcap * tanh(s / softcap); None leaves the scores as they are. Every kernel takes it.
 
     The new tokens' K/V must already be written (write_kv). On CUDA, with triton installed and
     shapes its kernels take, the Triton kernels run (engine/attention/triton_decode.py for
@@ -47,18 +52,20 @@ def paged_attention(
     decode-only steps run engine/ops/decode_attention.py (its native kernel on float32 CPU
     tensors) and every other step runs `paged_attention_torch`.
     """
+    if softcap is not None and not 0 < softcap < float("inf"):
+        raise ValueError(f"softcap must be positive and finite (or None for none), got {softcap}")
     if meta.probe is not None:
-        return meta.probe(query, key_cache, value_cache, meta, scale)
+        return meta.probe(query, key_cache, value_cache, meta, scale, softcap)
     if query.is_cuda and use_triton_kernels(query, key_cache, value_cache):
         from engine.attention.triton_decode import triton_paged_decode
         from engine.attention.triton_prefill import triton_paged_prefill
 
         kernel = triton_paged_decode if meta.is_decode_only else triton_paged_prefill
-        return kernel(query, key_cache, value_cache, meta, scale)
+        return kernel(query, key_cache, value_cache, meta, scale, softcap=softcap)
     if meta.is_decode_only:
         visible = meta.attn_mask[:, 0] if meta.attn_mask is not None else None
-        return decode_attention(query, key_cache, value_cache, meta.key_blocks, visible, scale)
-    return paged_attention_torch(query, key_cache, value_cache, meta, scale)
+        return decode_attention(query, key_cache, value_cache, meta.key_blocks, visible, scale, softcap=softcap)
+    return paged_attention_torch(query, key_cache, value_cache, meta, scale, softcap=softcap)
 
 
 # The dtypes the Triton kernels' results have been checked in (Triton's interpreter, against the dense
@@ -94,6 +101,8 @@ def paged_attention_torch(
     value_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    *,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """paged_attention for any step in torch ops only, so the same code runs on CPU and CUDA."""
     num_tokens, num_heads, head_dim = query.shape
@@ -102,14 +111,14 @@ def paged_attention_torch(
     # One scratch row at index T receives the padding queries.
     scratch = torch.cat([query, query.new_zeros(1, num_heads, head_dim)])
     padded_query = scratch[meta.query_index]  # [B, Q, H_q, D]
-    out = F.scaled_dot_product_attention(
+    out = sdpa(
         padded_query.transpose(1, 2),
         keys,
         values,
-        attn_mask=meta.attn_mask.unsqueeze(1) if meta.attn_mask is not None else None,
+        meta.attn_mask.unsqueeze(1) if meta.attn_mask is not None else None,
+        scale,
         is_causal=meta.is_causal,
-        scale=scale,
-        enable_gqa=num_heads != key_cache.shape[2],
+        softcap=softcap,
     ).transpose(1, 2)  # [B, Q, H_q, D]
     flat = out.new_empty(num_tokens + 1, num_heads, head_dim)
     flat[meta.query_index.reshape(-1)] = out.reshape(-1, num_heads, head_dim)

@@ -4,8 +4,9 @@ The serving kernels never form the attention matrix (the CPU decode kernel, SDPA
 kernels keep it in registers), so the weights are computed by a separate, plain path: the model's
 own layers (norms, projections, rotary embeddings, biases) run over the prompt with a private KV
 cache of its own, and each layer's attention goes through `reference_attention_probs` (explicit
-scores, mask, softmax), which records the weights. The serving cache, block pool and scheduler are
-never touched, so a probe cannot disturb running requests beyond the time it takes.
+scores, the layer's softcap if it has one, mask, softmax), which records the weights. The serving
+cache, block pool and scheduler are never touched, so a probe cannot disturb running requests beyond
+the time it takes.
 
 The masking rule is the engine's (`visible_mask`): causal, plus an optional sliding window of W
 keys (key j visible to query i iff i - W < j <= i) and the first S positions kept as sinks.
@@ -13,6 +14,7 @@ keys (key j visible to query i iff i - W < j <= i) and the first S positions kep
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -31,6 +33,7 @@ class AttentionWeights:
     weights: torch.Tensor
     sliding_window: int | None
     num_sink_tokens: int
+    layer_windows: tuple[int | None, ...]  # the window each layer's weights were computed under (None: full)
 
     @property
     def num_layers(self) -> int:
@@ -45,9 +48,7 @@ class _RecordingAttention:
     """Stands in for paged attention in every layer of one probe forward: dense over the new tokens
     (the whole prompt, written to slots in order), recording each layer's weights."""
 
-    def __init__(self, sliding_window: int | None, num_sink_tokens: int) -> None:
-        self.sliding_window = sliding_window
-        self.num_sink_tokens = num_sink_tokens
+    def __init__(self) -> None:
         self.layers: list[torch.Tensor] = []  # per layer: float32 [H_q, T, T], on the CPU
 
     def __call__(
@@ -57,6 +58,7 @@ class _RecordingAttention:
         value_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         num_tokens, _, head_dim = query.shape
         num_kv_heads = key_cache.shape[2]
@@ -65,7 +67,7 @@ class _RecordingAttention:
         values = value_cache.view(-1, num_kv_heads, head_dim)[meta.slot_mapping]
         positions = torch.arange(num_tokens, device=query.device)
         probs = reference_attention_probs(
-            query, keys, positions, positions, scale, self.sliding_window, self.num_sink_tokens
+            query, keys, positions, positions, scale, meta.sliding_window, meta.num_sink_tokens, softcap=softcap
         )  # [H_q, T, T]
         self.layers.append(probs.cpu())  # only one layer's weights at a time on the device
         return weighted_values(probs, values, query.dtype)
@@ -84,9 +86,11 @@ def attention_weights(
     device: torch.device,
     sliding_window: int | None,
     num_sink_tokens: int,
+    layer_windows: Sequence[int | None] | None = None,
 ) -> AttentionWeights:
-    """Run `model` (an engine model: forward(input_ids, positions, kv_caches, meta)) over token_ids
-    and return every layer's and head's attention weights under the given window and sinks."""
+    """Run `model` (an engine model: forward(input_ids, positions, kv_caches, metas)) over token_ids
+    and return every layer's and head's attention weights under the given window and sinks, or under
+    each layer's own window (layer_windows, None entries full; sinks apply to the sliding ones)."""
     if not token_ids:
         raise ValueError("attention weights need at least one token")
     num_tokens = len(token_ids)
@@ -97,14 +101,16 @@ def attention_weights(
         (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
         for _ in range(num_layers)
     ]
-    recorder = _RecordingAttention(sliding_window, num_sink_tokens)
+    recorder = _RecordingAttention()
     block_table = list(range(1, num_blocks + 1))
-    meta = build_attention_metadata(
-        [0], [num_tokens], [block_table], block_size, sliding_window, num_sink_tokens, device
-    )
-    meta = replace(meta, probe=recorder)
+    windows = list(layer_windows) if layer_windows is not None else [sliding_window] * num_layers
+    metas_by_window: dict[int | None, AttentionMetadata] = {}
+    for window in set(windows):
+        sinks = num_sink_tokens if window is not None else 0
+        meta = build_attention_metadata([0], [num_tokens], [block_table], block_size, window, sinks, device)
+        metas_by_window[window] = replace(meta, probe=recorder)
     input_ids = torch.tensor(token_ids, dtype=torch.long, device=device)
     positions = torch.arange(num_tokens, device=device)
-    model(input_ids, positions, kv_caches, meta)
+    model(input_ids, positions, kv_caches, [metas_by_window[window] for window in windows])
     weights = torch.stack(recorder.layers)  # [L, H_q, T, T]
-    return AttentionWeights(tuple(token_ids), weights, sliding_window, num_sink_tokens)
+    return AttentionWeights(tuple(token_ids), weights, sliding_window, num_sink_tokens, tuple(windows))

@@ -11,6 +11,8 @@ walks its share of the sequence's key_blocks entries, skips an entry none of who
 (padding, wholly after the query, wholly behind the window and holding no sink) before loading anything
 of it, and otherwise folds the entry's [block_size] keys into an online softmax (running max m, running
 sum l, accumulator rescaled by exp(m_old - m_new), in base 2), all in float32 whatever the cache dtype.
+With a softcap (SOFTCAP), each scaled score s becomes softcap * tanh(s / softcap) before masking and the
+softmax; without one the kernel is compiled without that step.
 With one split it writes the normalised output; with several (flash decoding, for long contexts
 and few sequences) each split writes its partial (m, l, unnormalised accumulator) to float32 scratch and
 a second kernel, one program per (sequence, query head), combines the splits with log-sum-exp weights.
@@ -87,6 +89,14 @@ def choose_num_splits(num_entries: int, num_programs: int) -> int:
 if triton is not None:
 
     @triton.jit
+    def _tanh(x):
+        # tanh from exp2 (libdevice's tanh has no interpreter implementation): e = exp(-2|x|) lies in
+        # (0, 1] for every x, so nothing overflows, and tanh(+-inf) = +-1.
+        e = tl.exp2(-2.8853900817779268 * tl.abs(x))  # 2 * log2(e)
+        t = (1.0 - e) / (1.0 + e)
+        return tl.where(x < 0, -t, t)
+
+    @triton.jit
     def _decode_kernel(
         query_ptr,  # [B, H_q, D]
         key_cache_ptr,  # [num_blocks, block_size, H_kv, D]
@@ -100,7 +110,8 @@ if triton is not None:
         part_sum_ptr,  # float32 [B, H_q, NUM_SPLITS]
         part_acc_ptr,  # float32 [B, H_q, NUM_SPLITS, D], unnormalised
         visits_ptr,  # int32 [B, H_kv, NUM_SPLITS]: entries each program loaded (only when COUNT_VISITS)
-        scale_log2,  # softmax scale * log2(e): scores go through exp2
+        qk_scale,  # scale * log2(e) (scores go through exp2); scale / softcap with SOFTCAP
+        softcap_log2,  # softcap * log2(e), used only with SOFTCAP
         sliding_window,
         num_sink_tokens,
         stride_qb,
@@ -129,6 +140,7 @@ if triton is not None:
         USE_WINDOW: tl.constexpr,
         USE_DOT: tl.constexpr,
         COUNT_VISITS: tl.constexpr,
+        SOFTCAP: tl.constexpr,  # scores s -> softcap * tanh(s / softcap)
     ):
         seq = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -143,7 +155,7 @@ if triton is not None:
         heads = kv_head * GROUP + offs_g
         q_ptrs = query_ptr + seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd
         q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)  # [G_PAD, D]
-        q = q * scale_log2
+        q = q * qk_scale
 
         q_pos = tl.load(query_starts_ptr + seq)
         num_entries = tl.load(num_entries_ptr + seq)
@@ -183,6 +195,8 @@ if triton is not None:
                     scores = tl.dot(q, tl.trans(k), input_precision="ieee")  # [G_PAD, BLOCK_SIZE]
                 else:
                     scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [G_PAD, BLOCK_SIZE]
+                if SOFTCAP:  # q carries scale / softcap: tanh, then back to the softcap range in base 2
+                    scores = _tanh(scores) * softcap_log2
                 scores = tl.where(visible[None, :], scores, float("-inf"))
                 # The entry has a visible key, so m_new is finite and exp2(-inf - m_new) = 0 below.
                 m_new = tl.maximum(m_i, tl.max(scores, axis=1))  # [G_PAD]
@@ -260,15 +274,18 @@ def triton_paged_decode(
     meta: AttentionMetadata,
     scale: float,
     num_splits: int | None = None,
+    *,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Decode attention of one query per sequence, query [B, H_q, D], over the paged cache -> [B, H_q, D].
 
     meta: build_attention_metadata for a decode-only step (the new tokens' K/V already written by
     write_kv). key_cache, value_cache: [num_blocks, block_size, H_kv, D], float16 / bfloat16 / float32.
     num_splits: split-K parts per sequence; None chooses from the number of entries (choose_num_splits).
+    softcap: scores s become softcap * tanh(s / softcap) before the softmax; None: no cap.
     The output has the query's dtype.
     """
-    return _paged_decode(query, key_cache, value_cache, meta, scale, num_splits)
+    return _paged_decode(query, key_cache, value_cache, meta, scale, num_splits, softcap=softcap)
 
 
 def _paged_decode(
@@ -279,6 +296,8 @@ def _paged_decode(
     scale: float,
     num_splits: int | None,
     visits: torch.Tensor | None = None,
+    *,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """triton_paged_decode; `visits` (int32 [B, H_kv, num_splits]) receives the entries each program loaded."""
     if triton is None:
@@ -301,6 +320,8 @@ def _paged_decode(
         raise ValueError(f"{num_seqs} queries for {meta.num_seqs} sequences")
     if num_splits is not None and num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    if softcap is not None and not (0 < softcap < math.inf):
+        raise ValueError(f"softcap must be positive and finite, got {softcap}")
 
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
@@ -339,7 +360,8 @@ def _paged_decode(
         part_sum,
         part_acc,
         visits,
-        scale * _LOG2E,
+        scale * _LOG2E if softcap is None else scale / softcap,
+        softcap * _LOG2E if softcap is not None else 0.0,
         window if window is not None else 0,
         meta.num_sink_tokens,
         *query.stride(),
@@ -356,6 +378,7 @@ def _paged_decode(
         USE_WINDOW=window is not None,
         USE_DOT=group_pad >= 16 and block_size >= 16,
         COUNT_VISITS=count_visits,
+        SOFTCAP=softcap is not None,
     )
     if num_splits > 1:
         _combine_splits_kernel[(num_seqs, num_heads)](

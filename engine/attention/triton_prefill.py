@@ -15,6 +15,8 @@ the same `AttentionMetadata`, without gathering the blocks and without building 
 * scores of the [BLOCK_M, BLOCK_SIZE] tile are masked from positions (`visible_mask`'s rule) and folded
   into an online softmax: a running row max m, running row sum l and an accumulator rescaled by
   exp(m_old - m_new) whenever the max grows, all in float32. The [Q, K] score matrix never exists.
+* with a softcap (SOFTCAP), each scaled score s becomes softcap * tanh(s / softcap) before the mask;
+  without one the kernel is compiled without that step.
 
 Limits: BLOCK_M = 16 (tl.dot needs every dimension >= 16); block_size and head_dim powers of two in
 [16, 256] (tl.arange needs powers of two, tl.dot >= 16; above 256 the tiles outgrow the registers);
@@ -52,6 +54,14 @@ _LOG2E = 1.4426950408889634
 if triton is not None:
 
     @triton.jit
+    def _tanh(x):
+        # tanh from exp2 (libdevice's tanh has no interpreter implementation): e = exp(-2|x|) lies in
+        # (0, 1] for every x, so nothing overflows, and tanh(+-inf) = +-1.
+        e = tl.exp2(-2.8853900817779268 * tl.abs(x))  # 2 * log2(e)
+        t = (1.0 - e) / (1.0 + e)
+        return tl.where(x < 0, -t, t)
+
+    @triton.jit
     def _paged_prefill_kernel(
         query_ptr,  # [T, H_q, D]
         key_cache_ptr,  # [num_blocks, BLOCK_SIZE, H_kv, D]
@@ -63,7 +73,8 @@ if triton is not None:
         query_lens_ptr,  # int32 [B]
         query_offsets_ptr,  # int32 [B]
         visits_ptr,  # int32 [B, num_tiles, H_q]: entries each program loaded (only when COUNT_VISITS)
-        scale_log2,  # softmax scale * log2(e): scores in base 2, for exp2
+        qk_scale,  # scale * log2(e) (scores in base 2, for exp2); scale / softcap with SOFTCAP
+        softcap_log2,  # softcap * log2(e), used only with SOFTCAP
         num_entries,  # N
         sliding_window,  # W (unused without HAS_WINDOW)
         num_sink_tokens,
@@ -85,6 +96,7 @@ if triton is not None:
         HEAD_DIM: tl.constexpr,
         HAS_WINDOW: tl.constexpr,
         COUNT_VISITS: tl.constexpr,
+        SOFTCAP: tl.constexpr,  # scores s -> softcap * tanh(s / softcap)
     ):
         seq = tl.program_id(0)
         tile = tl.program_id(1)
@@ -138,7 +150,9 @@ if triton is not None:
                     + kv_head * stride_vh
                     + dims[None, :]
                 )  # [BLOCK_SIZE, D]
-                scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2  # [BLOCK_M, BLOCK_SIZE]
+                scores = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale  # [BLOCK_M, BLOCK_SIZE]
+                if SOFTCAP:  # scores are s / softcap here: tanh, then back to the softcap range in base 2
+                    scores = _tanh(scores) * softcap_log2
 
                 key_pos = block_first + slots  # [BLOCK_SIZE]
                 visible = key_pos[None, :] <= query_pos[:, None]
@@ -219,6 +233,8 @@ def _launch(
     meta: AttentionMetadata,
     scale: float,
     visits: torch.Tensor | None = None,
+    *,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Run the kernel; `visits` (int32 [B, num_tiles, H_q], zeroed) receives the blocks each program loaded."""
     num_tokens, num_heads, head_dim = query.shape
@@ -249,7 +265,8 @@ def _launch(
         query_lens,
         query_offsets,
         visits,
-        scale * _LOG2E,
+        scale * _LOG2E if softcap is None else scale / softcap,
+        softcap * _LOG2E if softcap is not None else 0.0,
         num_entries,
         meta.sliding_window if has_window else 0,
         meta.num_sink_tokens,
@@ -271,6 +288,7 @@ def _launch(
         HEAD_DIM=head_dim,
         HAS_WINDOW=has_window,
         COUNT_VISITS=count_visits,
+        SOFTCAP=softcap is not None,
     )
     return out
 
@@ -281,15 +299,20 @@ def triton_paged_prefill(
     value_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    *,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of T flat queries [T, H_q, D] over the paged cache -> [T, H_q, D] in the query's dtype.
 
     Same contract as paged_attention_torch: `meta` from build_attention_metadata for any step, the new
-    tokens' K/V already written to the caches [num_blocks, block_size, H_kv, D] (write_kv).
+    tokens' K/V already written to the caches [num_blocks, block_size, H_kv, D] (write_kv). softcap:
+    scores s become softcap * tanh(s / softcap) before the mask and softmax; None: no cap.
     """
     reason = unavailable_reason() or unsupported_reason(query, key_cache, value_cache)
     if reason is not None:
         raise ValueError(f"triton_paged_prefill cannot run: {reason}")
     if not math.isfinite(scale):
         raise ValueError(f"scale {scale} is not finite")
-    return _launch(query, key_cache, value_cache, meta, scale)
+    if softcap is not None and not (0 < softcap < math.inf):
+        raise ValueError(f"softcap must be positive and finite, got {softcap}")
+    return _launch(query, key_cache, value_cache, meta, scale, softcap=softcap)

@@ -231,7 +231,7 @@ class Scheduler:
             if self._is_blocked_on_parent(seq) or (seq.needs_prompt_logprobs and scored_rows_left == 0):
                 skipped.append(self.waiting.popleft())
                 continue
-            if not seq.block_table and not seq.needs_prompt_logprobs:
+            if not seq.holds_blocks and not seq.needs_prompt_logprobs:
                 # A cached prefix has no logits left to score its tokens with: a sequence that still
                 # owes prompt logprobs computes its whole prompt (its blocks are then cached for others).
                 seq.num_computed_tokens = bm.take_cached_prefix(seq)

@@ -5,7 +5,7 @@ A request with n samples owns n Sequences. Each field has one writer:
 - the scheduler writes status, num_computed_tokens, first_scheduled_time, and
   appends sampled tokens (token_ids, logprobs), the prompt's logprobs (prompt_logprobs) and
   the finish (finish_reason, stop_reason) in `Scheduler.update`;
-- the KV cache manager writes block_table, block_hashes and num_registered_blocks;
+- the KV cache manager writes block_tables, block_hashes and num_registered_blocks;
 - the engine creates the matcher (structured output), and `Scheduler.update` advances it with
   each sampled token. A preempted sequence keeps it: recomputing its KV changes no token.
 """
@@ -38,7 +38,9 @@ class Sequence:
     arrival_time: float
     token_ids: list[int] = field(default_factory=list)  # prompt + generated
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
-    block_table: list[int] = field(default_factory=list)
+    # One block table per attention group (engine/core/kv_layout.py); block_tables[g][i] holds positions
+    # [i * block_size, (i + 1) * block_size) of group g's layers.
+    block_tables: list[list[int]] = field(default_factory=lambda: [[]])
     block_hashes: list[bytes] = field(default_factory=list)  # chained digest of each full block
     num_registered_blocks: int = 0  # full blocks already published to the prefix cache
     status: SequenceStatus = SequenceStatus.WAITING
@@ -55,6 +57,19 @@ class Sequence:
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def block_table(self) -> list[int]:
+        """The first group's table: the only one of a model whose layers all attend alike."""
+        return self.block_tables[0]
+
+    @block_table.setter
+    def block_table(self, table: list[int]) -> None:
+        self.block_tables[0] = table
+
+    @property
+    def holds_blocks(self) -> bool:
+        return any(self.block_tables)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -55,25 +55,57 @@ class RotaryEmbedding:
     """cos/sin for arbitrary positions (no table, so positions may exceed the trained context).
 
     Uses transformers' own RoPE parameter functions for the scaling types
-    (linear, llama3, yarn), so scaled configs match the reference exactly. A GGUF file
+    (linear, llama3, yarn, longrope), so scaled configs match the reference exactly. A GGUF file
     carries a Llama 3 scaling as per-frequency divisors instead (freq_factors).
+
+    `rotary_dim` (default: the whole head) is how many leading dims of each head rotate; the rest pass
+    through (partial rotary, as Phi-3's partial_rotary_factor sets).
+
+    LongRoPE has two sets of frequencies: the short factors for a context within the pretraining length
+    (`original_max_position_embeddings`), the long factors beyond it. transformers picks one set for a
+    whole forward pass by its longest position, and recomputes a sequence's keys with the long set once
+    it grows past that length. Here the choice is per token: position p uses the short factors when
+    p < original_max_position_embeddings and the long ones otherwise. Every key keeps the rotation it
+    was cached with, whatever the sequence grows to, and a prefix's KV blocks stay reusable; a sequence
+    within the pretraining length computes exactly what transformers does, and the positions past it
+    use the long factors transformers uses there (the earlier positions keep the short ones).
     """
 
     def __init__(
-        self, hf_config, head_dim: int, device: torch.device, freq_factors: tuple[float, ...] | None = None
+        self,
+        hf_config,
+        head_dim: int,
+        device: torch.device,
+        freq_factors: tuple[float, ...] | None = None,
+        rotary_dim: int | None = None,
     ) -> None:
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+        rotary_dim = head_dim if rotary_dim is None else rotary_dim
         params = getattr(hf_config, "rope_parameters", None) or {}
         rope_type = params.get("rope_type", "default")
+        self.long_inv_freq: torch.Tensor | None = None
+        self.original_max_positions: int | None = None
         if rope_type == "default":
             base = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
-            inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+            inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
             self.attention_scaling = 1.0
-        elif rope_type in ("dynamic", "longrope"):
+        elif rope_type == "dynamic":
             raise ModelLoadError(f"rope scaling type {rope_type!r} is not supported yet")
+        elif rope_type == "longrope":
+            init = ROPE_INIT_FUNCTIONS[rope_type]
+            original = int(params["original_max_position_embeddings"])
+            inv_freq, self.attention_scaling = init(hf_config, torch.device("cpu"))  # the short factors
+            long_inv_freq, _ = init(hf_config, torch.device("cpu"), seq_len=original + 1)  # the long factors
+            self.long_inv_freq = long_inv_freq.float().to(device)
+            self.original_max_positions = original
         else:
             inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+        if 2 * inv_freq.shape[0] != rotary_dim:
+            raise ModelLoadError(
+                f"RoPE ({rope_type}) gives {inv_freq.shape[0]} frequencies; a rotary dim of {rotary_dim} needs "
+                f"{rotary_dim // 2}"
+            )
         if freq_factors is not None:
             # A GGUF's rope_freqs: the scaled frequencies are the defaults divided by these factors.
             if rope_type != "default":
@@ -86,10 +118,16 @@ class RotaryEmbedding:
                 )
             inv_freq = inv_freq / torch.tensor(freq_factors, dtype=torch.float)
         self.inv_freq = inv_freq.float().to(device)
+        self.rotary_dim = rotary_dim
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] -> cos, sin [T, 1, head_dim] (broadcast over heads)."""
-        freqs = positions.float().unsqueeze(-1) * self.inv_freq
+        """positions [T] -> cos, sin [T, 1, rotary_dim] (broadcast over heads)."""
+        inv_freq = self.inv_freq
+        if self.long_inv_freq is not None:
+            # [T, rotary_dim / 2]: each position's own set (LongRoPE's per-token rule above).
+            is_long = (positions >= self.original_max_positions).unsqueeze(-1)
+            inv_freq = torch.where(is_long, self.long_inv_freq, self.inv_freq)
+        freqs = positions.float().unsqueeze(-1) * inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
         cos = (emb.cos() * self.attention_scaling).to(dtype).unsqueeze(1)
         sin = (emb.sin() * self.attention_scaling).to(dtype).unsqueeze(1)
@@ -97,7 +135,14 @@ class RotaryEmbedding:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D] rotated (the non-interleaved "rotate half" convention of HF LLaMA)."""
+    """x [T, H, D] rotated (the non-interleaved "rotate half" convention of HF LLaMA).
+
+    cos, sin [T, 1, R]: the first R dims of each head rotate (rotate-half within them) and the other
+    D - R pass through unchanged (partial rotary); R == D rotates the whole head."""
+    rotary_dim = cos.shape[-1]
+    if rotary_dim < x.shape[-1]:
+        rotated = apply_rotary(x[..., :rotary_dim], cos, sin)
+        return torch.cat((rotated, x[..., rotary_dim:]), dim=-1)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin

@@ -67,9 +67,9 @@ class GPT2LMHeadModel(nn.Module):
         self.ln_f = nn.LayerNorm(config.hidden_size, eps=hf.layer_norm_epsilon)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
-    def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, input_ids, positions, kv_caches, metas: list[AttentionMetadata]) -> torch.Tensor:
         hidden = self.wte(input_ids) + self.wpe(positions)
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        for layer, kv_cache, meta in zip(self.layers, kv_caches, metas, strict=True):
             hidden = layer(hidden, kv_cache, meta)
         return self.ln_f(hidden)
 

@@ -116,12 +116,12 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        meta: AttentionMetadata,
+        metas: list[AttentionMetadata],
     ) -> torch.Tensor:
-        """input_ids, positions: [T] -> final hidden states [T, hidden]."""
+        """input_ids, positions: [T] -> final hidden states [T, hidden]; kv_caches and metas: one per layer."""
         hidden = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        for layer, kv_cache, meta in zip(self.layers, kv_caches, metas, strict=True):
             hidden = layer(hidden, cos, sin, kv_cache, meta)
         return self.norm(hidden)
 
@@ -150,12 +150,12 @@ class LlamaForCausalLM(nn.Module):
             def biases(names: list[str], prefix: str = p) -> torch.Tensor:
                 return torch.cat([take(state, f"{prefix}{n}.bias") for n in names])
 
-            qkv = cat_rows([take(state, f"{p}self_attn.{n}_proj.weight") for n in "qkv"])
+            qkv = self._take_qkv(state, p)
             qkv_bias = biases([f"self_attn.{n}_proj" for n in "qkv"]) if layer.qkv_proj.bias is not None else None
             load_linear(layer, "qkv_proj", qkv, qkv_bias, f"{p}self_attn.qkv")
             o_bias = biases(["self_attn.o_proj"]) if layer.o_proj.bias is not None else None
             load_linear(layer, "o_proj", take(state, f"{p}self_attn.o_proj.weight"), o_bias, f"{p}self_attn.o_proj")
-            gate_up = cat_rows([take(state, f"{p}mlp.{n}_proj.weight") for n in ("gate", "up")])
+            gate_up = self._take_gate_up(state, p)
             has_mlp_bias = layer.gate_up_proj.bias is not None
             gate_up_bias = biases(["mlp.gate_proj", "mlp.up_proj"]) if has_mlp_bias else None
             load_linear(layer, "gate_up_proj", gate_up, gate_up_bias, f"{p}mlp.gate_up")
@@ -174,8 +174,26 @@ class LlamaForCausalLM(nn.Module):
         if leftovers:
             raise ValueError(f"unexpected weights in checkpoint: {leftovers[:5]}")
         self.rotary = RotaryEmbedding(
-            self.config.hf_config, self.config.head_dim, self.norm.weight.device, self.config.rope_freq_factors
+            self.config.hf_config,
+            self.config.head_dim,
+            self.norm.weight.device,
+            self.config.rope_freq_factors,
+            rotary_dim=self._rotary_dim(),
         )
+
+    # Hooks for architectures that lay out the same layers differently (Phi-3: engine/models/phi3.py).
+
+    def _take_qkv(self, state: dict[str, torch.Tensor | BlockWeight], prefix: str) -> torch.Tensor | BlockWeight:
+        """One layer's fused q/k/v weight [q_size + 2 * kv_size, hidden], taken out of `state`."""
+        return cat_rows([take(state, f"{prefix}self_attn.{n}_proj.weight") for n in "qkv"])
+
+    def _take_gate_up(self, state: dict[str, torch.Tensor | BlockWeight], prefix: str) -> torch.Tensor | BlockWeight:
+        """One layer's fused gate/up weight [2 * intermediate, hidden] (gate rows first), taken out of `state`."""
+        return cat_rows([take(state, f"{prefix}mlp.{n}_proj.weight") for n in ("gate", "up")])
+
+    def _rotary_dim(self) -> int:
+        """How many leading dims of each query/key head RoPE rotates (the whole head)."""
+        return self.config.head_dim
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

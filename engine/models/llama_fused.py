@@ -30,6 +30,8 @@ class _LlamaLayer(ctypes.Structure):
     _fields_ = [
         ("input_norm", PTR),
         ("post_attention_norm", PTR),
+        ("q_norm", PTR),
+        ("k_norm", PTR),
         ("qkv", _Int8Weight),
         ("o", _Int8Weight),
         ("gate_up", _Int8Weight),
@@ -77,8 +79,11 @@ def unsupported_reason(model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tens
     layers = list(model.layers)
     if not layers:
         return "the model has no layers"
-    if any(layer.q_norm is not None for layer in layers):
-        return "its layers norm each head's query and key (the fused kernel does not)"
+    head_norms = [norm for layer in layers for norm in (layer.q_norm, layer.k_norm) if norm is not None]
+    if any(norm.eps != layer.input_norm.eps for layer in layers for norm in (layer.q_norm, layer.k_norm) if norm):
+        return "its q/k norms have another eps than its layer norms (the fused kernel uses one)"
+    if model.rotary is not None and model.rotary.rotary_dim != layers[0].head_dim:
+        return "RoPE rotates only part of each head (the fused kernel rotates all of it)"
     projections = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
     if any(kernel_weight(getattr(layer, name)) is None for layer in layers for name in projections):
         return "its linear layers are neither int8 nor GGUF blocks (the fused kernel reads only those)"
@@ -86,6 +91,7 @@ def unsupported_reason(model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tens
     if cache.dtype != torch.float32 or cache.device.type != "cpu" or not cache.is_contiguous():
         return f"the KV cache is {cache.dtype} on {cache.device.type} (the kernel needs contiguous float32 on CPU)"
     norms = [norm.weight for layer in layers for norm in (layer.input_norm, layer.post_attention_norm)]
+    norms += [norm.weight for norm in head_norms]
     if any(weight.dtype != torch.float32 for weight in [*norms, model.norm.weight]):
         return "its RMSNorm weights are not float32"
     reason = unavailable_reason("llama_decode")
@@ -120,6 +126,8 @@ class FusedLlamaDecode:
                 _LlamaLayer(
                     layer.input_norm.weight.data_ptr(),
                     layer.post_attention_norm.weight.data_ptr(),
+                    layer.q_norm.weight.data_ptr() if layer.q_norm is not None else None,
+                    layer.k_norm.weight.data_ptr() if layer.k_norm is not None else None,
                     _weight(layer.qkv_proj),
                     _weight(layer.o_proj),
                     _weight(layer.gate_up_proj),

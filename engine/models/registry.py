@@ -23,8 +23,10 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.errors import ModelLoadError
+from engine.models.gemma import SUPPORTED_ACTIVATIONS, Gemma2ForCausalLM, Gemma3ForCausalLM
 from engine.models.gpt2 import GPT2LMHeadModel
 from engine.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
+from engine.models.phi3 import Phi3ForCausalLM
 from engine.models.qwen3 import Qwen3ForCausalLM
 
 AttentionKind = Literal["full", "sliding"]
@@ -75,16 +77,40 @@ def _gpt2_config(architecture: str, hf_config: Any, source: Path) -> ModelConfig
     )
 
 
-def _rope_config(architecture: str, hf_config: Any, source: Path, window: int | None) -> ModelConfig:
-    """The LLaMA family's config; `window` is the architecture's reading of its sliding window."""
+# config.layer_types' names of the two attention kinds.
+_SLIDING_LAYER = "sliding_attention"
+_FULL_LAYER = "full_attention"
+
+
+def layer_windows(hf_config: Any, source: Path, window: int | None) -> tuple[int | None, ...] | None:
+    """Each layer's window from config.layer_types (sliding layers see `window` keys, full layers all),
+    or None where the config names no layer types. A window of None makes every layer full."""
+    layer_types = getattr(hf_config, "layer_types", None)
+    if not layer_types or window is None:
+        return None
+    unknown = sorted(set(layer_types) - {_SLIDING_LAYER, _FULL_LAYER})
+    if unknown:
+        raise ModelLoadError(
+            f"{source}: layer types {unknown} are not supported (only {_SLIDING_LAYER}, {_FULL_LAYER})"
+        )
+    if len(layer_types) != hf_config.num_hidden_layers:
+        raise ModelLoadError(f"{source}: {len(layer_types)} layer_types for {hf_config.num_hidden_layers} layers")
+    return tuple(window if kind == _SLIDING_LAYER else None for kind in layer_types)
+
+
+def _rope_config(
+    architecture: str,
+    hf_config: Any,
+    source: Path,
+    window: int | None,
+    windows: tuple[int | None, ...] | None = None,
+) -> ModelConfig:
+    """The LLaMA family's config; `window` is the architecture's reading of its sliding window, `windows` each
+    layer's where the architecture gives layers their own (layer_windows)."""
     heads = hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
-    layer_types = getattr(hf_config, "layer_types", None)
-    if window is not None and layer_types and len(set(layer_types)) > 1:
-        raise ModelLoadError(
-            f"{source}: models that mix full and sliding-window layers ({sorted(set(layer_types))}) "
-            "are not supported yet"
-        )
+    if windows is not None and len(set(windows)) == 1:
+        window, windows = windows[0], None  # every layer alike: one window (or none) for all
     return ModelConfig(
         architecture=architecture,
         vocab_size=hf_config.vocab_size,
@@ -96,6 +122,7 @@ def _rope_config(architecture: str, hf_config: Any, source: Path, window: int | 
         max_position_embeddings=hf_config.max_position_embeddings,
         sliding_window=window,
         hf_config=hf_config,
+        layer_windows=windows,
     )
 
 
@@ -106,7 +133,22 @@ def _llama_config(architecture: str, hf_config: Any, source: Path) -> ModelConfi
 def _qwen2_config(architecture: str, hf_config: Any, source: Path) -> ModelConfig:
     # Qwen2 configs carry a sliding_window that applies only when use_sliding_window is set.
     window = getattr(hf_config, "sliding_window", None) if getattr(hf_config, "use_sliding_window", False) else None
-    return _rope_config(architecture, hf_config, source, window)
+    # Qwen2 and Qwen3 give it to the layers config.layer_types names sliding (from max_window_layers on);
+    # LLaMA, Mistral and Phi-3 give their window to every layer, whatever layer_types says.
+    return _rope_config(architecture, hf_config, source, window, layer_windows(hf_config, source, window))
+
+
+def _gemma_config(architecture: str, hf_config: Any, source: Path) -> ModelConfig:
+    """Gemma 2 / Gemma 3 text: config.sliding_window on the layers config.layer_types names sliding."""
+    if getattr(hf_config, "use_bidirectional_attention", False):
+        raise ModelLoadError(f"{source}: use_bidirectional_attention (a non-causal {architecture}) is not supported")
+    activation = getattr(hf_config, "hidden_activation", None)
+    if activation not in SUPPORTED_ACTIVATIONS:
+        raise ModelLoadError(
+            f"{source}: hidden_activation {activation!r} is not supported (only {', '.join(SUPPORTED_ACTIVATIONS)})"
+        )
+    window = getattr(hf_config, "sliding_window", None)
+    return _rope_config(architecture, hf_config, source, window, layer_windows(hf_config, source, window))
 
 
 # ------------------------------------------------------------------ the table
@@ -149,7 +191,34 @@ _ENTRIES = (
         gguf_architectures=("qwen3",),
         config_mapper=_qwen2_config,  # the same use_sliding_window rule
         attention_kinds=("full", "sliding"),
-        # The native fused decode has no q/k norm: Qwen3 decodes through the torch layers.
+        fused_decode=True,  # its per-head q/k norms run in the fused kernel too
+    ),
+    ModelEntry(
+        name="Phi3ForCausalLM",
+        model_class=Phi3ForCausalLM,
+        model_type="phi3",
+        gguf_architectures=("phi3",),
+        config_mapper=_llama_config,  # transformers' Phi-3 applies a config's sliding_window as LLaMA's does
+        attention_kinds=("full", "sliding"),
+        # The native fused decode rotates whole heads (Phi-4-mini rotates 3/4 of each): Phi-3 decodes through
+        # the torch layers.
+    ),
+    ModelEntry(
+        name="Gemma2ForCausalLM",
+        model_class=Gemma2ForCausalLM,
+        model_type="gemma2",
+        gguf_architectures=("gemma2",),
+        config_mapper=_gemma_config,
+        attention_kinds=("full", "sliding"),
+        # The native fused decode has no post-norms, GeGLU or softcaps: Gemma decodes through the torch layers.
+    ),
+    ModelEntry(
+        name="Gemma3ForCausalLM",
+        model_class=Gemma3ForCausalLM,
+        model_type="gemma3_text",
+        gguf_architectures=("gemma3",),  # transformers reads a gemma3 GGUF as the text model
+        config_mapper=_gemma_config,
+        attention_kinds=("full", "sliding"),
     ),
     ModelEntry(
         name="GPT2LMHeadModel",

@@ -17,7 +17,7 @@ import torch
 
 from engine.config import ModelConfig
 from engine.errors import ModelLoadError
-from engine.models import registry
+from engine.models import gemma, phi3, registry
 from engine.ops.gguf_linear import BLOCK_TYPES, BlockWeight
 
 logger = logging.getLogger(__name__)
@@ -149,6 +149,10 @@ def _load_gguf(path: Path, keep_blocks: bool) -> tuple[ModelConfig, dict[str, to
             # transformers' mapping skips the head size for some architectures (Qwen3), whose configs then
             # default to 128 whatever the file says.
             config_dict["head_dim"] = facts.key_length
+        if facts.architecture == "phi3":  # its rotary dims, LongRoPE and window, which the mapping drops
+            config_dict = phi3.gguf_config(facts.reader, config_dict)
+        elif facts.architecture in ("gemma2", "gemma3"):  # their softcaps, attention scale and per-type RoPE
+            config_dict = gemma.gguf_config(facts.reader, facts.architecture, config_dict)
         hf_config = AutoConfig.for_model(model_type, **config_dict)
     except Exception as exc:
         raise ModelLoadError(f"{path}: cannot read GGUF metadata: {exc}") from exc

@@ -5,6 +5,7 @@
  * blocks: int64   [B, N]   cache blocks each sequence reads, in logical order
  * mask:   uint8   [B, N * block_size] 1 where the key is visible, or NULL for all visible
  * out:    float32 [B, Hq, D]
+ * softcap: > 0 caps every scaled score s to softcap * tanh(s / softcap) before the softmax; 0 is off
  *
  * Query head h reads key/value head h / (Hq / Hkv) (grouped-query attention).
  * Reads keys and values in place, where torch's path gathers whole blocks into
@@ -39,10 +40,12 @@ static inline void axpy(float *out, float w, const float *v, int64_t n) {
 }
 
 /* Attention of rows [b] for all heads; query row b starts at query + b * query_row_stride. */
-static int decode_attention_strided(const float *query, int64_t query_row_stride, const float *key_cache,
-                                    const float *value_cache, const int64_t *blocks, const uint8_t *mask, float *out,
-                                    int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                                    int64_t block_size, int64_t num_blocks_per_seq, float scale, int num_threads) {
+static int decode_attention_capped(const float *query, int64_t query_row_stride, const float *key_cache,
+                                   const float *value_cache, const int64_t *blocks, const uint8_t *mask, float *out,
+                                   int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                                   int64_t block_size, int64_t num_blocks_per_seq, float scale, float softcap,
+                                   int num_threads) {
+    int capped = softcap > 0.0f; /* loop-invariant: the branch below costs nothing when off */
     int64_t num_keys = num_blocks_per_seq * block_size;
     int64_t group = num_heads / num_kv_heads;
     int64_t slot_stride = num_kv_heads * head_dim; /* floats between consecutive cache slots */
@@ -66,6 +69,7 @@ static int decode_attention_strided(const float *query, int64_t query_row_stride
                 if (visible && !visible[k]) continue;
                 int64_t slot = table[k / block_size] * block_size + k % block_size;
                 float s = dot(q, key_cache + slot * slot_stride + kvh * head_dim, head_dim) * scale;
+                if (capped) s = tanhf(s / softcap) * softcap;
                 scores[k] = s;
                 if (s > best) best = s;
             }
@@ -88,12 +92,23 @@ static int decode_attention_strided(const float *query, int64_t query_row_stride
     return failed;
 }
 
+/* decode_attention_capped without a softcap (the fused LLaMA decode in llama_decode.c). */
+static inline int decode_attention_strided(const float *query, int64_t query_row_stride, const float *key_cache,
+                                           const float *value_cache, const int64_t *blocks, const uint8_t *mask,
+                                           float *out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                                           int64_t head_dim, int64_t block_size, int64_t num_blocks_per_seq,
+                                           float scale, int num_threads) {
+    return decode_attention_capped(query, query_row_stride, key_cache, value_cache, blocks, mask, out, num_seqs,
+                                   num_heads, num_kv_heads, head_dim, block_size, num_blocks_per_seq, scale, 0.0f,
+                                   num_threads);
+}
+
 /* Returns 0 on success, 1 if a scratch buffer could not be allocated. */
 int kv_decode_attention(const float *query, const float *key_cache, const float *value_cache,
                         const int64_t *blocks, const uint8_t *mask, float *out, int64_t num_seqs,
                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                        int64_t num_blocks_per_seq, float scale, int num_threads) {
-    return decode_attention_strided(query, num_heads * head_dim, key_cache, value_cache, blocks, mask, out, num_seqs,
-                                    num_heads, num_kv_heads, head_dim, block_size, num_blocks_per_seq, scale,
-                                    num_threads);
+                        int64_t num_blocks_per_seq, float scale, float softcap, int num_threads) {
+    return decode_attention_capped(query, num_heads * head_dim, key_cache, value_cache, blocks, mask, out, num_seqs,
+                                   num_heads, num_kv_heads, head_dim, block_size, num_blocks_per_seq, scale, softcap,
+                                   num_threads);
 }

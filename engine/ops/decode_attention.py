@@ -2,8 +2,9 @@
 
 engine/attention/ routes decode-only steps here. The native kernel
 reads the cache in place (float32 CPU tensors); the torch path gathers whole
-blocks and runs SDPA. tests/unit/test_paged_attention.py holds both equal to
-the dense reference.
+blocks and runs SDPA (explicit scores with a softcap). Both take an optional
+attention-logit softcap (scores s -> softcap * tanh(s / softcap) before the
+softmax). tests/unit/test_paged_attention.py holds both equal to the dense reference.
 """
 
 from __future__ import annotations
@@ -12,15 +13,16 @@ import ctypes
 import functools
 
 import torch
-import torch.nn.functional as F
 
 from engine.ops.loader import I64, PTR, bind
+from engine.ops.sdpa import sdpa
 
 
 @functools.cache
 def _kernel():
     """kv_decode_attention(...) -> status, or None when the library cannot be used."""
-    argtypes = [PTR, PTR, PTR, PTR, PTR, PTR, I64, I64, I64, I64, I64, I64, ctypes.c_float, ctypes.c_int]
+    # query, caches, blocks, mask, out; B, H_q, H_kv, D, block_size, N; scale, softcap (0: off), threads
+    argtypes = [PTR] * 6 + [I64] * 6 + [ctypes.c_float, ctypes.c_float, ctypes.c_int]
     return bind("decode_attention", "kv_decode_attention", argtypes, ctypes.c_int)
 
 
@@ -47,18 +49,20 @@ def decode_attention_torch(
     key_blocks: torch.Tensor,
     visible: torch.Tensor | None,
     scale: float,
+    *,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """query [B, H_q, D] (one token per sequence) -> [B, H_q, D], in torch ops (any device and dtype).
 
-    key_blocks: int64 [B, N]; visible: bool [B, N * block_size] or None (all visible).
+    key_blocks: int64 [B, N]; visible: bool [B, N * block_size] or None (all visible); softcap: None or > 0.
     """
-    out = F.scaled_dot_product_attention(
+    out = sdpa(
         query.unsqueeze(2),  # [B, H_q, 1, D]
         gather_blocks(key_cache, key_blocks),
         gather_blocks(value_cache, key_blocks),
-        attn_mask=visible[:, None, None, :] if visible is not None else None,
-        scale=scale,
-        enable_gqa=query.shape[1] != key_cache.shape[2],
+        visible[:, None, None, :] if visible is not None else None,
+        scale,
+        softcap=softcap,
     )
     return out.squeeze(2)
 
@@ -70,6 +74,8 @@ def decode_attention_native(
     key_blocks: torch.Tensor,
     visible: torch.Tensor | None,
     scale: float,
+    *,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """decode_attention_torch for float32 CPU tensors through the native kernel."""
     num_seqs, num_heads, head_dim = query.shape
@@ -92,6 +98,7 @@ def decode_attention_native(
         block_size,
         key_blocks.shape[1],
         scale,
+        softcap if softcap is not None else 0.0,  # the kernel's "off"
         torch.get_num_threads(),
     )
     if status != 0:
@@ -106,9 +113,11 @@ def decode_attention(
     key_blocks: torch.Tensor,
     visible: torch.Tensor | None,
     scale: float,
+    *,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """The native kernel for float32 CPU tensors where it loads, torch otherwise."""
     on_cpu_float32 = query.device.type == "cpu" and query.dtype == key_cache.dtype == torch.float32
     if on_cpu_float32 and available():
-        return decode_attention_native(query, key_cache, value_cache, key_blocks, visible, scale)
-    return decode_attention_torch(query, key_cache, value_cache, key_blocks, visible, scale)
+        return decode_attention_native(query, key_cache, value_cache, key_blocks, visible, scale, softcap=softcap)
+    return decode_attention_torch(query, key_cache, value_cache, key_blocks, visible, scale, softcap=softcap)

@@ -7,6 +7,7 @@
  * the same steps as engine/models/llama.py's LlamaLayer.forward, with the same kernels
  * (the int8 product, RMSNorm, paged decode attention, included below), and plain loops
  * for RoPE (HF's rotate-half convention), the cache writes, SiLU * up and the residuals.
+ * Qwen3's per-head RMSNorm of queries and keys (before RoPE) runs when a layer has one.
  * The torch path stays the reference; tests/engine/test_fused_decode.py holds them equal.
  */
 #include "decode_attention.c"
@@ -25,6 +26,7 @@ typedef struct {
 typedef struct {
     const float *input_norm;
     const float *post_attention_norm;
+    const float *q_norm, *k_norm; /* [D] each, over every query / key head; NULL: no per-head norm */
     Int8Weight qkv, o, gate_up, down;
     float *key_cache;   /* [num_blocks, block_size, Hkv, D] */
     float *value_cache; /* same */
@@ -67,6 +69,10 @@ int kv_llama_decode_layers(const LlamaLayer *layers, int64_t num_layers, const D
             float *row = qkv + b * qkv_size;
             const float *cos = step->cos + b * D, *sin = step->sin + b * D;
             int64_t half = D / 2;
+            if (layer->q_norm) { /* in place: each row's sum of squares is taken before it is written */
+                kv_rms_norm(row, layer->q_norm, row, step->num_heads, D, step->eps);
+                kv_rms_norm(row + q_size, layer->k_norm, row + q_size, step->num_kv_heads, D, step->eps);
+            }
             for (int64_t head = 0; head < step->num_heads + step->num_kv_heads; head++) {
                 float *x = row + head * D; /* query heads, then key heads */
                 for (int64_t i = 0; i < half; i++) {

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from engine.core.kv_layout import KVLayout
 from engine.models import llama_fused, registry
 from engine.models.llama import RMSNorm
 from engine.ops import decode_attention, rms_norm
@@ -53,16 +54,21 @@ def native_ops(model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tenso
     return tuple(name for name, is_used in used.items() if is_used) + native_linear_ops(model)
 
 
-def choose_decode_path(model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> DecodePlan:
+def choose_decode_path(
+    model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], layout: KVLayout
+) -> DecodePlan:
     """The fused path where `model` and its caches allow it and the kernel loads, else the torch layers.
 
     `model` is a registered decoder: its `config` is the ModelConfig it was built from. Only an
-    architecture whose registry entry has fused_decode may take the fused path, whatever its class.
+    architecture whose registry entry has fused_decode may take the fused path, whatever its class,
+    and only with one attention group (the kernel applies one mask to every layer).
     """
     ops = native_ops(model, kv_caches)
     entry = registry.lookup(model.config.architecture)
     if not entry.fused_decode:
         return DecodePlan(DecodePath.TORCH_LAYERS, f"{entry.name} has no fused decode kernel", ops)
+    if layout.num_groups > 1:
+        return DecodePlan(DecodePath.TORCH_LAYERS, f"layers attend in {layout.num_groups} groups", ops)
     reason = llama_fused.unsupported_reason(model, kv_caches)
     if reason is not None:
         return DecodePlan(DecodePath.TORCH_LAYERS, reason, ops)

@@ -16,8 +16,9 @@ import numpy as np
 import torch
 
 from engine import quantization
-from engine.attention.metadata import AttentionMetadata, build_attention_metadata, per_token_rows
+from engine.attention.metadata import AttentionMetadata, build_group_metadata, per_token_rows
 from engine.config import TORCH_DTYPES, EngineConfig, ModelConfig
+from engine.core.kv_layout import KVLayout
 from engine.core.scheduler import ScheduledBatch
 from engine.core.sequence import Sequence
 from engine.models import registry
@@ -49,9 +50,9 @@ class StepResult:
         return self.sampled, self.prompt_logprobs
 
 
-def kv_bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+def kv_bytes_per_block(model_config: ModelConfig, layout: KVLayout, block_size: int, dtype: torch.dtype) -> int:
     element = torch.empty((), dtype=dtype).element_size()
-    return 2 * model_config.num_layers * block_size * model_config.num_kv_heads * model_config.head_dim * element
+    return layout.bytes_per_block(block_size, model_config.num_kv_heads, model_config.head_dim, element)
 
 
 class ModelRunner:
@@ -61,16 +62,15 @@ class ModelRunner:
         state_dict: dict[str, torch.Tensor],
         config: EngineConfig,
         num_blocks: int,
-        sliding_window: int | None,
-        num_sink_tokens: int,
+        layout: KVLayout,
         eos_token_ids: tuple[int, ...],
     ) -> None:
         self.model_config = model_config
         self.device = torch.device(config.device)
         self.dtype = TORCH_DTYPES[config.dtype]
         self.block_size = config.block_size
-        self.sliding_window = sliding_window
-        self.num_sink_tokens = num_sink_tokens
+        self.layout = layout
+        self._group_kinds = [(g.sliding_window, g.num_sink_tokens) for g in layout.groups]
         self.eos_token_ids = eos_token_ids  # banned by the sampler until min_tokens
         with torch.device("meta"):
             model = _MODEL_CLASSES[model_config.architecture](model_config)
@@ -82,24 +82,25 @@ class ModelRunner:
             logger.info("weights: %s", quantized)
         self.model = model.eval().requires_grad_(False)
         shape = (num_blocks, config.block_size, model_config.num_kv_heads, model_config.head_dim)
-        # One (key, value) pair per layer, allocated once for the whole life of the engine.
-        self.kv_caches = [
+        # One (key, value) pair per slot of a block, allocated once for the whole life of the engine; each
+        # layer reads and writes its slot's pair through its group's block tables (engine/core/kv_layout.py).
+        slots = [
             (
                 torch.zeros(shape, dtype=self.dtype, device=self.device),
                 torch.zeros(shape, dtype=self.dtype, device=self.device),
             )
-            for _ in range(model_config.num_layers)
+            for _ in range(layout.layers_per_group)
         ]
+        self.kv_caches = [slots[slot] for slot in layout.layer_slot]  # per layer
         # The one place that decides which code runs decode-only steps (see forward).
-        self.decode_plan = choose_decode_path(self.model, self.kv_caches)
+        self.decode_plan = choose_decode_path(self.model, self.kv_caches, layout)
         logger.info("%s", self.decode_plan.describe())
         is_fused = self.decode_plan.path is DecodePath.FUSED_NATIVE
         self.fused_decode = FusedLlamaDecode(self.model, self.kv_caches) if is_fused else None
 
-    def build_inputs(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """Flat input ids [T], positions [T] and the attention metadata for one step."""
-        bs = self.block_size
-        window, sinks = self.sliding_window, self.num_sink_tokens
+    def build_inputs(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, list[AttentionMetadata]]:
+        """Flat input ids [T], positions [T] and each layer's attention metadata for one step (layers of one
+        attention group share one)."""
         starts = [seq.num_computed_tokens for seq in batch.seqs]
         counts = batch.num_new_tokens
         # A speculating sequence's new tokens end with its drafts, which are not in its token_ids.
@@ -111,25 +112,33 @@ class ModelRunner:
         )
         positions = np.concatenate([np.arange(st, st + n) for st, n in zip(starts, counts)])
 
-        block_tables = [seq.block_table for seq in batch.seqs]
-        meta = build_attention_metadata(starts, counts, block_tables, bs, window, sinks, self.device)
+        tables_by_group = [[seq.block_tables[g] for seq in batch.seqs] for g in range(self.layout.num_groups)]
+        group_metas = build_group_metadata(
+            starts, counts, tables_by_group, self._group_kinds, self.block_size, self.device
+        )
+        metas = [group_metas[g] for g in self.layout.layer_group]
         dev = self.device
-        return torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev), meta
+        return torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev), metas
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, short_queries: bool = False
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metas: list[AttentionMetadata],
+        short_queries: bool = False,
     ) -> torch.Tensor:
         """Final hidden states [T, hidden]. On the fused path, decode-only steps run every layer in one
         native call, and so do steps where no sequence computes more than FUSED_ROWS_MAX_QUERY tokens
         (short_queries: a token and its speculative drafts, a draft model catching up): each token is then
         one query row, seeing what the step's mask lets it see."""
         if self.fused_decode is not None and self.decode_plan.path is DecodePath.FUSED_NATIVE:
+            meta = metas[0]  # the fused path runs only models of one attention group
             if meta.is_decode_only:
                 return self.fused_decode(input_ids, positions, meta)
             if short_queries:
                 blocks, mask = per_token_rows(meta, self.block_size)
                 return self.fused_decode.run_rows(input_ids, positions, blocks, mask, meta.slot_mapping)
-        return self.model(input_ids, positions, self.kv_caches, meta)
+        return self.model(input_ids, positions, self.kv_caches, metas)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> StepResult:
@@ -178,9 +187,9 @@ class ModelRunner:
 
     def run_model(self, batch: ScheduledBatch) -> torch.Tensor:
         """The batch's final hidden states [T, hidden], one row per new token in batch order."""
-        input_ids, positions, meta = self.build_inputs(batch)
+        input_ids, positions, metas = self.build_inputs(batch)
         short_queries = max(batch.num_new_tokens) <= FUSED_ROWS_MAX_QUERY
-        return self.forward(input_ids, positions, meta, short_queries=short_queries)
+        return self.forward(input_ids, positions, metas, short_queries=short_queries)
 
     def _sampling_logits(self, batch: ScheduledBatch, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [R, vocab]: one row per sequence that samples this step."""

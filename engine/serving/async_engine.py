@@ -226,14 +226,23 @@ class AsyncEngine:
         return await waiter
 
     async def attention_weights(
-        self, token_ids: list[int], sliding_window: int | None, num_sink_tokens: int
+        self,
+        token_ids: list[int],
+        sliding_window: int | None,
+        num_sink_tokens: int,
+        layer_windows: tuple[int | None, ...] | None = None,
     ) -> AttentionWeights:
         """Attention weights of a prompt by the reference path (LLMEngine.attention_weights), run on the
         torch worker between two steps: running requests wait for it, as for one prefill."""
         self._check_alive()
         assert self._worker is not None
         return await self._worker.run(
-            self.llm_engine.attention_weights, token_ids, sliding_window, num_sink_tokens, kind=INSPECT_TURN
+            self.llm_engine.attention_weights,
+            token_ids,
+            sliding_window,
+            num_sink_tokens,
+            layer_windows,
+            kind=INSPECT_TURN,
         )
 
     async def submit(

@@ -17,6 +17,7 @@ import torch
 from engine.config import TORCH_DTYPES, EngineConfig, ModelConfig, cdiv
 from engine.core.block_pool import BlockPool
 from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.kv_layout import plan_kv_layout
 from engine.core.scheduler import ScheduledBatch
 from engine.core.sequence import Sequence
 from engine.params import SamplingParams
@@ -48,14 +49,19 @@ class DraftModelProposer:
     ) -> None:
         self.model_config = model_config
         self.max_model_len = model_config.max_position_embeddings
-        window = model_config.sliding_window
-        per_block = kv_bytes_per_block(model_config, config.block_size, TORCH_DTYPES[config.dtype])
+        layout = plan_kv_layout(model_config.windows(), 0)
+        per_block = kv_bytes_per_block(model_config, layout, config.block_size, TORCH_DTYPES[config.dtype])
         # Every running sequence's whole context plus its drafts, or the memory budget, whichever is less.
-        useful = max_num_seqs * (cdiv(self.max_model_len + num_speculative_tokens, config.block_size) + 1) + 1
+        useful = (
+            max_num_seqs
+            * layout.num_groups
+            * (cdiv(self.max_model_len + num_speculative_tokens, config.block_size) + 1)
+            + 1
+        )
         num_blocks = max(2, min(config.kv_cache_memory_bytes // per_block, useful))
-        self.runner = ModelRunner(model_config, state_dict, config, num_blocks, window, 0, ())
+        self.runner = ModelRunner(model_config, state_dict, config, num_blocks, layout, ())
         self.pool = BlockPool(num_blocks, enable_prefix_caching=False)
-        self.kv_manager = KVCacheManager(self.pool, config.block_size, window, 0)
+        self.kv_manager = KVCacheManager(self.pool, config.block_size, layout.groups)
         self._mirrors: dict[int, Sequence] = {}
         logger.info(
             "draft model: %s, %d KV blocks (%.1f MiB)", config.model, num_blocks, num_blocks * per_block / 2**20

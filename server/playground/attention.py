@@ -15,7 +15,7 @@ from fastapi import APIRouter
 from fastapi.responses import Response
 
 from engine import Tokenizer
-from engine.inspect import AttentionWeights
+from engine.inspect import ATTENTION_SLIDING, AttentionWeights
 from server.errors import APIError
 from server.http.json_body import StrictJSONRoute
 from server.http.openapi import attention_responses
@@ -70,6 +70,10 @@ async def attention(body: AttentionRequest, state: SharedState) -> Response:
     check_token_ids(token_ids, engine.vocab_size, "token_ids")
     model = engine.model_info
     window, sinks = _masking(body, model.sliding_window, model.num_sink_tokens)
+    # A model that mixes full and sliding layers shows each layer under its own mask unless a window is asked.
+    layer_windows = None
+    if "sliding_window" not in body.model_fields_set and len(set(model.attention_kinds)) > 1:
+        layer_windows = tuple(window if kind == ATTENTION_SLIDING else None for kind in model.attention_kinds)
 
     num_layers = model.num_layers
     num_heads = model.num_heads
@@ -78,7 +82,7 @@ async def attention(body: AttentionRequest, state: SharedState) -> Response:
     if body.head != "mean" and body.head >= num_heads:
         raise APIError(400, f"head must be 'mean' or in [0, {num_heads}); got {body.head}", param="head")
 
-    result = await state.attention_view.weights(engine, token_ids, window, sinks)
+    result = await state.attention_view.weights(engine, token_ids, window, sinks, layer_windows)
     content = await text.run(len(token_ids) ** 2, _answer, result, body.layer, body.head, engine.model_name)
     return Response(content, media_type="application/json")
 
@@ -118,8 +122,8 @@ def _answer(tokenizer: Tokenizer, result: AttentionWeights, layer: int, head: in
         num_heads=result.num_heads,
         layer=layer,
         head=head,
-        sliding_window=result.sliding_window,
-        num_sink_tokens=result.num_sink_tokens,
+        sliding_window=result.layer_windows[layer],  # the mask of the layer shown
+        num_sink_tokens=result.num_sink_tokens if result.layer_windows[layer] is not None else 0,
         max_tokens=MAX_ATTENTION_TOKENS,
         weights=[],
     ).model_dump()

@@ -25,13 +25,21 @@ class AttentionView:
     kept: list[AttentionWeights] = field(default_factory=list)  # the newest last, at most KEPT_FORWARDS
 
     async def weights(
-        self, engine: AsyncEngine, token_ids: list[int], sliding_window: int | None, num_sink_tokens: int
+        self,
+        engine: AsyncEngine,
+        token_ids: list[int],
+        sliding_window: int | None,
+        num_sink_tokens: int,
+        layer_windows: tuple[int | None, ...] | None = None,
     ) -> AttentionWeights:
+        """Every layer under sliding_window, or each under its own (layer_windows)."""
         for kept in self.kept:
             if (
                 kept.token_ids == tuple(token_ids)
                 and kept.sliding_window == sliding_window
                 and kept.num_sink_tokens == num_sink_tokens
+                and (layer_windows is None or kept.layer_windows == layer_windows)
+                and (layer_windows is not None or set(kept.layer_windows) == {sliding_window})
             ):
                 return kept
         if self.is_running:
@@ -44,7 +52,7 @@ class AttentionView:
             )
         self.is_running = True
         del self.kept[: len(self.kept) - KEPT_FORWARDS + 1]  # the oldest goes before the new one is made
-        job = asyncio.ensure_future(engine.attention_weights(token_ids, sliding_window, num_sink_tokens))
+        job = asyncio.ensure_future(engine.attention_weights(token_ids, sliding_window, num_sink_tokens, layer_windows))
         job.add_done_callback(self._finished)
         # A client that hangs up does not end the forward (the worker runs it to the end): the view
         # stays busy until it does, so hang-ups cannot queue forwards behind each other.

@@ -13,7 +13,7 @@ from engine.inspect import BLOCK_CACHED_FREE, BLOCK_FREE, BLOCK_IN_USE, BLOCK_SH
 from server.http.access import caller_of
 from server.http.openapi import tokenizer_responses
 from server.openai.served_models import generation_engine
-from server.playground.protocol import KVCacheResponse, SequenceBlocksView
+from server.playground.protocol import AttentionGroupView, GroupBlocksView, KVCacheResponse, SequenceBlocksView
 from server.state import SharedState
 
 router = APIRouter()
@@ -33,6 +33,7 @@ async def kv_cache(request: Request, state: SharedState, model: str | None = Non
                 num_computed_tokens=seq.num_computed_tokens,
                 block_table=list(seq.block_table),
                 shared=list(seq.shared),
+                groups=[GroupBlocksView(block_table=list(g.block_table), shared=list(g.shared)) for g in seq.groups],
             )
             for seq in snapshot.sequences
         ]
@@ -47,6 +48,12 @@ async def kv_cache(request: Request, state: SharedState, model: str | None = Non
         blocks=snapshot.block_states if detail else None,
         sliding_window=snapshot.sliding_window,
         num_sink_tokens=snapshot.num_sink_tokens,
+        attention_groups=[
+            AttentionGroupView(
+                sliding_window=g.sliding_window, num_sink_tokens=g.num_sink_tokens, layers=list(g.layers)
+            )
+            for g in snapshot.attention_groups
+        ],
         prefix_caching=snapshot.prefix_caching,
         num_running=snapshot.num_running,
         num_waiting=snapshot.num_waiting,

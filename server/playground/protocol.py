@@ -49,12 +49,26 @@ class AttentionResponse(BaseModel):
     weights: list[list[float]]  # [T queries][T keys]; each row sums to 1, 0.0 exactly where masked
 
 
+class GroupBlocksView(BaseModel):
+    block_table: list[int]  # 0: released by the sliding window
+    shared: list[bool]  # per entry: the block is held by more than one sequence
+
+
 class SequenceBlocksView(BaseModel):
     id: int  # opaque sequence number
     num_tokens: int
     num_computed_tokens: int
-    block_table: list[int]  # 0: released by the sliding window
+    block_table: list[int]  # the first attention group's table (0: released by the sliding window)
     shared: list[bool]  # per entry: the block is held by more than one sequence
+    groups: list[GroupBlocksView]  # the table in every attention group, in attention_groups' order
+
+
+class AttentionGroupView(BaseModel):
+    """Layers whose K/V share block tables: one attention kind (full, or a sliding window with its sinks)."""
+
+    sliding_window: int | None  # null: every key is visible
+    num_sink_tokens: int
+    layers: list[int]
 
 
 class KVCacheResponse(BaseModel):
@@ -69,8 +83,10 @@ class KVCacheResponse(BaseModel):
     # (server/http/access.py); anyone else gets null for both, and detail false.
     detail: bool
     blocks: str | None  # char i: block id i + 1; u in use, s shared, c cached-free, f free
-    sliding_window: int | None
+    sliding_window: int | None  # the sliding layers' window; null when every layer is full
     num_sink_tokens: int
+    # One block table per group in each sequence; a model whose layers all attend alike has one group.
+    attention_groups: list[AttentionGroupView]
     prefix_caching: bool
     num_running: int
     num_waiting: int

@@ -5,11 +5,13 @@ dispatch that picks the Triton kernels on CUDA.
 A mixed step (a prompt continuing a cached prefix, a short prompt, a decode) runs through the reference,
 paged_attention_torch and the Triton prefill kernel; then each sequence's last token, as a decode-only
 step over the same cache, runs through the CPU decode path and the Triton decode kernel (1 and 2 splits).
-Each of those last tokens must get the same answer from every path.
+Each of those last tokens must get the same answer from every path, with and without an attention-logit
+softcap (softcap 5 over large scores, so the cap changes the answer).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 
@@ -32,16 +34,21 @@ if not prefill_kernels._interpreted():
     prefill_kernels = importlib.reload(prefill_kernels)
 
 
+@pytest.mark.parametrize("softcap", [None, 5.0], ids=["no_softcap", "softcap"])
 @pytest.mark.parametrize("window,sinks", [(None, 0), (24, 4)], ids=["full", "window_sinks"])
-def test_dense_cpu_paged_and_both_triton_kernels_agree(window, sinks):
+def test_dense_cpu_paged_and_both_triton_kernels_agree(window, sinks, softcap):
     # 6 query heads over 2 KV heads: a wrong GQA mapping shows. Sequence 0 continues 20 cached tokens.
-    step = make_step([20, 0, 37], [13, 9, 1], num_heads=6, num_kv_heads=2, window=window, sinks=sinks, seed=3)
+    step = make_step(
+        [20, 0, 37], [13, 9, 1], num_heads=6, num_kv_heads=2, window=window, sinks=sinks, seed=3, softcap=softcap
+    )
     tolerance = {"atol": 1e-5, "rtol": 1e-5}
     reference = torch.cat(dense_expected(step))
-    torch_paged = paged_attention_torch(step.query, step.key_cache, step.value_cache, step.meta, step.scale)
-    triton_prefill = prefill_kernels.triton_paged_prefill(
-        step.query, step.key_cache, step.value_cache, step.meta, step.scale
-    )
+    if softcap is not None:
+        uncapped = torch.cat(dense_expected(dataclasses.replace(step, softcap=None)))
+        assert (reference - uncapped).abs().max() > 0.1  # the cap changes the answer
+    args = (step.query, step.key_cache, step.value_cache, step.meta, step.scale)
+    torch_paged = paged_attention_torch(*args, softcap=softcap)
+    triton_prefill = prefill_kernels.triton_paged_prefill(*args, softcap=softcap)
     torch.testing.assert_close(torch_paged, reference, **tolerance)
     torch.testing.assert_close(triton_prefill, reference, **tolerance)
 
@@ -50,11 +57,10 @@ def test_dense_cpu_paged_and_both_triton_kernels_agree(window, sinks):
     rows = torch.tensor([sum(step.counts[: i + 1]) - 1 for i in range(len(step.counts))])
     decode_meta = build_attention_metadata(last, [1, 1, 1], step.tables, BLOCK_SIZE, window, sinks, CPU)
     decode_query = step.query[rows]
-    cpu_decode = paged_attention(decode_query, step.key_cache, step.value_cache, decode_meta, step.scale)
+    decode_args = (decode_query, step.key_cache, step.value_cache, decode_meta, step.scale)
+    cpu_decode = paged_attention(*decode_args, softcap=softcap)
     for num_splits in (1, 2):
-        triton_decode = decode_kernels.triton_paged_decode(
-            decode_query, step.key_cache, step.value_cache, decode_meta, step.scale, num_splits=num_splits
-        )
+        triton_decode = decode_kernels.triton_paged_decode(*decode_args, num_splits=num_splits, softcap=softcap)
         torch.testing.assert_close(triton_decode, reference[rows], **tolerance)
     torch.testing.assert_close(cpu_decode, reference[rows], **tolerance)
     torch.testing.assert_close(triton_prefill[rows], torch_paged[rows], **tolerance)

@@ -25,7 +25,9 @@ def test_weights_equal_transformers_output_attentions(tiny_model_dirs, arch):
     engine = llm.engine
     ids = llm.tokenizer.encode(PROMPT)
     assert len(ids) > 20  # past the tiny Mistral's 16-token window: its band is compared too
-    ours = engine.attention_weights(ids, engine.sliding_window, engine.num_sink_tokens)
+    # Each layer under its own window: Gemma's full layers see every key, its sliding ones the last 8.
+    windows = tuple(engine.layout.window_of_layer(layer) for layer in range(engine.model_config.num_layers))
+    ours = engine.attention_weights(ids, engine.sliding_window, engine.num_sink_tokens, layer_windows=windows)
     reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
     with torch.no_grad():
         theirs = reference(torch.tensor([ids]), output_attentions=True).attentions

@@ -48,12 +48,13 @@ def test_fused_step_equals_torch_layers(tiny_model_dirs, arch):
     engine = _engine(tiny_model_dirs[arch])
     runner = engine.engine.runner
     assert runner.decode_plan.path is DecodePath.FUSED_NATIVE
-    input_ids, positions, meta = _decode_metadata(engine, _prompts(engine, 5))
+    input_ids, positions, metas = _decode_metadata(engine, _prompts(engine, 5))
+    meta = metas[0]
     assert meta.is_decode_only
     if arch == "mistral":
         assert meta.attn_mask is not None
-    fused = runner.forward(input_ids, positions, meta)
-    reference = runner.model(input_ids, positions, runner.kv_caches, meta)  # the torch layers
+    fused = runner.forward(input_ids, positions, metas)
+    reference = runner.model(input_ids, positions, runner.kv_caches, metas)  # the torch layers
     assert (fused - reference).abs().max() <= 1e-5 * reference.abs().max()
 
 
@@ -86,10 +87,11 @@ def test_fused_verification_step_equals_torch_layers(tiny_model_dirs, arch):
     prompts = _prompts(engine, 5)
     drafts = [[5, 9, 13], [], [7], [11, 12, 13, 14], [3, 3]]
     batch = _verification_metadata(engine, prompts, drafts)
-    input_ids, positions, meta = runner.build_inputs(batch)
+    input_ids, positions, metas = runner.build_inputs(batch)
+    meta = metas[0]
     assert not meta.is_decode_only and meta.attn_mask is not None
-    fused = runner.forward(input_ids, positions, meta, short_queries=True)
-    reference = runner.model(input_ids, positions, runner.kv_caches, meta)  # the torch layers
+    fused = runner.forward(input_ids, positions, metas, short_queries=True)
+    reference = runner.model(input_ids, positions, runner.kv_caches, metas)  # the torch layers
     assert fused.shape == (len(prompts) + sum(map(len, drafts)), reference.shape[1])
     # int8 activations round at each layer, so float32 differences in attention can move a rounding;
     # a wrong mask (a draft seeing the ones after it) is off by orders of magnitude more.

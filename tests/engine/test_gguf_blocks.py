@@ -107,10 +107,11 @@ def test_the_fused_decode_step_equals_the_torch_layers(engines):
     while any(seq.num_generated_tokens == 0 for seq in scheduler.running + list(scheduler.waiting)):
         llm.engine.step()
     batch = scheduler.schedule()
-    input_ids, positions, meta = runner.build_inputs(batch)
+    input_ids, positions, metas = runner.build_inputs(batch)
+    meta = metas[0]
     assert meta.is_decode_only
-    fused = runner.forward(input_ids, positions, meta)
-    reference = runner.model(input_ids, positions, runner.kv_caches, meta)
+    fused = runner.forward(input_ids, positions, metas)
+    reference = runner.model(input_ids, positions, runner.kv_caches, metas)
     assert (fused - reference).abs().max() <= 1e-5 * reference.abs().max()
     for request_id in request_ids:
         llm.engine.abort(request_id)

@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.engine_core import LLMEngine
 from engine.models.weights import load_checkpoint
-from engine.params import SamplingParams
+from tests.support.checkpoint_greedy import greedy_from_checkpoint
 from tests.support.llama_gguf import write_llama_gguf, write_qwen3_gguf
 from tests.support.tiny_models import make_tiny_llama, make_tiny_model
 
@@ -38,25 +36,14 @@ def llama3_checkpoints(tmp_path_factory):
     )
 
 
-def _greedy(checkpoint) -> list[tuple[list[int], list[float]]]:
-    model_config, state = load_checkpoint(checkpoint)
-    engine = LLMEngine(EngineConfig(model=str(checkpoint), num_blocks=64), model_config, state, eos_token_ids=())
-    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=0)
-    ids = [engine.add_request(prompt, params) for prompt in PROMPTS]
-    done = {}
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.finished:
-                sample = output.outputs[0]
-                done[output.request_id] = (list(sample.token_ids), [e.logprob for e in sample.logprobs])
-    return [done[i] for i in ids]
-
-
 def test_the_gguf_reads_its_rope_freqs_and_equals_the_folder(llama3_checkpoints):
     folder, gguf_file, _ = llama3_checkpoints
     model_config, _ = load_checkpoint(gguf_file)
     assert model_config.rope_freq_factors is not None and max(model_config.rope_freq_factors) == 8.0
-    from_folder, from_gguf = _greedy(folder), _greedy(gguf_file)
+    from_folder, from_gguf = (
+        greedy_from_checkpoint(folder, PROMPTS, max_tokens=6),
+        greedy_from_checkpoint(gguf_file, PROMPTS, max_tokens=6),
+    )
     assert [tokens for tokens, _ in from_gguf] == [tokens for tokens, _ in from_folder]
     for (_, folder_logprobs), (_, gguf_logprobs) in zip(from_folder, from_gguf, strict=True):
         assert gguf_logprobs == pytest.approx(folder_logprobs, abs=1e-4)
@@ -66,7 +53,10 @@ def test_without_rope_freqs_the_same_weights_compute_other_logprobs(llama3_check
     """The check above can fail: dropping the scaling changes what the model computes."""
     folder, _, unscaled = llama3_checkpoints
     assert load_checkpoint(unscaled)[0].rope_freq_factors is None
-    from_folder, from_unscaled = _greedy(folder), _greedy(unscaled)
+    from_folder, from_unscaled = (
+        greedy_from_checkpoint(folder, PROMPTS, max_tokens=6),
+        greedy_from_checkpoint(unscaled, PROMPTS, max_tokens=6),
+    )
     assert any(
         unscaled_logprobs != pytest.approx(folder_logprobs, abs=1e-3)
         for (_, folder_logprobs), (_, unscaled_logprobs) in zip(from_folder, from_unscaled, strict=True)
@@ -80,7 +70,10 @@ def test_a_qwen3_gguf_reads_its_head_size_and_equals_its_folder(tmp_path):
     gguf_file = write_qwen3_gguf(folder, tmp_path / "tiny-qwen3-F32.gguf")
     model_config, _ = load_checkpoint(gguf_file)
     assert model_config.architecture == "Qwen3ForCausalLM" and model_config.head_dim == 16
-    from_folder, from_gguf = _greedy(folder), _greedy(gguf_file)
+    from_folder, from_gguf = (
+        greedy_from_checkpoint(folder, PROMPTS, max_tokens=6),
+        greedy_from_checkpoint(gguf_file, PROMPTS, max_tokens=6),
+    )
     assert [tokens for tokens, _ in from_gguf] == [tokens for tokens, _ in from_folder]
     for (_, folder_logprobs), (_, gguf_logprobs) in zip(from_folder, from_gguf, strict=True):
         assert gguf_logprobs == pytest.approx(folder_logprobs, abs=1e-4)

@@ -3,7 +3,8 @@
 Every case is checked against dense_reference_attention per sequence and paged_attention_torch on the
 same cache: GQA groups 1, 3 (and 16, the tl.dot path), no window / window / window with sinks and
 released blocks, ragged lengths, a prefix shared between two block tables, float32 / float16 caches,
-and split-K forced to 1, 2 and 3 splits. Shapes are small: the interpreter runs each program in numpy.
+split-K forced to 1, 2 and 3 splits, and attention-logit softcapping. Shapes are small: the interpreter
+runs each program in numpy.
 """
 
 from __future__ import annotations
@@ -61,13 +62,15 @@ def make_step(
     totals: list[int] = TOTALS,
     seed: int = 0,
     late_block_scale: float = 1.0,
+    query_gain: float = 1.0,
 ) -> DecodeStep:
     """A decode step over a cache filled through shuffled block tables.
 
     Slots no sequence has written hold large noise, so reading one that should be invisible (or the
     wrong block) shows. With a window, blocks wholly behind it (not sinks) are released: their table
     entries point at the null block 0. late_block_scale multiplies the keys of each sequence's last
-    block, the last entry the kernel visits, giving large score ranges across blocks.
+    block, the last entry the kernel visits, giving large score ranges across blocks. query_gain
+    multiplies the queries (large scores, for a softcap to saturate).
     """
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
@@ -113,37 +116,38 @@ def make_step(
     new_keys = torch.stack([k[-1] for k in keys])
     new_values = torch.stack([v[-1] for v in values])
     write_kv(key_cache, value_cache, new_keys, new_values, meta.slot_mapping)
-    query = torch.randn(len(totals), num_kv_heads * group, head_dim, generator=gen).to(dtype)
+    query = (query_gain * torch.randn(len(totals), num_kv_heads * group, head_dim, generator=gen)).to(dtype)
     return DecodeStep(query, key_cache, value_cache, meta, keys, values, head_dim**-0.5)
 
 
-def run_kernel(step: DecodeStep, num_splits: int | None) -> torch.Tensor:
+def run_kernel(step: DecodeStep, num_splits: int | None, softcap: float | None = None) -> torch.Tensor:
     return tda.triton_paged_decode(
-        step.query, step.key_cache, step.value_cache, step.meta, step.scale, num_splits=num_splits
+        step.query, step.key_cache, step.value_cache, step.meta, step.scale, num_splits=num_splits, softcap=softcap
     )
 
 
-def check_against_references(step: DecodeStep, out: torch.Tensor) -> None:
-    """out equals the dense reference per sequence and paged_attention_torch on the same cache."""
+def check_against_references(step: DecodeStep, out: torch.Tensor, softcap: float | None = None) -> None:
+    """out equals the dense reference per sequence and paged_attention_torch on the same cache (both with
+    the same softcap); with a softcap, the uncapped reference must be far from out."""
     tol = TOLERANCE[step.query.dtype]
     assert out.shape == step.query.shape and out.dtype == step.query.dtype
     assert torch.isfinite(out).all()
     window, sinks = step.meta.sliding_window, step.meta.num_sink_tokens
+    uncapped_gap = 0.0
     for b, (keys, values) in enumerate(zip(step.keys, step.values)):
         total = keys.shape[0]
-        expected = dense_reference_attention(
-            step.query[b : b + 1],
-            keys,
-            values,
-            torch.tensor([total - 1]),
-            torch.arange(total),
-            step.scale,
-            window,
-            sinks,
-        )
+        args = (step.query[b : b + 1], keys, values, torch.tensor([total - 1]), torch.arange(total), step.scale)
+        expected = dense_reference_attention(*args, window, sinks, softcap=softcap)
         torch.testing.assert_close(out[b : b + 1], expected, atol=tol, rtol=tol, msg=f"sequence {b} vs dense")
-    torch_path = paged_attention_torch(step.query, step.key_cache, step.value_cache, step.meta, step.scale)
+        if softcap is not None:
+            uncapped = dense_reference_attention(*args, window, sinks)
+            uncapped_gap = max(uncapped_gap, (out[b : b + 1].float() - uncapped.float()).abs().max().item())
+    torch_path = paged_attention_torch(
+        step.query, step.key_cache, step.value_cache, step.meta, step.scale, softcap=softcap
+    )
     torch.testing.assert_close(out, torch_path, atol=tol, rtol=tol)
+    if softcap is not None:
+        assert uncapped_gap > 0.1, "the softcap must change the attention in this test"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
@@ -229,6 +233,30 @@ def test_large_score_range_across_blocks(mask, num_splits):
     check_against_references(step, run_kernel(step, num_splits))
 
 
+@pytest.mark.parametrize("num_splits", [1, 2])
+@pytest.mark.parametrize("mask", ["full", "window_sinks"])
+def test_softcap(mask, num_splits):
+    """Softcap 5 over queries scaled by 8: scores saturate tanh; the kernel matches the capped references."""
+    window, sinks = MASKS[mask]
+    step = make_step(num_kv_heads=2, group=3, window=window, sinks=sinks, seed=17, query_gain=8.0)
+    check_against_references(step, run_kernel(step, num_splits, softcap=5.0), softcap=5.0)
+
+
+def test_softcap_with_tl_dot_in_float16():
+    """16 query heads per KV head (the tl.dot scores) in float16, capped, over two splits."""
+    step = make_step(
+        num_kv_heads=1,
+        group=16,
+        window=20,
+        sinks=5,
+        dtype=torch.float16,
+        totals=[17, 40, 40, 70],
+        seed=19,
+        query_gain=8.0,
+    )
+    check_against_references(step, run_kernel(step, num_splits=2, softcap=5.0), softcap=5.0)
+
+
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_head_dims(head_dim):
     step = make_step(num_kv_heads=2, group=1, head_dim=head_dim, window=20, sinks=5, seed=head_dim)
@@ -266,3 +294,5 @@ def test_rejects_unsupported_inputs():
         tda.triton_paged_decode(torch.zeros(2, 1, 24), odd, odd, step.meta, step.scale)
     with pytest.raises(ValueError, match="num_splits"):
         tda.triton_paged_decode(step.query, step.key_cache, step.value_cache, step.meta, step.scale, num_splits=0)
+    with pytest.raises(ValueError, match="softcap"):
+        tda.triton_paged_decode(step.query, step.key_cache, step.value_cache, step.meta, step.scale, softcap=0.0)

@@ -49,6 +49,11 @@ class Step:
     window: int | None
     sinks: int
     scale: float
+    softcap: float | None = None  # attention-logit softcap every path is run with
+
+
+# Softcapped steps scale their queries by this: scores of several units, so a softcap of 5 saturates tanh.
+QUERY_GAIN_WITH_SOFTCAP = 8.0
 
 
 def make_step(
@@ -64,13 +69,15 @@ def make_step(
     shared_prefix_blocks: int = 0,
     key_multiplier: dict[int, float] | None = None,
     seed: int = 0,
+    softcap: float | None = None,
 ) -> Step:
     """Sequence i has `starts[i]` cached tokens and computes `counts[i]` new ones.
 
     Blocks get shuffled physical ids; blocks the window has released point at the null block (as the
     scheduler leaves them) and are never written. Sequences after the first share the first
     `shared_prefix_blocks` physical blocks (and tokens) of the first. `key_multiplier` scales the keys
-    of logical blocks {block: factor} of every sequence.
+    of logical blocks {block: factor} of every sequence. With a softcap the queries are scaled by
+    QUERY_GAIN_WITH_SOFTCAP and the step carries the softcap for the kernels and references.
     """
     gen = torch.Generator().manual_seed(seed)
     totals = [start + count for start, count in zip(starts, counts)]
@@ -109,14 +116,29 @@ def make_step(
     new_keys = torch.cat([key[start:] for start, key in zip(starts, keys)])
     new_values = torch.cat([value[start:] for start, value in zip(starts, values)])
     write_kv(key_cache, value_cache, new_keys, new_values, meta.slot_mapping)
-    query = torch.randn(sum(counts), num_heads, head_dim, generator=gen).to(dtype)
+    query = torch.randn(sum(counts), num_heads, head_dim, generator=gen)
+    if softcap is not None:
+        query *= QUERY_GAIN_WITH_SOFTCAP
+    query = query.to(dtype)
     return Step(
-        query, key_cache, value_cache, meta, tables, keys, values, starts, counts, window, sinks, head_dim**-0.5
+        query,
+        key_cache,
+        value_cache,
+        meta,
+        tables,
+        keys,
+        values,
+        starts,
+        counts,
+        window,
+        sinks,
+        head_dim**-0.5,
+        softcap,
     )
 
 
 def dense_expected(step: Step) -> list[torch.Tensor]:
-    """dense_reference_attention of each sequence's new tokens over all its positions."""
+    """dense_reference_attention of each sequence's new tokens over all its positions (the step's softcap)."""
     expected, offset = [], 0
     for start, count, key, value in zip(step.starts, step.counts, step.keys, step.values):
         expected.append(
@@ -129,6 +151,7 @@ def dense_expected(step: Step) -> list[torch.Tensor]:
                 step.scale,
                 step.window,
                 step.sinks,
+                softcap=step.softcap,
             )
         )
         offset += count
@@ -136,8 +159,9 @@ def dense_expected(step: Step) -> list[torch.Tensor]:
 
 
 def assert_matches_references(step: Step, out: torch.Tensor | None = None, torch_path: bool = True) -> None:
+    args = (step.query, step.key_cache, step.value_cache, step.meta, step.scale)
     if out is None:
-        out = prefill.triton_paged_prefill(step.query, step.key_cache, step.value_cache, step.meta, step.scale)
+        out = prefill.triton_paged_prefill(*args, softcap=step.softcap)
     tolerance = TOLERANCE[step.query.dtype]
     assert out.shape == step.query.shape and out.dtype == step.query.dtype
     assert torch.isfinite(out).all()
@@ -145,8 +169,11 @@ def assert_matches_references(step: Step, out: torch.Tensor | None = None, torch
     for offset, count, expected in zip(offsets, step.counts, dense_expected(step)):
         torch.testing.assert_close(out[offset : offset + count], expected, **tolerance)
     if torch_path:
-        torch_out = paged_attention_torch(step.query, step.key_cache, step.value_cache, step.meta, step.scale)
+        torch_out = paged_attention_torch(*args, softcap=step.softcap)
         torch.testing.assert_close(out, torch_out, **tolerance)
+    if step.softcap is not None:
+        uncapped = torch.cat(dense_expected(dataclasses.replace(step, softcap=None)))
+        assert (out.float() - uncapped.float()).abs().max() > 0.1, "the softcap must change the attention here"
 
 
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
@@ -199,6 +226,16 @@ def test_mixed_prefill_and_decodes(dtype, window, sinks):
     """One 37-token prompt prefilling while three sequences decode one token each."""
     step = make_step(
         [0, 27, 50, 9], [37, 1, 1, 1], num_heads=6, num_kv_heads=2, dtype=dtype, window=window, sinks=sinks, seed=3
+    )
+    assert_matches_references(step)
+
+
+@DTYPES
+@pytest.mark.parametrize("window,sinks", [(None, 0), (16, 4)], ids=["full", "sinks"])
+def test_softcap(dtype, window, sinks):
+    """Softcap 5 over large scores: a whole prompt, a chunk continuing 20 cached tokens and a decode."""
+    step = make_step(
+        [0, 20, 50], [37, 13, 1], num_heads=6, num_kv_heads=2, dtype=dtype, window=window, sinks=sinks, softcap=5.0
     )
     assert_matches_references(step)
 
@@ -318,3 +355,5 @@ def test_availability_and_rejected_inputs():
         prefill.triton_paged_prefill(step.query, step.key_cache[:, :8], step.value_cache[:, :8], *args[2:])
     with pytest.raises(ValueError, match="multiple"):
         prefill.triton_paged_prefill(step.query[:, :1].expand(-1, 3, -1), *args)
+    with pytest.raises(ValueError, match="softcap"):
+        prefill.triton_paged_prefill(step.query, *args, softcap=-1.0)

@@ -146,7 +146,10 @@ def test_an_architecture_not_served_is_one_line_at_start_and_a_failing_exit(tmp_
 
     model_dir = tmp_path / "gemma3"
     model_dir.mkdir()
-    (model_dir / "config.json").write_text(json.dumps({"architectures": ["Gemma3ForCausalLM"], "model_type": "x"}))
+    # Gemma 3's multimodal model: its text-only sibling is served, it is not.
+    (model_dir / "config.json").write_text(
+        json.dumps({"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "x"})
+    )
     proc = ServerProcess(["--model", str(model_dir), "--embedding-model", "none"], tmp_path / "server.log")
     try:
         assert proc.wait(timeout=120) != 0
@@ -155,5 +158,8 @@ def test_an_architecture_not_served_is_one_line_at_start_and_a_failing_exit(tmp_
     log = proc.log()
     refusals = [line for line in log.splitlines() if "model loading failed" in line]
     assert len(refusals) == 1, log
-    assert "architecture 'Gemma3ForCausalLM' is not supported; supported: " + ", ".join(registry.names()) in log
+    assert (
+        "architecture 'Gemma3ForConditionalGeneration' is not supported; supported: " + ", ".join(registry.names())
+        in log
+    )
     assert "Traceback" not in log

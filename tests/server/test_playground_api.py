@@ -18,6 +18,7 @@ from server.playground.protocol import MAX_ATTENTION_TOKENS, KVCacheResponse
 from server.playground.routes import ASSETS
 from server.state import state_of
 from tests.support.server_harness import ServerThread, make_server_config
+from tests.support.tiny_models import make_tiny_model
 
 PROMPT = "The quick brown fox jumps over the lazy dog. A paged KV cache stores keys and values."
 
@@ -85,6 +86,24 @@ def test_attention_window_and_sinks(server):
     # No window: sinks mean nothing and are reported as 0.
     causal = _attention(server, token_ids=ids, sliding_window=None, num_sink_tokens=3).json()
     assert (causal["sliding_window"], causal["num_sink_tokens"]) == (None, 0)
+
+
+def test_a_mixed_window_model_shows_each_layers_own_mask(tmp_path):
+    """Layer 0 attends to every key, layer 1 to a window of 4 (a tiny Qwen2 with max_window_layers 1); a
+    request that names a window puts every layer under it."""
+    mixed = make_tiny_model(tmp_path, "qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=1)
+    ids = list(range(20, 36))
+    i = torch.arange(len(ids)).unsqueeze(1)
+    j = torch.arange(len(ids)).unsqueeze(0)
+    causal, windowed = j <= i, (j <= i) & (i - j < 4)
+    with ServerThread(create_app(make_server_config(str(mixed)))) as srv:
+        for layer, window, visible in ((0, None, causal), (1, 4, windowed)):
+            body = _attention(srv, token_ids=ids, layer=layer, head=0).json()
+            weights = torch.tensor(body["weights"])
+            assert body["sliding_window"] == window
+            assert (weights[~visible] == 0).all() and (weights[visible] > 0).all()
+        full = _attention(srv, token_ids=ids, layer=1, head=0, sliding_window=None).json()
+        assert full["sliding_window"] is None and (torch.tensor(full["weights"])[causal] > 0).all()
 
 
 @pytest.mark.parametrize(
@@ -179,7 +198,10 @@ def test_kv_cache_while_a_request_runs_and_after(server):
     assert during["num_used_blocks"] >= len(seq["block_table"])
     assert all(during["blocks"][b - 1] in "us" for b in seq["block_table"])
     # Ids and counts only: nothing of the request's tokens or text.
-    assert set(seq) == {"id", "num_tokens", "num_computed_tokens", "block_table", "shared"}
+    assert set(seq) == {"id", "num_tokens", "num_computed_tokens", "block_table", "shared", "groups"}
+    # The tiny LLaMA's layers all attend alike: one attention group, whose table is the block table.
+    assert [g["layers"] for g in during["attention_groups"]] == [[0, 1]]
+    assert seq["groups"] == [{"block_table": seq["block_table"], "shared": seq["shared"]}]
     assert set(during) == set(KVCacheResponse.model_fields)
     after = httpx.get(f"{url}/kv_cache").json()
     assert after["num_used_blocks"] == 0 and after["sequences"] == []

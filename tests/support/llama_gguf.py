@@ -1,6 +1,7 @@
 """Write a tiny Hugging Face LLaMA folder as a float32 GGUF file, the way llama.cpp's converter lays it out:
 llama.cpp's tensor names, Q/K rows in its interleaved rotary order, and a Llama 3 RoPE scaling baked into a
-`rope_freqs` tensor (one divisor per rotary pair) instead of the config's rope_parameters."""
+`rope_freqs` tensor (one divisor per rotary pair) instead of the config's rope_parameters. Qwen3 and Phi-3
+folders too, each as the converter writes its architecture."""
 
 from __future__ import annotations
 
@@ -98,6 +99,76 @@ def _write_gguf(model_dir: Path, out: Path, architecture: str, *, with_rope_freq
             elif architecture == "llama" and suffix == "self_attn.k_proj.weight":
                 weight = _permute_rows(weight, config.num_key_value_heads)
         writer.add_tensor(gguf_name, np.ascontiguousarray(weight))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+# Phi-3's fused projections keep their fused names in llama.cpp: attn_qkv, and ffn_up for gate/up (gate rows first).
+_PHI3_LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.qkv_proj.weight": "attn_qkv.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "mlp.gate_up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+
+
+def write_phi3_gguf(model_dir: Path, out: Path) -> Path:
+    """`model_dir` (a tiny Phi-3) as an F32 GGUF at `out`, laid out as llama.cpp's converter does: the rotary
+    dim count for partial rotary, the sliding window (0: none), and a LongRoPE scaling as the original context
+    length, the attention factor and the `rope_factors_long` / `rope_factors_short` tensors. Rows are not
+    permuted (llama.cpp rotates Phi-3 NeoX style, as transformers does)."""
+    import math
+
+    import gguf
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir)
+    rope = config.rope_parameters
+    state = load_file(str(Path(model_dir) / "model.safetensors"))
+    head_dim = config.hidden_size // config.num_attention_heads
+    writer = gguf.GGUFWriter(str(out), "phi3")
+    writer.add_name("tiny-phi3")
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
+    writer.add_rope_freq_base(rope["rope_theta"])
+    writer.add_vocab_size(config.vocab_size)
+    # The special token ids the converter writes with the vocabulary (Phi-3's default pad id, 32000, is past the
+    # tiny vocabulary).
+    writer.add_bos_token_id(config.bos_token_id)
+    writer.add_eos_token_id(config.eos_token_id)
+    writer.add_pad_token_id(config.pad_token_id)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    writer.add_sliding_window(config.sliding_window or 0)
+    if rope.get("rope_type") == "longrope":
+        original = rope["original_max_position_embeddings"]
+        writer.add_rope_scaling_orig_ctx_len(original)
+        scale = config.max_position_embeddings / original
+        writer.add_rope_scaling_attn_factors(
+            math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1.0 else 1.0
+        )
+        writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+        writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
+    for name, tensor in state.items():
+        if name in _TOP_NAMES:
+            gguf_name = _TOP_NAMES[name]
+        elif name == "lm_head.weight":
+            gguf_name = "output.weight"
+        else:
+            layer, suffix = name.removeprefix("model.layers.").split(".", 1)
+            gguf_name = f"blk.{layer}.{_PHI3_LAYER_NAMES[suffix]}"
+        writer.add_tensor(gguf_name, np.ascontiguousarray(tensor.float().numpy()))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -33,7 +33,7 @@ def make_scheduler(
     plan_drafts: Callable[[list[Sequence], int], list[int]] | None = None,
 ) -> Scheduler:
     """A scheduler over a pool of num_blocks blocks (block 0 is the null block) of BLOCK_SIZE tokens; EOS ends."""
-    manager = KVCacheManager(BlockPool(num_blocks, prefix_caching), BLOCK_SIZE, None, 0)
+    manager = KVCacheManager.single(BlockPool(num_blocks, prefix_caching), BLOCK_SIZE, None)
     return Scheduler(
         manager, max_num_seqs, max_num_batched_tokens, (EOS,), max_model_len=max_model_len, plan_drafts=plan_drafts
     )

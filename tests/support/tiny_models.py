@@ -79,11 +79,40 @@ _ROPE_SIZES = dict(
     max_position_embeddings=512,
     rms_norm_eps=1e-6,
 )
+# Phi-4-mini's RoPE at tiny size: 3/4 of each head (12 of 16 dims, 6 frequencies) rotates, under LongRoPE with a
+# pretraining length past the tests' sequences (their short factors apply, as in transformers). pad_token_id:
+# Phi-3's default (32000) is outside the tiny vocabulary.
+PHI3_ROPE = dict(
+    partial_rotary_factor=0.75,
+    original_max_position_embeddings=256,
+    rope_scaling={
+        "type": "longrope",
+        "rope_theta": 10000.0,
+        "short_factor": [1.0, 1.2, 1.5, 2.0, 3.0, 4.5],
+        "long_factor": [1.1, 1.8, 3.0, 5.0, 8.0, 12.0],
+    },
+    pad_token_id=0,
+)
+# Gemma at tiny size: tied embeddings, as every Gemma checkpoint has; a window shorter than the tests' prompts;
+# a query_pre_attn_scalar other than the head size, so the attention scale is the config's.
+GEMMA_SIZES = dict(_ROPE_SIZES, head_dim=16, tie_word_embeddings=True, sliding_window=8, query_pre_attn_scalar=24)
+# Gemma 3's RoPE by layer type: a small base for the sliding layers, a large, linearly scaled one for the full.
+GEMMA3_ROPE = {
+    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+    "full_attention": {"rope_type": "linear", "rope_theta": 1_000_000.0, "factor": 8.0},
+}
 _TINY_CONFIGS = {
     "gpt2": dict(n_embd=64, n_layer=2, n_head=4, n_positions=256),
     "mistral": dict(_ROPE_SIZES, sliding_window=16),  # a window shorter than the tests' prompts
     "qwen3": dict(_ROPE_SIZES, head_dim=16),  # Qwen3's configs name head_dim (128 by default)
+    "phi3": dict(_ROPE_SIZES, **PHI3_ROPE),
+    "gemma2": dict(GEMMA_SIZES, attn_logit_softcapping=2.5, final_logit_softcapping=3.0),  # layers: sliding, full
+    # Five sliding layers to one full (the config's default pattern); each kind rotates with its own RoPE.
+    "gemma3_text": dict(GEMMA_SIZES, num_hidden_layers=6, final_logit_softcapping=3.0, rope_parameters=GEMMA3_ROPE),
 }
+# Architectures whose 1-D norm weights are an offset from one ((1 + w) RMSNorms): drawn around zero, not left
+# at their init of zero, so the offset is exercised.
+_OFFSET_NORMS = {"gemma2", "gemma3_text"}
 
 
 def _base_config(arch: str, vocab_size: int, overrides: dict):
@@ -118,6 +147,8 @@ def make_tiny_model(directory: Path, arch: str = "llama", seed: int = 0, **confi
                 param.normal_(0.0, 0.15)
             elif "bias" in name:
                 param.normal_(0.0, 0.05)
+            elif arch in _OFFSET_NORMS:
+                param.normal_(0.0, 0.2)
     model.save_pretrained(directory, safe_serialization=True)
     for item in _tokenizer_dir().iterdir():
         shutil.copy(item, directory / item.name)

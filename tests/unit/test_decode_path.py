@@ -63,7 +63,7 @@ def test_the_fused_decode_runs_only_where_the_registry_entry_says_so(tiny_model_
     runner = _runner(tiny_model_dirs["llama"], quantization="int8")
     entry = registry.lookup("LlamaForCausalLM")
     monkeypatch.setitem(registry._BY_NAME, entry.name, dataclasses.replace(entry, fused_decode=False))
-    plan = choose_decode_path(runner.model, runner.kv_caches)
+    plan = choose_decode_path(runner.model, runner.kv_caches, runner.layout)
     assert plan.path is DecodePath.TORCH_LAYERS
     assert plan.reason == "LlamaForCausalLM has no fused decode kernel"
 
@@ -105,9 +105,9 @@ def test_the_runner_performs_its_chosen_path(tiny_model_dirs, monkeypatch, quant
     forward = model.forward
     forwards = []
 
-    def recording_forward(input_ids, positions, kv_caches, meta):
-        forwards.append(meta.is_decode_only)
-        return forward(input_ids, positions, kv_caches, meta)
+    def recording_forward(input_ids, positions, kv_caches, metas):
+        forwards.append(metas[0].is_decode_only)
+        return forward(input_ids, positions, kv_caches, metas)
 
     monkeypatch.setattr(model, "forward", recording_forward)
     long_prompt = [5 + i % 50 for i in range(FUSED_ROWS_MAX_QUERY + 8)]
@@ -116,15 +116,3 @@ def test_the_runner_performs_its_chosen_path(tiny_model_dirs, monkeypatch, quant
     forwards.clear()
     llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     assert forwards == (expected_forwards if quantization == "none" else [])
-
-
-def test_qwen3_keeps_the_torch_layers_even_if_its_entry_claimed_the_fused_kernel(tiny_model_dirs, monkeypatch):
-    """The fused kernel computes no per-head q/k norm: its own checks refuse such layers, a second line of
-    defence behind the registry."""
-    runner = _runner(tiny_model_dirs["qwen3"], quantization="int8")
-    assert runner.decode_plan.reason == "Qwen3ForCausalLM has no fused decode kernel"
-    entry = registry.lookup("Qwen3ForCausalLM")
-    monkeypatch.setitem(registry._BY_NAME, entry.name, dataclasses.replace(entry, fused_decode=True))
-    plan = choose_decode_path(runner.model, runner.kv_caches)
-    assert plan.path is DecodePath.TORCH_LAYERS
-    assert "norm each head's query and key" in plan.reason

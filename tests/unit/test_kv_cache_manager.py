@@ -25,7 +25,7 @@ def _seq(token_ids: list[int]) -> Sequence:
 
 
 def _manager(num_blocks: int = 16, sliding_window: int | None = None, num_sink_tokens: int = 0) -> KVCacheManager:
-    return KVCacheManager(BlockPool(num_blocks), 2, sliding_window, num_sink_tokens)
+    return KVCacheManager.single(BlockPool(num_blocks), 2, sliding_window, num_sink_tokens)
 
 
 def _computed(manager: KVCacheManager, token_ids: list[int]) -> Sequence:
@@ -162,12 +162,12 @@ def test_a_colliding_hash_never_serves_another_blocks_tokens(monkeypatch):
 
 def test_the_window_and_sinks_are_part_of_the_key():
     pool = BlockPool(16)
-    full = KVCacheManager(pool, 2, None, 0)
-    windowed = KVCacheManager(pool, 2, 4, 2)
+    full = KVCacheManager.single(pool, 2, None)
+    windowed = KVCacheManager.single(pool, 2, 4, 2)
     _computed(full, [1, 2, 3, 4, 5])
     assert windowed.take_cached_prefix(_seq([1, 2, 3, 4, 5])) == 0
     assert full.take_cached_prefix(_seq([1, 2, 3, 4, 5])) == 4
-    extra = KVCacheManager(pool, 2, None, 0, extra_key=("int8",))
+    extra = KVCacheManager.single(pool, 2, None, extra_key=("int8",))
     assert extra.take_cached_prefix(_seq([1, 2, 3, 4, 5])) == 0
 
 

@@ -32,7 +32,7 @@ def test_model_types_and_gguf_names_each_pick_one_entry():
     for entry in ENTRIES:
         assert registry.for_model_type(entry.model_type) is entry
         assert all(registry.for_gguf(name) is entry for name in entry.gguf_architectures)
-    assert registry.for_model_type("bert") is None and registry.for_gguf("phi3") is None
+    assert registry.for_model_type("bert") is None and registry.for_gguf("falcon") is None
 
 
 def test_an_unsupported_architecture_names_the_source_and_every_supported_one():
@@ -79,10 +79,22 @@ def test_qwen2_windows_only_with_use_sliding_window():
     assert window(use_sliding_window=True, max_window_layers=0) == 16
 
 
-def test_a_window_over_mixed_layer_types_is_refused():
-    config = tiny_models._base_config("mistral", 384, {"layer_types": ["full_attention", "sliding_attention"]})
-    with pytest.raises(ModelLoadError, match="mix full and sliding-window layers"):
-        registry.lookup("MistralForCausalLM").model_config(config, Path("tiny"))
+def test_layer_types_give_each_layer_its_window_where_the_architecture_reads_them():
+    def config(arch: str, layer_types: list[str], **extra):
+        hf = tiny_models._base_config(arch, 384, {"layer_types": layer_types, "sliding_window": 16, **extra})
+        return registry.for_model_type(arch).model_config(hf, Path("tiny"))
+
+    qwen2 = dict(use_sliding_window=True)
+    mixed = config("qwen2", ["full_attention", "sliding_attention"], **qwen2)
+    assert mixed.layer_windows == (None, 16) and mixed.windows() == (None, 16)
+    alike = config("qwen2", ["sliding_attention"] * 2, **qwen2)
+    assert alike.layer_windows is None and alike.windows() == (16, 16)
+    assert config("qwen2", ["full_attention"] * 2, **qwen2).windows() == (None, None)
+    assert config("qwen2", ["full_attention", "sliding_attention"]).windows() == (None, None)  # no use_sliding_window
+    # Mistral's layers all take its window, as transformers' Mistral ignores layer_types.
+    assert config("mistral", ["full_attention", "sliding_attention"]).windows() == (16, 16)
+    with pytest.raises(ModelLoadError, match="layer types \\['chunked_attention'\\] are not supported"):
+        config("qwen2", ["full_attention", "chunked_attention"], **qwen2)
 
 
 def test_the_loader_refuses_a_quantization_the_entry_does_not_list(tiny_llama_dir, monkeypatch):
@@ -113,11 +125,13 @@ def test_an_architecture_not_served_is_refused_in_one_line_before_transformers_r
     with pytest.raises(ModelLoadError, match=r"architecture 'brand_new_arch' is not supported; supported: Llama") as e:
         load_checkpoint(folder)
     assert "\n" not in str(e.value)
-    writer = gguf.GGUFWriter(str(tmp_path / "g.gguf"), "gemma3")
+    writer = gguf.GGUFWriter(str(tmp_path / "g.gguf"), "falcon")
     writer.add_block_count(1)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ModelLoadError, match=r"GGUF architecture 'gemma3' is not supported; supported: gpt2, llama"):
+    with pytest.raises(
+        ModelLoadError, match=r"GGUF architecture 'falcon' is not supported; supported: gemma2, gemma3, gpt2, llama"
+    ):
         load_checkpoint(tmp_path / "g.gguf")

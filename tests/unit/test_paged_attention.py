@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -9,15 +10,22 @@ import torch
 
 from engine.attention.metadata import build_attention_metadata
 from engine.attention.paged import paged_attention, paged_attention_torch, write_kv
-from engine.attention.reference import dense_reference_attention
+from engine.attention.probe import _RecordingAttention
+from engine.attention.reference import dense_reference_attention, reference_attention_probs
 from engine.ops.decode_attention import available, decode_attention_native, decode_attention_torch
 from tests.support.native_kernels import KERNELS_EXPECTED
+
+# Softcap 5 with queries scaled by QUERY_GAIN_WITH_SOFTCAP: scaled scores of several units, so tanh saturates
+# and the capped attention is far from the uncapped one (the tests assert it is).
+SOFTCAPS = pytest.mark.parametrize("softcap", [None, 5.0], ids=["no_softcap", "softcap"])
+QUERY_GAIN_WITH_SOFTCAP = 8.0
 
 
 @pytest.mark.parametrize("window,sinks", [(None, 0), (7, 0), (9, 3), (5, 8)])
 @pytest.mark.parametrize("trial", range(4))
 @pytest.mark.parametrize("decode_only", [False, True], ids=["mixed", "decode"])
-def test_paged_attention_matches_dense(window, sinks, trial, decode_only):
+@SOFTCAPS
+def test_paged_attention_matches_dense(window, sinks, trial, decode_only, softcap):
     """Mixed steps run the torch path; decode-only steps run engine/ops/decode_attention (native and torch)."""
     rng = random.Random(trial * 100 + (window or 0) + sinks)
     torch.manual_seed(trial)
@@ -55,22 +63,26 @@ def test_paged_attention_matches_dense(window, sinks, trial, decode_only):
     new_values = torch.cat([v[s:] for v, s in zip(full_values, starts)])
     write_kv(key_cache, value_cache, new_keys, new_values, meta.slot_mapping)
     queries = torch.randn(sum(counts), num_heads, head_dim)
+    if softcap is not None:
+        queries *= QUERY_GAIN_WITH_SOFTCAP
     scale = head_dim**-0.5
-    out = paged_attention(queries, key_cache, value_cache, meta, scale)
+    out = paged_attention(queries, key_cache, value_cache, meta, scale, softcap=softcap)
     if decode_only:
         assert meta.is_decode_only
-        torch_path = paged_attention_torch(queries, key_cache, value_cache, meta, scale)
+        torch_path = paged_attention_torch(queries, key_cache, value_cache, meta, scale, softcap=softcap)
         torch.testing.assert_close(out, torch_path, atol=1e-5, rtol=1e-5)
         visible = meta.attn_mask[:, 0] if meta.attn_mask is not None else None
         decode_args = (queries, key_cache, value_cache, meta.key_blocks, visible, scale)
-        torch.testing.assert_close(decode_attention_torch(*decode_args), torch_path, atol=1e-5, rtol=1e-5)
+        torch_decode = decode_attention_torch(*decode_args, softcap=softcap)
+        torch.testing.assert_close(torch_decode, torch_path, atol=1e-5, rtol=1e-5)
         if available():
-            torch.testing.assert_close(decode_attention_native(*decode_args), torch_path, atol=1e-5, rtol=1e-5)
+            native = decode_attention_native(*decode_args, softcap=softcap)
+            torch.testing.assert_close(native, torch_path, atol=1e-5, rtol=1e-5)
 
-    offset = 0
+    offset, uncapped_gap = 0, 0.0
     for keys, values, start, count in zip(full_keys, full_values, starts, counts):
         total = start + count
-        expected = dense_reference_attention(
+        args = (
             queries[offset : offset + count],
             keys,
             values,
@@ -80,8 +92,14 @@ def test_paged_attention_matches_dense(window, sinks, trial, decode_only):
             window,
             sinks if window is not None else 0,
         )
+        expected = dense_reference_attention(*args, softcap=softcap)
         torch.testing.assert_close(out[offset : offset + count], expected, atol=1e-5, rtol=1e-5)
+        if softcap is not None:
+            uncapped = dense_reference_attention(*args)
+            uncapped_gap = max(uncapped_gap, (expected - uncapped).abs().max().item())
         offset += count
+    if softcap is not None:
+        assert uncapped_gap > 0.1, "the softcap must change the attention in this test"
 
 
 def test_window_mask_semantics():
@@ -97,8 +115,10 @@ def test_decode_kernel_builds_where_it_should():
 
 
 @pytest.mark.parametrize("window", [None, 64, 5], ids=["no window", "window past the prompts", "window inside"])
-def test_prompts_from_position_zero_match_dense(window):
-    """Whole prompts (the usual prefill) skip the mask for SDPA's is_causal unless a window cuts in."""
+@SOFTCAPS
+def test_prompts_from_position_zero_match_dense(window, softcap):
+    """Whole prompts (the usual prefill) skip the mask for SDPA's is_causal unless a window cuts in
+    (with a softcap, the torch path spells the causal mask out itself)."""
     torch.manual_seed(7)
     block_size, num_kv_heads, num_heads, head_dim = 4, 2, 4, 8
     key_cache = torch.zeros(64, block_size, num_kv_heads, head_dim)
@@ -115,13 +135,43 @@ def test_prompts_from_position_zero_match_dense(window):
     values = torch.randn(sum(lengths), num_kv_heads, head_dim)
     write_kv(key_cache, value_cache, keys, values, meta.slot_mapping)
     queries = torch.randn(sum(lengths), num_heads, head_dim)
-    out = paged_attention(queries, key_cache, value_cache, meta, head_dim**-0.5)
+    if softcap is not None:
+        queries *= QUERY_GAIN_WITH_SOFTCAP
+    out = paged_attention(queries, key_cache, value_cache, meta, head_dim**-0.5, softcap=softcap)
     offset = 0
     for length in lengths:
         rows = slice(offset, offset + length)
         positions = torch.arange(length)
-        expected = dense_reference_attention(
-            queries[rows], keys[rows], values[rows], positions, positions, head_dim**-0.5, window
-        )
+        args = (queries[rows], keys[rows], values[rows], positions, positions, head_dim**-0.5, window)
+        expected = dense_reference_attention(*args, softcap=softcap)
         torch.testing.assert_close(out[rows], expected, atol=1e-5, rtol=1e-5)
+        if softcap is not None:
+            assert (expected - dense_reference_attention(*args)).abs().max() > 0.1
         offset += length
+
+
+def test_softcap_reaches_the_probe_and_bounds_the_scores():
+    """paged_attention hands its softcap to the probe, whose recorded weights are the capped softmax; a cap
+    that is not positive is refused."""
+    torch.manual_seed(3)
+    block_size, num_kv_heads, num_heads, head_dim, length = 4, 1, 2, 8, 7
+    meta = build_attention_metadata([0], [length], [[1, 2]], block_size, None, 0, torch.device("cpu"))
+    key_cache = torch.zeros(3, block_size, num_kv_heads, head_dim)
+    value_cache = torch.zeros_like(key_cache)
+    keys, values = torch.randn(length, num_kv_heads, head_dim), torch.randn(length, num_kv_heads, head_dim)
+    write_kv(key_cache, value_cache, keys, values, meta.slot_mapping)
+    queries = QUERY_GAIN_WITH_SOFTCAP * torch.randn(length, num_heads, head_dim)
+    positions = torch.arange(length)
+    recorder = _RecordingAttention()
+    probed = dataclasses.replace(meta, probe=recorder)
+    out = paged_attention(queries, key_cache, value_cache, probed, head_dim**-0.5, softcap=2.0)
+    capped = reference_attention_probs(queries, keys, positions, positions, head_dim**-0.5, softcap=2.0)
+    torch.testing.assert_close(recorder.layers[0], capped)
+    assert (capped - reference_attention_probs(queries, keys, positions, positions, head_dim**-0.5)).abs().max() > 0.1
+    # Scores within (-2, 2): a visible key's weight is at least exp(-4) of the row's largest.
+    visible = capped > 0
+    assert (capped[visible] >= capped.amax(dim=-1, keepdim=True).expand_as(capped)[visible] * 0.018).all()
+    torch.testing.assert_close(out, paged_attention(queries, key_cache, value_cache, meta, head_dim**-0.5, softcap=2.0))
+    for bad in (0.0, -1.0, float("inf")):
+        with pytest.raises(ValueError, match="softcap"):
+            paged_attention(queries, key_cache, value_cache, meta, head_dim**-0.5, softcap=bad)

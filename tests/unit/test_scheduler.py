@@ -21,7 +21,7 @@ _seq_ids = itertools.count()
 def _scheduler(
     num_blocks: int = 64, max_num_seqs: int = 8, max_num_batched_tokens: int = 64, prefix_caching: bool = False
 ) -> Scheduler:
-    manager = KVCacheManager(BlockPool(num_blocks, prefix_caching), 2, None, 0)
+    manager = KVCacheManager.single(BlockPool(num_blocks, prefix_caching), 2, None)
     return Scheduler(manager, max_num_seqs, max_num_batched_tokens, eos_token_ids=(), max_model_len=10_000)
 
 

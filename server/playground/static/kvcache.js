@@ -101,38 +101,59 @@ function drawSequences(s) {
       el.dataset.id = String(seq.id);
       const meta = document.createElement("div");
       meta.className = "meta";
-      const strip = document.createElement("div");
-      strip.className = "strip";
-      el.append(meta, strip);
+      el.append(meta);
       container.append(el);
-      row = { el, meta, strip };
+      row = { el, meta, strips: [] };
       rows.set(seq.id, row);
     }
-    const table = seq.block_table;
-    const released = table.filter((b) => b === 0).length;
-    const shared = seq.shared.filter(Boolean).length;
+    // One strip per attention group: a model that mixes full and sliding layers holds a table for each.
+    const groups = seq.groups && seq.groups.length ? seq.groups : [{ block_table: seq.block_table, shared: seq.shared }];
+    const kinds = s.attention_groups || [];
+    const table = groups[0].block_table;
+    const released = groups.reduce((n, g) => n + g.block_table.filter((b) => b === 0).length, 0);
+    const shared = groups.reduce((n, g) => n + g.shared.filter(Boolean).length, 0);
+    const held = groups.reduce((n, g) => n + g.block_table.filter((b) => b !== 0).length, 0);
     row.meta.textContent =
       `sequence ${seq.id} · ${seq.num_tokens} tokens (${seq.num_computed_tokens} computed) · ` +
-      `${table.length} blocks` +
+      (groups.length > 1 ? `${held} blocks in ${groups.length} attention groups` : `${table.length} blocks`) +
       (shared ? ` · ${shared} shared` : "") +
       (released ? ` · ${released} released by the window` : "");
-    const spans = row.strip.children;
-    for (let k = 0; k < table.length; k++) {
-      let span = spans[k];
-      if (!span) {
-        span = document.createElement("span");
-        row.strip.append(span);
-      }
-      const id = table[k];
-      const cls = id === 0 ? "blk released" : seq.shared[k] ? "blk shared" : "blk";
-      if (span.className !== cls) span.className = cls;
-      const title =
-        id === 0
-          ? `entry ${k}: released by the sliding window`
-          : `entry ${k}: block ${id}${seq.shared[k] ? " (shared)" : ""}`;
-      if (span.title !== title) span.title = title;
+    while (row.strips.length < groups.length) {
+      const strip = document.createElement("div");
+      strip.className = "strip";
+      row.el.append(strip);
+      row.strips.push(strip);
     }
-    while (spans.length > table.length) row.strip.lastElementChild.remove();
+    while (row.strips.length > groups.length) row.strips.pop().remove();
+    groups.forEach((group, g) => {
+      const strip = row.strips[g];
+      const kind = kinds[g];
+      const label =
+        groups.length > 1 && kind
+          ? `group ${g}: layers ${kind.layers.join(", ")} · ` +
+            (kind.sliding_window === null ? "full attention" : `sliding window ${kind.sliding_window}`)
+          : "";
+      if (strip.title !== label) strip.title = label;
+      const spans = strip.children;
+      const entries = group.block_table;
+      for (let k = 0; k < entries.length; k++) {
+        let span = spans[k];
+        if (!span) {
+          span = document.createElement("span");
+          strip.append(span);
+        }
+        const id = entries[k];
+        const cls = id === 0 ? "blk released" : group.shared[k] ? "blk shared" : "blk";
+        if (span.className !== cls) span.className = cls;
+        const title =
+          (label ? label + " · " : "") +
+          (id === 0
+            ? `entry ${k}: released by the sliding window`
+            : `entry ${k}: block ${id}${group.shared[k] ? " (shared)" : ""}`);
+        if (span.title !== title) span.title = title;
+      }
+      while (spans.length > entries.length) strip.lastElementChild.remove();
+    });
   }
   for (const [id, row] of rows) {
     if (seen.has(id)) continue;
