@@ -87,6 +87,10 @@ class EngineConfig:
     num_sink_tokens: with a window, the first S tokens stay visible forever.
     quantization: one of QUANTIZATION_MODES; engine/loader.py resolves auto (engine.quantization.resolve).
     speculative: speculative decoding (None: off).
+    tokenizer: a Hugging Face tokenizer directory used instead of the model's own tokenizer (for a GGUF
+        file: instead of the one its metadata makes); its ids must fit the model's embedding table.
+    chat_template: a Jinja file whose text replaces the chat template (the model's, or `tokenizer`'s).
+        engine/loader.py reads and checks both when it loads the model.
     """
 
     model: str
@@ -104,10 +108,16 @@ class EngineConfig:
     num_threads: int | None = None
     quantization: str = "none"
     speculative: SpeculativeConfig | None = None
+    tokenizer: str | None = None
+    chat_template: str | None = None
 
     def __post_init__(self) -> None:
         if not self.model:
             raise ValueError("model must be set")
+        for name in ("tokenizer", "chat_template"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise ValueError(f"{name} must be a path or None, got {value!r}")
         check_dtype(self.dtype, self.device)
         if self.quantization not in QUANTIZATION_MODES:
             raise ValueError(f"quantization must be one of {QUANTIZATION_MODES}, got {self.quantization!r}")

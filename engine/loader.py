@@ -22,7 +22,7 @@ from engine.errors import ModelLoadError
 from engine.hub.models_hub import resolve_or_download
 from engine.models import registry
 from engine.models.weights import load_checkpoint
-from engine.text.tokenizer import Tokenizer
+from engine.text.tokenizer import NO_TEMPLATE, Tokenizer, check_tokenizer_directory, read_chat_template
 
 logger = logging.getLogger(__name__)
 
@@ -38,14 +38,18 @@ def load_generation(config: EngineConfig) -> LoadedGeneration:
     """Load `config.model` (an alias, a local directory or .gguf file, or a Hub id) and build its engine.
 
     Sets torch's thread count first when `config.num_threads` says one. Raises ModelLoadError (or
-    ModelNotAvailableError) when the model cannot be found or read.
+    ModelNotAvailableError) when the model cannot be found or read, or `config.tokenizer` /
+    `config.chat_template` cannot be used (checked before the weights load where the files alone tell).
     """
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
+    chat_template = read_chat_template(config.chat_template) if config.chat_template else None
+    if config.tokenizer:
+        check_tokenizer_directory(config.tokenizer)
     path = resolve_or_download(config.model)
     started = time.monotonic()
     config, model_config, state_dict = _load_weights(config, path)
-    tokenizer = Tokenizer.from_path(path, _config_eos_token_ids(model_config, path))
+    tokenizer = _load_tokenizer(config, path, model_config, chat_template)
     grammar = tokenizer.grammar_compiler(model_config.vocab_size)
     draft = _load_draft_model(config, tokenizer) if config.speculative and config.speculative.draft_model else None
     engine = LLMEngine(config, model_config, state_dict, tokenizer.eos_token_ids, grammar, draft)
@@ -76,6 +80,30 @@ def check_quantization_applies(architecture: str, method_name: str, source: Path
             f"{source}: {architecture} does not run under quantization {method_name!r}; "
             f"it runs under {', '.join(entry.quantization_modes)}"
         )
+
+
+def _load_tokenizer(
+    config: EngineConfig, path: Path, model_config: ModelConfig, chat_template: str | None
+) -> Tokenizer:
+    """The model's tokenizer, or config.tokenizer's in its place (refused when it has ids past the model's
+    embedding table), with chat_template (config.chat_template's text) in place of its own template."""
+    eos_token_ids = _config_eos_token_ids(model_config, path)
+    if config.tokenizer:
+        tokenizer = Tokenizer.from_directory(config.tokenizer, eos_token_ids)
+        if tokenizer.id_limit > model_config.vocab_size:
+            raise ModelLoadError(
+                f"--tokenizer {config.tokenizer}: its ids go up to {tokenizer.id_limit - 1}, past {config.model}'s "
+                f"embedding table of {model_config.vocab_size} tokens; it is not this model's tokenizer"
+            )
+    else:
+        tokenizer = Tokenizer.from_path(path, eos_token_ids)
+    if chat_template is not None:
+        tokenizer.set_chat_template(chat_template, f"the file {config.chat_template}")
+    if tokenizer.chat_template_source == NO_TEMPLATE:
+        logger.info("%s has no chat template: chat requests are refused (--chat-template FILE gives one)", config.model)
+    else:
+        logger.info("chat template of %s: from %s", config.model, tokenizer.chat_template_source)
+    return tokenizer
 
 
 def _config_eos_token_ids(model_config: ModelConfig, path: Path) -> tuple[int, ...]:

@@ -4,11 +4,18 @@ A thin layer over transformers' fast tokenizers: a Hugging Face directory
 (tokenizer.json / tokenizer_config.json) or a GGUF file (its vocabulary,
 merges and `tokenizer.chat_template`). Chat messages are encoded as text: only the template's own
 markers become control tokens (engine/text/chat_text.py).
+
+`kvserve serve --tokenizer DIR` loads another Hugging Face directory's tokenizer in place of the model's
+(`Tokenizer.from_directory`), and `--chat-template FILE` replaces the chat template
+(`read_chat_template`, then `Tokenizer.set_chat_template`): for a GGUF file that carries no tokenizer,
+no template or a wrong one. Everything derived from the template (tool_call_format, the control tokens)
+follows the replacement.
 """
 
 from __future__ import annotations
 
 import copy
+import inspect
 import logging
 from pathlib import Path
 
@@ -18,10 +25,59 @@ from engine.text.chat_text import ControlTokens, Markers, PlainTextEncoder, cont
 
 logger = logging.getLogger(__name__)
 
+# The files that make a directory a Hugging Face tokenizer (any one of them may be enough).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+# Tokenizer.chat_template_source of a tokenizer whose files hold no chat template.
+NO_TEMPLATE = "none"
+
+
+def _one_line(exc: BaseException) -> str:
+    """An exception's message on one line (transformers' and jinja's span several)."""
+    return " ".join(str(exc).split())
+
+
+def read_chat_template(file: str | Path) -> str:
+    """The text of the chat template `file`, compiled first by the jinja environment transformers renders
+    templates with (so a template accepted here renders there). ModelLoadError, on one line, when the file
+    cannot be read or is not a template jinja parses."""
+    import jinja2
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    try:
+        text = Path(file).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ModelLoadError(f"--chat-template {file}: cannot read it: {_one_line(exc)}") from exc
+    if not text.strip():
+        raise ModelLoadError(f"--chat-template {file}: the file is empty")
+    try:
+        _compile_jinja_template(text)
+    except jinja2.TemplateError as exc:
+        line = getattr(exc, "lineno", None)
+        where = f" (line {line})" if line else ""
+        raise ModelLoadError(f"--chat-template {file}: not a jinja template{where}: {_one_line(exc)}") from exc
+    return text
+
+
+def check_tokenizer_directory(directory: str | Path) -> Path:
+    """`directory` if it holds a Hugging Face tokenizer's files; ModelLoadError, on one line, if not."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise ModelLoadError(f"--tokenizer {directory}: not a directory")
+    if not any((directory / name).is_file() for name in TOKENIZER_FILES):
+        raise ModelLoadError(f"--tokenizer {directory}: no tokenizer there (neither {' nor '.join(TOKENIZER_FILES)})")
+    return directory
+
 
 class Tokenizer:
-    def __init__(self, hf_tokenizer, extra_eos_token_ids: tuple[int, ...] = ()) -> None:
+    """chat_template_source: where the chat template came from, in words for the log ("the model",
+    "the tokenizer in DIR", "the file FILE"; NO_TEMPLATE when there is none)."""
+
+    def __init__(
+        self, hf_tokenizer, extra_eos_token_ids: tuple[int, ...] = (), chat_template_source: str = "the model"
+    ) -> None:
         self._tok = hf_tokenizer
+        has_template = bool(getattr(hf_tokenizer, "chat_template", None))
+        self.chat_template_source = chat_template_source if has_template else NO_TEMPLATE
         eos_ids = {i for i in extra_eos_token_ids if i is not None}
         if hf_tokenizer.eos_token_id is not None:
             eos_ids.add(hf_tokenizer.eos_token_id)
@@ -48,12 +104,36 @@ class Tokenizer:
             else:
                 hf = AutoTokenizer.from_pretrained(str(path))
         except Exception as exc:  # transformers raises many types; one clear message
-            raise ModelLoadError(f"cannot load the tokenizer from {path}: {exc}") from exc
+            raise ModelLoadError(f"cannot load the tokenizer from {path}: {_one_line(exc)}") from exc
         return cls(hf, extra_eos_token_ids)
+
+    @classmethod
+    def from_directory(cls, directory: str | Path, extra_eos_token_ids: tuple[int, ...] = ()) -> Tokenizer:
+        """The tokenizer of a Hugging Face directory given in place of the model's own (--tokenizer DIR).
+        ModelLoadError, on one line, when there is none or transformers cannot load it."""
+        from transformers import AutoTokenizer
+
+        directory = check_tokenizer_directory(directory)
+        try:
+            hf = AutoTokenizer.from_pretrained(str(directory))
+        except Exception as exc:  # transformers raises many types, over several lines
+            raise ModelLoadError(f"--tokenizer {directory}: cannot load the tokenizer: {_one_line(exc)}") from exc
+        return cls(hf, extra_eos_token_ids, chat_template_source=f"the tokenizer in {directory}")
+
+    def set_chat_template(self, template: str, source: str) -> None:
+        """Replace the chat template (its text, as read_chat_template returns it); `source` says where it
+        came from. What is derived from the template follows: tool_call_format, the control tokens."""
+        self._tok.chat_template = template
+        self.chat_template_source = source
 
     def copy(self) -> Tokenizer:
         """An independent tokenizer (its own Rust backend and state) for another thread to own."""
-        return Tokenizer(copy.deepcopy(self._tok), self.eos_token_ids)
+        return Tokenizer(copy.deepcopy(self._tok), self.eos_token_ids, self.chat_template_source)
+
+    @property
+    def id_limit(self) -> int:
+        """Every id this tokenizer can produce is in [0, id_limit): its largest id, added tokens included, plus one."""
+        return max(self._tok.get_vocab().values(), default=-1) + 1
 
     def vocabulary(self) -> dict[str, int]:
         """Every token's text and id, added tokens included."""
@@ -102,13 +182,30 @@ class Tokenizer:
             return "hermes"
         return None
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None) -> str:
-        """tools: OpenAI tool definitions, for a template that renders them itself."""
+    def render_chat(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        tools: list | None = None,
+        *,
+        template_kwargs: dict | None = None,
+    ) -> str:
+        """tools: OpenAI tool definitions, for a template that renders them itself. template_kwargs: more
+        variables the template reads (Qwen3's enable_thinking)."""
         if not self.has_chat_template:
             raise InvalidRequestError("this model has no chat template; use /v1/completions", param="messages")
+        extra = dict(template_kwargs or {})
+        if extra:
+            # apply_chat_template's own parameters (tokenize, padding, tools, ...) are not template variables.
+            reserved = set(inspect.signature(self._tok.apply_chat_template).parameters) | {"messages"}
+            taken = sorted(set(extra) & reserved)
+            if taken:
+                raise InvalidRequestError(
+                    f"chat template variables set by the server itself: {', '.join(taken)}", param="messages"
+                )
         try:
             return self._tok.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tokenize=False, tools=tools
+                messages, add_generation_prompt=add_generation_prompt, tokenize=False, tools=tools, **extra
             )
         except Exception as exc:  # a template error is the caller's input (roles, order)
             raise InvalidRequestError(f"the chat template rejected the messages: {exc}", param="messages") from exc
@@ -119,22 +216,27 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         tools: list | None = None,
         allow_special_tokens_in_content: bool = False,
+        *,
+        template_kwargs: dict | None = None,
     ) -> list[int]:
-        """The messages through the template, every string in messages and tools encoded as text: a
-        control token's text there stays text, so a message cannot forge a turn (engine/text/chat_text.py).
+        """The messages through the template, every string in messages, tools and template_kwargs encoded
+        as text: a control token's text there stays text, so a message cannot forge a turn
+        (engine/text/chat_text.py).
 
         allow_special_tokens_in_content: encode the rendered text as a whole instead, so a control
         token's text anywhere in it is that token.
         """
         # The template already writes any BOS it wants; none is added.
         if allow_special_tokens_in_content:
-            return self.encode(self.render_chat(messages, add_generation_prompt, tools), add_special_tokens=False)
+            text = self.render_chat(messages, add_generation_prompt, tools, template_kwargs=template_kwargs)
+            return self.encode(text, add_special_tokens=False)
         tokens = self._chat_control_tokens()
         markers = Markers.new()
         marked_messages, in_messages = mark(messages, tokens, markers)
         marked_tools, in_tools = mark(tools, tokens, markers)
-        text = self.render_chat(marked_messages, add_generation_prompt, marked_tools)
-        if not in_messages + in_tools:
+        marked_kwargs, in_kwargs = mark(template_kwargs, tokens, markers)
+        text = self.render_chat(marked_messages, add_generation_prompt, marked_tools, template_kwargs=marked_kwargs)
+        if not in_messages + in_tools + in_kwargs:
             return self.encode(text, add_special_tokens=False)  # nothing to keep apart: as encoded always
         if self._plain_text is None:
             backend = getattr(self._tok, "_tokenizer", None)

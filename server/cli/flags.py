@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from engine.config import POOLING_MODES, SPECULATIVE_METHODS, SUPPORTED_DTYPES, TOKEN_ID_INPUT_MODES
-from server.cli.kinds import boolean, byte_size, key_file, key_list, one_of, optional
+from server.cli.kinds import boolean, byte_size, key_file, key_list, one_of, optional, path_text
 from server.config import LOG_LEVELS, METRICS_NAMES
 from server.http.access import PREFIX_CACHE_SCOPES
 from server.ray.scale_out import ROUTINGS
@@ -80,6 +80,21 @@ FLAGS: tuple[Flag, ...] = (
         "server",
         optional(str),
         "the name clients use for the generation model (default: --model)",
+    ),
+    _flag(
+        "tokenizer",
+        "engine",
+        optional(path_text("DIR")),
+        "a Hugging Face tokenizer directory (tokenizer.json / tokenizer_config.json) used instead of the "
+        "generation model's own tokenizer (for a .gguf: instead of the one its metadata makes); refused when "
+        "its ids go past the model's embedding table",
+    ),
+    _flag(
+        "chat_template",
+        "engine",
+        optional(path_text("FILE")),
+        "a Jinja chat template file whose text replaces the generation model's chat template (after "
+        "--tokenizer's, with both); checked to compile at start",
     ),
     _flag("host", "server", str, "address to listen on"),
     _flag("port", "server", int, "TCP port to listen on"),

@@ -5,6 +5,7 @@ when it has one, is what `--help` shows for the flag's value."""
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -21,6 +22,18 @@ def optional(kind: Callable[[str], Any]) -> Callable[[str], Any]:
     parse.__name__ = kind.__name__
     if hasattr(kind, "metavar"):
         parse.metavar = kind.metavar  # type: ignore[attr-defined]
+    return parse
+
+
+def path_text(metavar: str) -> Callable[[str], str]:
+    """A local path, made absolute (a Ray replica may start elsewhere); what loads it checks it. `--help`
+    shows `metavar` (DIR, FILE) for it."""
+
+    def parse(text: str) -> str:
+        return os.path.abspath(os.path.expanduser(text))
+
+    parse.__name__ = "path"
+    parse.metavar = metavar  # type: ignore[attr-defined]
     return parse
 
 

@@ -11,6 +11,8 @@ SERVE_FLAGS = (
     "embedding_model",
     "rerank_model",
     "served_model_name",
+    "tokenizer",
+    "chat_template",
     "host",
     "port",
     "dtype",
@@ -135,6 +137,24 @@ def test_env_vars_set_defaults_and_flags_win(monkeypatch):
     assert defaults.engine.model == "smollm2-135m-instruct" and defaults.embedder.model == "all-minilm-l6-v2"
     assert defaults.engine.quantization == "auto"
     assert (defaults.host, defaults.port) == ("127.0.0.1", 8000)
+
+
+def test_tokenizer_and_chat_template_flags_reach_the_engine_config(monkeypatch, tmp_path):
+    import argparse
+
+    from server import cli
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("KVSERVE_CHAT_TEMPLATE", "from-env.jinja")
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    engine = cli.config_from_args(parser.parse_args(["--tokenizer", "tok"])).engine
+    # Absolute: a Ray replica may not start in this directory.
+    assert (engine.tokenizer, engine.chat_template) == (str(tmp_path / "tok"), str(tmp_path / "from-env.jinja"))
+    engine = cli.config_from_args(parser.parse_args(["--chat-template", "none"])).engine
+    assert (engine.tokenizer, engine.chat_template) == (None, None)
+    help_text = parser.format_help()
+    assert "--tokenizer DIR" in help_text and "--chat-template FILE" in help_text
 
 
 def test_an_architecture_not_served_is_one_line_at_start_and_a_failing_exit(tmp_path):
