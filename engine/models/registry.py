@@ -183,6 +183,7 @@ _ENTRIES = (
         config_mapper=_qwen2_config,
         attention_kinds=("full", "sliding"),
         fused_decode=True,
+        gguf_blocks=True,  # llama.cpp's LLaMA tensor names plus q/k/v biases, rows unpermuted
     ),
     ModelEntry(
         name="Qwen3ForCausalLM",
@@ -192,6 +193,7 @@ _ENTRIES = (
         config_mapper=_qwen2_config,  # the same use_sliding_window rule
         attention_kinds=("full", "sliding"),
         fused_decode=True,  # its per-head q/k norms run in the fused kernel too
+        gguf_blocks=True,  # llama.cpp's LLaMA tensor names plus attn_q_norm / attn_k_norm, rows unpermuted
     ),
     ModelEntry(
         name="Phi3ForCausalLM",

@@ -160,7 +160,7 @@ def _load_gguf(path: Path, keep_blocks: bool) -> tuple[ModelConfig, dict[str, to
     if facts.rope_freq_factors is not None:
         model_config = dataclasses.replace(model_config, rope_freq_factors=facts.rope_freq_factors)
     if registry.lookup(model_config.architecture).gguf_blocks:
-        tensors = _read_llama_gguf_tensors(facts.reader, path, model_config, keep_blocks)
+        tensors = _read_llama_gguf_tensors(facts.reader, path, model_config, facts.architecture, keep_blocks)
         if tensors is not None:
             return model_config, tensors
     try:
@@ -172,7 +172,14 @@ def _load_gguf(path: Path, keep_blocks: bool) -> tuple[ModelConfig, dict[str, to
     return model_config, {name: torch.as_tensor(t) for name, t in tensors.items()}
 
 
+# A layer's tensors in the GGUF files of the architectures whose entries read their blocks (gguf_blocks):
+# LLaMA's, plus Qwen2's q/k/v biases and Qwen3's per-head q/k norms under their llama.cpp names.
 _LLAMA_GGUF_NAMES = {
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
     "attn_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
     "attn_q.weight": "self_attn.q_proj.weight",
@@ -196,14 +203,22 @@ def _unpermute_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     return weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
 
 
+# llama.cpp's converter interleaves the rotary pairs of LLaMA's q/k rows (its rope is GPT-J style); it keeps
+# Qwen's rows as they are (NeoX style rope).
+_PERMUTED_QK_ARCHITECTURES = ("llama",)
+
+
 def _read_llama_gguf_tensors(
-    reader: Any, path: Path, model_config: ModelConfig, keep_blocks: bool = False
+    reader: Any, path: Path, model_config: ModelConfig, architecture: str, keep_blocks: bool = False
 ) -> dict[str, torch.Tensor | BlockWeight] | None:
-    """One pass over a LLaMA GGUF's tensors (`reader`: the file as gguf.GGUFReader parsed it): dequantize
-    and rename (~3x faster than transformers' converter, which parses the file again). None when a tensor
-    is not one we know, so the caller falls back to transformers. With `keep_blocks`, matrices of the types
-    in BLOCK_TYPES are copied as the file's bytes (BlockWeight), never dequantized."""
+    """One pass over a LLaMA-family GGUF's tensors (`reader`: the file as gguf.GGUFReader parsed it;
+    `architecture`: its general.architecture): dequantize and rename (~3x faster than transformers'
+    converter, which parses the file again). None when a tensor is not one we know, so the caller falls
+    back to transformers. With `keep_blocks`, matrices of the types in BLOCK_TYPES are copied as the file's
+    bytes (BlockWeight), never dequantized."""
     import gguf
+
+    permuted = architecture in _PERMUTED_QK_ARCHITECTURES
 
     try:
         tensors: dict[str, torch.Tensor | BlockWeight] = {}
@@ -230,9 +245,9 @@ def _read_llama_gguf_tensors(
                 weight = torch.from_numpy(gguf.quants.dequantize(tensor.data, tensor.tensor_type).copy()).float()
                 if keep_blocks and is_matrix:
                     dequantized_types.add(qtype)
-            if hf_name.endswith("q_proj.weight"):
+            if permuted and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
                 weight = _unpermute_rows(weight, model_config.num_heads)
-            elif hf_name.endswith("k_proj.weight"):
+            elif permuted and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
                 weight = _unpermute_rows(weight, model_config.num_kv_heads)
             # GGUF lists dimensions innermost first: shape[0] is a row's length.
             tensors[hf_name] = BlockWeight(qtype, weight, int(tensor.shape[0])) if keep else weight

@@ -17,7 +17,11 @@ def greedy_from_checkpoint(
     """(token ids, logprobs) of max_tokens greedy tokens after each prompt (token ids: no tokenizer needed)."""
     model_config, state = load_checkpoint(checkpoint)
     engine_config = EngineConfig(model=str(checkpoint), **{"num_blocks": 96, "block_size": 4, **config})
-    engine = LLMEngine(engine_config, model_config, state, eos_token_ids=())
+    return greedy_on(LLMEngine(engine_config, model_config, state, eos_token_ids=()), prompts, max_tokens)
+
+
+def greedy_on(engine: LLMEngine, prompts: list[list[int]], max_tokens: int = 8) -> list[tuple[list[int], list[float]]]:
+    """(token ids, logprobs) of max_tokens greedy tokens after each prompt, from an engine already built."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=0)
     ids = [engine.add_request(prompt, params) for prompt in prompts]
     done = {}

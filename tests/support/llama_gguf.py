@@ -23,8 +23,14 @@ _LAYER_NAMES = {
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
 }
-# Qwen3's per-head query and key norms.
-_QK_NORM_NAMES = {"self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight"}
+# Qwen3's per-head query and key norms, Qwen2's q/k/v biases.
+_QK_NORM_NAMES = {
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+}
 _TOP_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
 
 
@@ -51,13 +57,21 @@ def write_llama_gguf(model_dir: Path, out: Path, *, with_rope_freqs: bool = True
     return _write_gguf(model_dir, out, "llama", with_rope_freqs=with_rope_freqs)
 
 
-def write_qwen3_gguf(model_dir: Path, out: Path) -> Path:
-    """`model_dir` (a tiny Qwen3) as an F32 GGUF at `out`: llama.cpp keeps Qwen's rotary row order (NeoX
-    style), so no rows are permuted, and the q/k norms get their own names."""
-    return _write_gguf(model_dir, out, "qwen3", with_rope_freqs=False)
+def write_qwen3_gguf(model_dir: Path, out: Path, matrix_type: str = "F32") -> Path:
+    """`model_dir` (a tiny Qwen3) as a GGUF at `out`: llama.cpp keeps Qwen's rotary row order (NeoX
+    style), so no rows are permuted, and the q/k norms get their own names. Matrices in `matrix_type`
+    (F32, or a block type such as Q8_0, quantized by the `gguf` package as llama.cpp quantizes), norms F32."""
+    return _write_gguf(model_dir, out, "qwen3", with_rope_freqs=False, matrix_type=matrix_type)
 
 
-def _write_gguf(model_dir: Path, out: Path, architecture: str, *, with_rope_freqs: bool) -> Path:
+def write_qwen2_gguf(model_dir: Path, out: Path, matrix_type: str = "F32") -> Path:
+    """`model_dir` (a tiny Qwen2) as a GGUF at `out`: rows unpermuted, as for Qwen3, and its q/k/v biases."""
+    return _write_gguf(model_dir, out, "qwen2", with_rope_freqs=False, matrix_type=matrix_type)
+
+
+def _write_gguf(
+    model_dir: Path, out: Path, architecture: str, *, with_rope_freqs: bool, matrix_type: str = "F32"
+) -> Path:
     import gguf
     from safetensors.torch import load_file
     from transformers import AutoConfig
@@ -81,7 +95,9 @@ def _write_gguf(model_dir: Path, out: Path, architecture: str, *, with_rope_freq
     if head_dim:  # a config that names its head size (Qwen3): llama.cpp's converter writes it as the key length
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
-    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    writer.add_file_type(
+        gguf.LlamaFileType.ALL_F32 if matrix_type == "F32" else gguf.LlamaFileType[f"MOSTLY_{matrix_type}"]
+    )
     if with_rope_freqs:
         writer.add_tensor("rope_freqs.weight", rope_freq_factors(config))
     for name, tensor in state.items():
@@ -98,7 +114,11 @@ def _write_gguf(model_dir: Path, out: Path, architecture: str, *, with_rope_freq
                 weight = _permute_rows(weight, config.num_attention_heads)
             elif architecture == "llama" and suffix == "self_attn.k_proj.weight":
                 weight = _permute_rows(weight, config.num_key_value_heads)
-        writer.add_tensor(gguf_name, np.ascontiguousarray(weight))
+        if matrix_type != "F32" and weight.ndim == 2:
+            quant_type = gguf.GGMLQuantizationType[matrix_type]
+            writer.add_tensor(gguf_name, gguf.quants.quantize(weight, quant_type), raw_dtype=quant_type)
+        else:
+            writer.add_tensor(gguf_name, np.ascontiguousarray(weight))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
