@@ -30,9 +30,11 @@ from engine.attention.metadata import AttentionMetadata
 from engine.attention.paged import paged_attention, write_kv
 from engine.config import ModelConfig
 from engine.errors import ModelLoadError
-from engine.models.common import RotaryEmbedding, apply_rotary, assign, load_linear, take
+from engine.models.common import RotaryEmbedding, apply_rotary, assign, cat_rows, load_linear, take
 from engine.models.llama import RMSNorm
+from engine.ops.gguf_linear import BlockWeight
 from engine.ops.rms_norm import rms_norm
+from engine.quantization import gguf
 
 logger = logging.getLogger(__name__)
 
@@ -183,29 +185,35 @@ class Gemma2ForCausalLM(nn.Module):
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits.float()
 
-    def load_weights(self, state: dict[str, torch.Tensor]) -> None:
-        """Fill the model from HF-named float tensors."""
+    def load_weights(self, state: dict[str, torch.Tensor | BlockWeight]) -> None:
+        """Fill the model from HF-named tensors; GGUF blocks (BlockWeight) replace the layers they fill."""
         if self.config.rope_freq_factors is not None:
             raise ModelLoadError(f"{self.config.architecture}: a GGUF rope_freqs tensor is not supported")
         state = dict(state)
         embedding = take(state, "model.embed_tokens.weight")
+        dtype = self.norm.weight.dtype  # the model's (the embedding may stay in GGUF blocks)
         tied = getattr(self.config.hf_config, "tie_word_embeddings", True) or "lm_head.weight" not in state
         lm_head = embedding if tied else take(state, "lm_head.weight")
         state.pop("lm_head.weight", None)
-        assign(self.embed_tokens.weight, embedding, "model.embed_tokens.weight")
+        if gguf.is_blocks(embedding):
+            self.embed_tokens = gguf.embedding_over_blocks(self.embed_tokens, embedding, "model.embed_tokens.weight")
+            if tied:  # one copy of the blocks serves both
+                lm_head = self.embed_tokens.packed
+        else:
+            assign(self.embed_tokens.weight, embedding, "model.embed_tokens.weight")
         load_linear(self, "lm_head", lm_head, None, "lm_head.weight")
         self.norm.load(take(state, "model.norm.weight"), "model.norm.weight")
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
             attn = f"{p}self_attn."
-            qkv = torch.cat([take(state, f"{attn}{n}_proj.weight") for n in "qkv"])
+            qkv = cat_rows([take(state, f"{attn}{n}_proj.weight") for n in "qkv"])
             qkv_bias = None
             if layer.qkv_proj.bias is not None:
                 qkv_bias = torch.cat([take(state, f"{attn}{n}_proj.bias") for n in "qkv"])
             load_linear(layer, "qkv_proj", qkv, qkv_bias, f"{attn}qkv")
             o_bias = take(state, f"{attn}o_proj.bias") if layer.o_proj.bias is not None else None
             load_linear(layer, "o_proj", take(state, f"{attn}o_proj.weight"), o_bias, f"{attn}o_proj")
-            gate_up = torch.cat([take(state, f"{p}mlp.{n}_proj.weight") for n in ("gate", "up")])
+            gate_up = cat_rows([take(state, f"{p}mlp.{n}_proj.weight") for n in ("gate", "up")])
             load_linear(layer, "gate_up_proj", gate_up, None, f"{p}mlp.gate_up")
             load_linear(layer, "down_proj", take(state, f"{p}mlp.down_proj.weight"), None, f"{p}mlp.down_proj")
             if layer.q_norm is not None:
@@ -224,7 +232,7 @@ class Gemma2ForCausalLM(nn.Module):
             raise ValueError(f"unexpected weights in checkpoint: {leftovers[:5]}")
         device = self.norm.weight.device
         # transformers: a float32 scalar cast to the embeddings' dtype (sqrt(3072) is 55.5 in bfloat16).
-        self.embed_scale = torch.tensor(self.config.hidden_size**0.5).to(device, self.embed_tokens.weight.dtype)
+        self.embed_scale = torch.tensor(self.config.hidden_size**0.5).to(device, dtype)
         hf = self.config.hf_config
         # One RoPE per layer type where the config keys RoPE by type, else one for every layer.
         keyed = all(kind in (getattr(hf, "rope_parameters", None) or {}) for kind in self.layer_types)

@@ -213,6 +213,7 @@ _ENTRIES = (
         config_mapper=_gemma_config,
         attention_kinds=("full", "sliding"),
         # The native fused decode has no post-norms, GeGLU or softcaps: Gemma decodes through the torch layers.
+        gguf_blocks=True,  # its norms stored as 1 + w
     ),
     ModelEntry(
         name="Gemma3ForCausalLM",
@@ -221,6 +222,7 @@ _ENTRIES = (
         gguf_architectures=("gemma3",),  # transformers reads a gemma3 GGUF as the text model
         config_mapper=_gemma_config,
         attention_kinds=("full", "sliding"),
+        gguf_blocks=True,
     ),
     ModelEntry(
         name="GPT2LMHeadModel",

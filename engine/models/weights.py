@@ -190,6 +190,18 @@ _LLAMA_GGUF_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+# Gemma's: four norms a layer, q/k norms (Gemma 3), no biases. llama.cpp stores every Gemma norm as 1 + w.
+_GEMMA_GGUF_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    **{name: hf for name, hf in _LLAMA_GGUF_NAMES.items() if "proj" in hf and ".bias" not in name},
+}
+_GGUF_LAYER_NAMES = {"gemma2": _GEMMA_GGUF_NAMES, "gemma3": _GEMMA_GGUF_NAMES}  # default: _LLAMA_GGUF_NAMES
+_NORMS_STORED_PLUS_ONE = ("gemma2", "gemma3")
 _LLAMA_GGUF_TOP = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -219,6 +231,8 @@ def _read_llama_gguf_tensors(
     import gguf
 
     permuted = architecture in _PERMUTED_QK_ARCHITECTURES
+    layer_names = _GGUF_LAYER_NAMES.get(architecture, _LLAMA_GGUF_NAMES)
+    norms_plus_one = architecture in _NORMS_STORED_PLUS_ONE
 
     try:
         tensors: dict[str, torch.Tensor | BlockWeight] = {}
@@ -232,10 +246,10 @@ def _read_llama_gguf_tensors(
             else:
                 prefix, _, rest = name.partition(".")
                 layer, _, suffix = rest.partition(".")
-                if prefix != "blk" or not layer.isdigit() or suffix not in _LLAMA_GGUF_NAMES:
+                if prefix != "blk" or not layer.isdigit() or suffix not in layer_names:
                     logger.debug("%s: unknown GGUF tensor %s; using transformers' converter", path, name)
                     return None
-                hf_name = f"model.layers.{layer}.{_LLAMA_GGUF_NAMES[suffix]}"
+                hf_name = f"model.layers.{layer}.{layer_names[suffix]}"
             qtype = tensor.tensor_type.name
             is_matrix = len(tensor.data.shape) == 2
             keep = keep_blocks and is_matrix and qtype in BLOCK_TYPES
@@ -245,6 +259,8 @@ def _read_llama_gguf_tensors(
                 weight = torch.from_numpy(gguf.quants.dequantize(tensor.data, tensor.tensor_type).copy()).float()
                 if keep_blocks and is_matrix:
                     dequantized_types.add(qtype)
+            if norms_plus_one and hf_name.endswith("norm.weight"):
+                weight = weight - 1.0  # the checkpoint's offset from one, as Gemma's RMSNorm reads it
             if permuted and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
                 weight = _unpermute_rows(weight, model_config.num_heads)
             elif permuted and hf_name.endswith(("k_proj.weight", "k_proj.bias")):

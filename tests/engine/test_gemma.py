@@ -15,7 +15,8 @@ from engine.llm import LLM
 from engine.models import gemma
 from engine.models.weights import load_checkpoint
 from engine.params import SamplingParams
-from tests.support.checkpoint_greedy import greedy_from_checkpoint
+from engine.quantization.gguf import GgufEmbedding, GgufLinear
+from tests.support.checkpoint_greedy import greedy_from_checkpoint, greedy_on
 from tests.support.gemma_gguf import write_gemma_gguf
 from tests.support.tiny_models import load_reference, make_tiny_model
 
@@ -67,6 +68,26 @@ def test_without_the_gemma_metadata_the_gguf_computes_other_logprobs(checkpoints
         bare != pytest.approx(expected, abs=1e-3)
         for (_, expected), (_, bare) in zip(from_folder, from_bare_file, strict=True)
     )
+
+
+def test_a_q8_0_gguf_runs_on_its_blocks_and_follows_the_same_file_in_float32(checkpoints, tmp_path):
+    """The engine reads a Gemma file itself: its Q8_0 matrices and tied embedding table stay in their blocks,
+    its norms come back from their stored 1 + w."""
+    arch, folder, _ = checkpoints
+    gguf_file = write_gemma_gguf(folder, tmp_path / f"tiny-{arch}-Q8_0.gguf", matrix_type="Q8_0")
+    # The file carries no tokenizer: the folder's serves it (--tokenizer).
+    config = EngineConfig(model=str(gguf_file), tokenizer=str(folder), quantization="gguf", block_size=4, num_blocks=96)
+    blocks = LLM.from_config(config)
+    model = blocks.engine.runner.model
+    assert isinstance(model.embed_tokens, GgufEmbedding) and model.embed_tokens.qtype == "Q8_0"
+    assert model.lm_head.packed.blocks.data_ptr() == model.embed_tokens.packed.blocks.data_ptr()  # one copy
+    assert all(isinstance(layer.qkv_proj, GgufLinear) for layer in model.layers)
+    on_blocks = greedy_on(blocks.engine, PROMPTS, max_tokens=6)
+    in_float32 = greedy_from_checkpoint(gguf_file, PROMPTS, max_tokens=6)
+    # Only the activations' rounding to 8-bit blocks differs from float32.
+    for (tokens, logprobs), (float_tokens, float_logprobs) in zip(on_blocks, in_float32, strict=True):
+        assert tokens[:3] == float_tokens[:3]
+        assert logprobs[0] == pytest.approx(float_logprobs[0], abs=0.05)
 
 
 def test_gemma3_leaves_an_attention_softcap_unapplied_as_transformers_does(tmp_path):

@@ -24,10 +24,10 @@ def greedy_on(engine: LLMEngine, prompts: list[list[int]], max_tokens: int = 8) 
     """(token ids, logprobs) of max_tokens greedy tokens after each prompt, from an engine already built."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=0)
     ids = [engine.add_request(prompt, params) for prompt in prompts]
-    done = {}
+    done: dict[str, tuple[list[int], list[float]]] = {i: ([], []) for i in ids}
     while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.finished:
-                sample = output.outputs[0]
-                done[output.request_id] = (list(sample.token_ids), [e.logprob for e in sample.logprobs])
+        for output in engine.step():  # each step's output holds the tokens it added
+            tokens, logprobs = done[output.request_id]
+            tokens.extend(output.outputs[0].token_ids)
+            logprobs.extend(e.logprob for e in output.outputs[0].logprobs)
     return [done[i] for i in ids]

@@ -32,8 +32,9 @@ _LAYER_NAMES = {
 }
 
 
-def write_gemma_gguf(model_dir: Path, out: Path) -> Path:
-    """`model_dir` (a tiny Gemma2ForCausalLM or Gemma3ForCausalLM with tied embeddings) as an F32 GGUF at `out`."""
+def write_gemma_gguf(model_dir: Path, out: Path, matrix_type: str = "F32") -> Path:
+    """`model_dir` (a tiny Gemma2ForCausalLM or Gemma3ForCausalLM with tied embeddings) as a GGUF at `out`, its
+    matrices in `matrix_type` (F32, or a block type such as Q8_0, quantized by the `gguf` package), norms F32."""
     import gguf
     from safetensors.torch import load_file
     from transformers import AutoConfig
@@ -77,7 +78,11 @@ def write_gemma_gguf(model_dir: Path, out: Path) -> Path:
             gguf_name = f"blk.{layer}.{_LAYER_NAMES[suffix]}"
         if name.endswith("norm.weight"):
             weight = weight + np.float32(1.0)
-        writer.add_tensor(gguf_name, np.ascontiguousarray(weight))
+        if matrix_type != "F32" and weight.ndim == 2:
+            quant_type = gguf.GGMLQuantizationType[matrix_type]
+            writer.add_tensor(gguf_name, gguf.quants.quantize(weight, quant_type), raw_dtype=quant_type)
+        else:
+            writer.add_tensor(gguf_name, np.ascontiguousarray(weight))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
