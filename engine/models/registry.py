@@ -204,6 +204,7 @@ _ENTRIES = (
         attention_kinds=("full", "sliding"),
         # The native fused decode rotates whole heads (Phi-4-mini rotates 3/4 of each): Phi-3 decodes through
         # the torch layers.
+        gguf_blocks=True,
     ),
     ModelEntry(
         name="Gemma2ForCausalLM",

@@ -200,7 +200,18 @@ _GEMMA_GGUF_NAMES = {
     "attn_k_norm.weight": "self_attn.k_norm.weight",
     **{name: hf for name, hf in _LLAMA_GGUF_NAMES.items() if "proj" in hf and ".bias" not in name},
 }
-_GGUF_LAYER_NAMES = {"gemma2": _GEMMA_GGUF_NAMES, "gemma3": _GEMMA_GGUF_NAMES}  # default: _LLAMA_GGUF_NAMES
+# Phi-3's: its checkpoint's fused projections keep one tensor each (ffn_up holds gate then up).
+_PHI3_GGUF_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_qkv.weight": "self_attn.qkv_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_up.weight": "mlp.gate_up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GGUF_LAYER_NAMES = {"gemma2": _GEMMA_GGUF_NAMES, "gemma3": _GEMMA_GGUF_NAMES, "phi3": _PHI3_GGUF_NAMES}
+# Not weights: RoPE facts read into the config (the Llama 3 scaling; Phi-3's LongRoPE factors).
+_GGUF_ROPE_TENSORS = (_GGUF_ROPE_FREQS, "rope_factors_long.weight", "rope_factors_short.weight")
 _NORMS_STORED_PLUS_ONE = ("gemma2", "gemma3")
 _LLAMA_GGUF_TOP = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -239,8 +250,8 @@ def _read_llama_gguf_tensors(
         dequantized_types: set[str] = set()
         for tensor in reader.tensors:
             name = tensor.name
-            if name == _GGUF_ROPE_FREQS:
-                continue  # read by _read_gguf_facts
+            if name in _GGUF_ROPE_TENSORS:
+                continue  # read by _read_gguf_facts (rope_freqs) or phi3.gguf_config (LongRoPE)
             if name in _LLAMA_GGUF_TOP:
                 hf_name = _LLAMA_GGUF_TOP[name]
             else:

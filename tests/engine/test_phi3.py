@@ -19,7 +19,8 @@ from engine.models import llama_fused
 from engine.models.common import RotaryEmbedding
 from engine.models.weights import load_checkpoint
 from engine.params import SamplingParams
-from tests.support.checkpoint_greedy import greedy_from_checkpoint
+from engine.quantization.gguf import GgufLinear
+from tests.support.checkpoint_greedy import greedy_from_checkpoint, greedy_on
 from tests.support.llama_gguf import write_phi3_gguf
 from tests.support.tiny_models import load_reference, make_tiny_model
 
@@ -152,6 +153,23 @@ def test_a_phi3_gguf_reads_its_rotary_dims_longrope_and_window_and_equals_its_fo
     from_folder, from_gguf = greedy_from_checkpoint(phi3_dir, prompts), greedy_from_checkpoint(gguf_file, prompts)
     for ours, theirs in zip(from_gguf, from_folder, strict=True):
         _assert_same(ours, theirs)
+
+
+def test_a_q8_0_phi3_gguf_runs_on_its_blocks_and_follows_the_same_file_in_float32(phi3_dir, tmp_path):
+    """The engine reads a Phi-3 file itself: its fused qkv and gate/up matrices stay in their Q8_0 blocks."""
+    gguf_file = write_phi3_gguf(Path(phi3_dir), tmp_path / "tiny-phi3-Q8_0.gguf", matrix_type="Q8_0")
+    config = EngineConfig(model=str(gguf_file), tokenizer=phi3_dir, quantization="gguf", block_size=4, num_blocks=96)
+    blocks = LLM.from_config(config)
+    model = blocks.engine.runner.model
+    assert all(isinstance(layer.qkv_proj, GgufLinear) for layer in model.layers)
+    assert all(isinstance(layer.gate_up_proj, GgufLinear) for layer in model.layers)
+    prompts = [_prompt(20, seed=3), _prompt(24, seed=5)]
+    on_blocks = greedy_on(blocks.engine, prompts, max_tokens=6)
+    in_float32 = greedy_from_checkpoint(gguf_file, prompts, max_tokens=6)
+    # Only the activations' rounding to 8-bit blocks differs from float32.
+    for (tokens, logprobs), (float_tokens, float_logprobs) in zip(on_blocks, in_float32, strict=True):
+        assert tokens[:3] == float_tokens[:3]
+        assert logprobs[0] == pytest.approx(float_logprobs[0], abs=0.05)
 
 
 def test_the_fused_decode_kernel_refuses_partial_rotary(phi3_dir):

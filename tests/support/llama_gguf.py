@@ -137,11 +137,12 @@ _PHI3_LAYER_NAMES = {
 }
 
 
-def write_phi3_gguf(model_dir: Path, out: Path) -> Path:
-    """`model_dir` (a tiny Phi-3) as an F32 GGUF at `out`, laid out as llama.cpp's converter does: the rotary
-    dim count for partial rotary, the sliding window (0: none), and a LongRoPE scaling as the original context
-    length, the attention factor and the `rope_factors_long` / `rope_factors_short` tensors. Rows are not
-    permuted (llama.cpp rotates Phi-3 NeoX style, as transformers does)."""
+def write_phi3_gguf(model_dir: Path, out: Path, matrix_type: str = "F32") -> Path:
+    """`model_dir` (a tiny Phi-3) as a GGUF at `out` (matrices in `matrix_type`, norms F32), laid out as
+    llama.cpp's converter does: the rotary dim count for partial rotary, the sliding window (0: none), and a
+    LongRoPE scaling as the original context length, the attention factor and the `rope_factors_long` /
+    `rope_factors_short` tensors. Rows are not permuted (llama.cpp rotates Phi-3 NeoX style, as transformers
+    does)."""
     import math
 
     import gguf
@@ -188,7 +189,12 @@ def write_phi3_gguf(model_dir: Path, out: Path) -> Path:
         else:
             layer, suffix = name.removeprefix("model.layers.").split(".", 1)
             gguf_name = f"blk.{layer}.{_PHI3_LAYER_NAMES[suffix]}"
-        writer.add_tensor(gguf_name, np.ascontiguousarray(tensor.float().numpy()))
+        weight = tensor.float().numpy()
+        if matrix_type != "F32" and weight.ndim == 2:
+            quant_type = gguf.GGMLQuantizationType[matrix_type]
+            writer.add_tensor(gguf_name, gguf.quants.quantize(weight, quant_type), raw_dtype=quant_type)
+        else:
+            writer.add_tensor(gguf_name, np.ascontiguousarray(weight))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
