@@ -19,12 +19,13 @@ class FakeEngine:
         self.release: asyncio.Event | None = None
         self.calls: list[tuple] = []
 
-    async def attention_weights(self, token_ids, sliding_window, num_sink_tokens) -> AttentionWeights:
-        self.calls.append((tuple(token_ids), sliding_window, num_sink_tokens))
+    async def attention_weights(self, token_ids, sliding_window, num_sink_tokens, layer_windows=None):
+        self.calls.append((tuple(token_ids), sliding_window, num_sink_tokens, layer_windows))
         if self.release is not None:
             await self.release.wait()
         n = len(token_ids)
-        return AttentionWeights(tuple(token_ids), torch.zeros(1, 1, n, n), sliding_window, num_sink_tokens)
+        windows = layer_windows or (sliding_window,)  # one layer
+        return AttentionWeights(tuple(token_ids), torch.zeros(1, 1, n, n), sliding_window, num_sink_tokens, windows)
 
 
 def test_the_last_two_forwards_are_kept():
@@ -40,6 +41,12 @@ def test_the_last_two_forwards_are_kept():
         assert [k.token_ids for k in view.kept] == [(1, 2), (3,)]  # the oldest went
         await view.weights(engine, [1, 2], None, 0)
         assert len(engine.calls) == 4
+        # Each layer under its own window is another forward than every layer under one.
+        await view.weights(engine, [1, 2], 4, 0, layer_windows=(None, 4))
+        assert engine.calls[-1][3] == (None, 4) and len(engine.calls) == 5
+        assert await view.weights(engine, [1, 2], 4, 0, layer_windows=(None, 4)) is view.kept[-1]
+        await view.weights(engine, [1, 2], 4, 0)
+        assert len(engine.calls) == 6
 
     asyncio.run(main())
 
@@ -72,7 +79,7 @@ def test_a_caller_that_goes_away_leaves_the_view_busy_until_the_forward_ends():
 
 def test_a_failed_forward_frees_the_view():
     class Broken(FakeEngine):
-        async def attention_weights(self, token_ids, sliding_window, num_sink_tokens) -> AttentionWeights:
+        async def attention_weights(self, token_ids, sliding_window, num_sink_tokens, layer_windows=None):
             raise RuntimeError("boom")
 
     async def main() -> None:
