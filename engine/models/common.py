@@ -51,6 +51,23 @@ def load_linear(
         assign(linear.bias, bias, f"{label}.bias")
 
 
+def load_embeddings_and_head(model: torch.nn.Module, state: dict, tied_by_default: bool) -> None:
+    """Fill `model.embed_tokens` and `model.lm_head` from `state`, popping both weights. The head is the
+    embedding table where the config ties them (`tied_by_default` when it does not say) or the checkpoint has
+    no head; a table in GGUF blocks stays in them, one copy serving both when tied."""
+    embedding = take(state, "model.embed_tokens.weight")
+    tied = getattr(model.config.hf_config, "tie_word_embeddings", tied_by_default) or "lm_head.weight" not in state
+    lm_head = embedding if tied else take(state, "lm_head.weight")
+    state.pop("lm_head.weight", None)
+    if gguf.is_blocks(embedding):
+        model.embed_tokens = gguf.embedding_over_blocks(model.embed_tokens, embedding, "model.embed_tokens.weight")
+        if tied:
+            lm_head = model.embed_tokens.packed
+    else:
+        assign(model.embed_tokens.weight, embedding, "model.embed_tokens.weight")
+    load_linear(model, "lm_head", lm_head, None, "lm_head.weight")
+
+
 class RotaryEmbedding:
     """cos/sin for arbitrary positions (no table, so positions may exceed the trained context).
 

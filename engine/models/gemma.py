@@ -30,11 +30,18 @@ from engine.attention.metadata import AttentionMetadata
 from engine.attention.paged import paged_attention, write_kv
 from engine.config import ModelConfig
 from engine.errors import ModelLoadError
-from engine.models.common import RotaryEmbedding, apply_rotary, assign, cat_rows, load_linear, take
+from engine.models.common import (
+    RotaryEmbedding,
+    apply_rotary,
+    assign,
+    cat_rows,
+    load_embeddings_and_head,
+    load_linear,
+    take,
+)
 from engine.models.llama import RMSNorm
 from engine.ops.gguf_linear import BlockWeight
 from engine.ops.rms_norm import rms_norm
-from engine.quantization import gguf
 
 logger = logging.getLogger(__name__)
 
@@ -190,18 +197,8 @@ class Gemma2ForCausalLM(nn.Module):
         if self.config.rope_freq_factors is not None:
             raise ModelLoadError(f"{self.config.architecture}: a GGUF rope_freqs tensor is not supported")
         state = dict(state)
-        embedding = take(state, "model.embed_tokens.weight")
         dtype = self.norm.weight.dtype  # the model's (the embedding may stay in GGUF blocks)
-        tied = getattr(self.config.hf_config, "tie_word_embeddings", True) or "lm_head.weight" not in state
-        lm_head = embedding if tied else take(state, "lm_head.weight")
-        state.pop("lm_head.weight", None)
-        if gguf.is_blocks(embedding):
-            self.embed_tokens = gguf.embedding_over_blocks(self.embed_tokens, embedding, "model.embed_tokens.weight")
-            if tied:  # one copy of the blocks serves both
-                lm_head = self.embed_tokens.packed
-        else:
-            assign(self.embed_tokens.weight, embedding, "model.embed_tokens.weight")
-        load_linear(self, "lm_head", lm_head, None, "lm_head.weight")
+        load_embeddings_and_head(self, state, tied_by_default=True)
         self.norm.load(take(state, "model.norm.weight"), "model.norm.weight")
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."

@@ -21,10 +21,17 @@ from torch import nn
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.paged import paged_attention, write_kv
 from engine.config import ModelConfig
-from engine.models.common import RotaryEmbedding, apply_rotary, assign, cat_rows, load_linear, take
+from engine.models.common import (
+    RotaryEmbedding,
+    apply_rotary,
+    assign,
+    cat_rows,
+    load_embeddings_and_head,
+    load_linear,
+    take,
+)
 from engine.ops.gguf_linear import BlockWeight
 from engine.ops.rms_norm import rms_norm
-from engine.quantization import gguf
 
 
 class RMSNorm(nn.Module):
@@ -132,17 +139,7 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, state: dict[str, torch.Tensor | BlockWeight]) -> None:
         """Fill the model from HF-named tensors; GGUF blocks (BlockWeight) replace the layers they fill."""
         state = dict(state)
-        embedding = take(state, "model.embed_tokens.weight")
-        tied = getattr(self.config.hf_config, "tie_word_embeddings", False) or "lm_head.weight" not in state
-        lm_head = embedding if tied else take(state, "lm_head.weight")
-        state.pop("lm_head.weight", None)
-        if gguf.is_blocks(embedding):
-            self.embed_tokens = gguf.embedding_over_blocks(self.embed_tokens, embedding, "model.embed_tokens.weight")
-            if tied:  # one copy of the blocks serves both
-                lm_head = self.embed_tokens.packed
-        else:
-            assign(self.embed_tokens.weight, embedding, "model.embed_tokens.weight")
-        load_linear(self, "lm_head", lm_head, None, "lm_head.weight")
+        load_embeddings_and_head(self, state, tied_by_default=False)
         assign(self.norm.weight, take(state, "model.norm.weight"), "model.norm.weight")
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."

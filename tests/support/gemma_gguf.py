@@ -14,6 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
+from tests.support.llama_gguf import add_weight
+
 _TOP_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
 _LAYER_NAMES = {
     "input_layernorm.weight": "attn_norm.weight",
@@ -78,11 +80,7 @@ def write_gemma_gguf(model_dir: Path, out: Path, matrix_type: str = "F32") -> Pa
             gguf_name = f"blk.{layer}.{_LAYER_NAMES[suffix]}"
         if name.endswith("norm.weight"):
             weight = weight + np.float32(1.0)
-        if matrix_type != "F32" and weight.ndim == 2:
-            quant_type = gguf.GGMLQuantizationType[matrix_type]
-            writer.add_tensor(gguf_name, gguf.quants.quantize(weight, quant_type), raw_dtype=quant_type)
-        else:
-            writer.add_tensor(gguf_name, np.ascontiguousarray(weight))
+        add_weight(writer, gguf_name, weight, matrix_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -34,6 +34,18 @@ _QK_NORM_NAMES = {
 _TOP_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
 
 
+def add_weight(writer, name: str, weight: np.ndarray, matrix_type: str) -> None:
+    """Add a float32 tensor: a matrix in `matrix_type` (F32, or a block type quantized by the `gguf` package as
+    llama.cpp quantizes), anything else (norms, biases) as F32."""
+    import gguf
+
+    if matrix_type != "F32" and weight.ndim == 2:
+        quant_type = gguf.GGMLQuantizationType[matrix_type]
+        writer.add_tensor(name, gguf.quants.quantize(weight, quant_type), raw_dtype=quant_type)
+    else:
+        writer.add_tensor(name, np.ascontiguousarray(weight))
+
+
 def _permute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     """HF's half-split rotary rows -> llama.cpp's pairs interleaved per head."""
     rows = weight.shape[0]
@@ -114,11 +126,7 @@ def _write_gguf(
                 weight = _permute_rows(weight, config.num_attention_heads)
             elif architecture == "llama" and suffix == "self_attn.k_proj.weight":
                 weight = _permute_rows(weight, config.num_key_value_heads)
-        if matrix_type != "F32" and weight.ndim == 2:
-            quant_type = gguf.GGMLQuantizationType[matrix_type]
-            writer.add_tensor(gguf_name, gguf.quants.quantize(weight, quant_type), raw_dtype=quant_type)
-        else:
-            writer.add_tensor(gguf_name, np.ascontiguousarray(weight))
+        add_weight(writer, gguf_name, weight, matrix_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -190,11 +198,7 @@ def write_phi3_gguf(model_dir: Path, out: Path, matrix_type: str = "F32") -> Pat
             layer, suffix = name.removeprefix("model.layers.").split(".", 1)
             gguf_name = f"blk.{layer}.{_PHI3_LAYER_NAMES[suffix]}"
         weight = tensor.float().numpy()
-        if matrix_type != "F32" and weight.ndim == 2:
-            quant_type = gguf.GGMLQuantizationType[matrix_type]
-            writer.add_tensor(gguf_name, gguf.quants.quantize(weight, quant_type), raw_dtype=quant_type)
-        else:
-            writer.add_tensor(gguf_name, np.ascontiguousarray(weight))
+        add_weight(writer, gguf_name, weight, matrix_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
