@@ -202,15 +202,18 @@ def build_group_metadata(
     """One AttentionMetadata per attention group: tables_by_group[g][i] is sequence i's table in group g,
     kinds[g] its group's (sliding_window, num_sink_tokens). Groups of one kind share the masks and
     positions (built once) and differ only in the blocks they read and write."""
-    by_kind: dict[tuple[int | None, int], tuple[AttentionMetadata, np.ndarray]] = {}
+    by_kind: dict[tuple[int | None, int], AttentionMetadata] = {}
+    logical_by_kind: dict[tuple[int | None, int], np.ndarray] = {}  # made only for a kind's second group
     metas = []
     for tables, kind in zip(tables_by_group, kinds, strict=True):
-        if kind not in by_kind:
-            meta = build_attention_metadata(starts, counts, tables, block_size, *kind, device)
-            by_kind[kind] = meta, _logical_blocks(starts, counts, block_size, *kind)
-            metas.append(meta)
+        first = by_kind.get(kind)
+        if first is None:
+            by_kind[kind] = build_attention_metadata(starts, counts, tables, block_size, *kind, device)
+            metas.append(by_kind[kind])
             continue
-        first, logical = by_kind[kind]
+        if kind not in logical_by_kind:
+            logical_by_kind[kind] = _logical_blocks(starts, counts, block_size, *kind)
+        logical = logical_by_kind[kind]
         key_blocks, slot_mapping = _bind_tables(logical, starts, counts, tables, block_size)
         metas.append(
             replace(
