@@ -41,6 +41,11 @@ enum { KV_Q4_0 = 2, KV_Q4_1 = 3, KV_Q8_0 = 8, KV_PAIRED = 0x100 };
 
 #define QK 32 /* weights per block */
 #define ROWS_PER_SLAB 16
+/* How far ahead of the block being read the weight loops ask for memory. A decode step reads every
+ * weight once, from DRAM: on 2 AMD EPYC cores, the matrix products of a Gemma-3-1B-shaped Q8_0 step
+ * (802 MB) streamed 12.4 GB/s on the hardware prefetchers alone, 15-17 GB/s with this 16 KB lead
+ * (4 KB: 12-16 GB/s). Past the end of a thread's rows it only warms the next thread's; a hint never faults. */
+#define PREFETCH_BYTES 16384
 
 typedef struct {
     uint16_t d; /* fp16 scale */
@@ -163,6 +168,7 @@ static inline __attribute__((always_inline)) void dot_row(int type, const uint8_
     if (type == KV_Q8_0) {
         const BlockQ8_0 *blocks = (const BlockQ8_0 *)w;
         for (int64_t b = 0; b < nb; b++) {
+            __builtin_prefetch((const char *)(blocks + b) + PREFETCH_BYTES);
             float dw = fp16_to_float(blocks[b].d);
             __m256i wv = _mm256_loadu_si256((const __m256i *)blocks[b].qs);
             __m256i wabs = _mm256_sign_epi8(wv, wv); /* vpmaddubsw takes one unsigned operand: |w| . x*sign(w) */
@@ -177,6 +183,7 @@ static inline __attribute__((always_inline)) void dot_row(int type, const uint8_
         const int64_t stride = bytes_per_block(type);
         for (int64_t b = 0; b < nb; b++) {
             const uint8_t *block = w + b * stride;
+            __builtin_prefetch(block + PREFETCH_BYTES);
             float dw = fp16_to_float(*(const uint16_t *)block);
             float mw = type == KV_Q4_1 ? fp16_to_float(((const BlockQ4_1 *)block)->m) : 0.0f;
             const uint8_t *qs = type == KV_Q4_0 ? ((const BlockQ4_0 *)block)->qs : ((const BlockQ4_1 *)block)->qs;
@@ -196,6 +203,7 @@ static inline __attribute__((always_inline)) void dot_row(int type, const uint8_
         const int64_t pair_bytes = is_q4_0 ? sizeof(PairQ4_0) : sizeof(PairQ4_1);
         for (int64_t p = 0; p < nb / 2; p++) {
             const uint8_t *pair = w + p * pair_bytes;
+            __builtin_prefetch(pair + PREFETCH_BYTES);
             const uint16_t *scales = (const uint16_t *)pair;
             const uint8_t *qs = pair + (is_q4_0 ? offsetof(PairQ4_0, qs) : offsetof(PairQ4_1, qs));
             __m128 dw = load_fp16_pair(scales);
