@@ -1,35 +1,108 @@
-"""One native call for every layer of a LLaMA-family decode step (llama_decode.c).
+"""One native call for every layer of a decoder's decode step (engine/ops/fused_decode.c).
 
-The model runner uses FusedLlamaDecode for decode-only steps when it chose the
-fused path at start-up (int8 or GGUF-block linear layers, float32, CPU). Its torch reference
-is the model itself (LlamaForCausalLM.forward), and
-tests/engine/test_fused_decode.py holds the two equal.
+The model runner uses FusedDecode for decode-only steps (and for steps of a token and its speculative
+drafts) when it chose the fused path at start-up: int8 or GGUF-block linear layers, float32, CPU, and a
+model class that describes its layers to the kernel with `fused_recipe()` (a FusedRecipe: the LLaMA
+family in engine/models/llama.py, Gemma in engine/models/gemma.py). Its torch reference is the model's
+own forward, and tests/engine/test_fused_decode.py holds the two equal.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
+from torch import nn
 
-from engine.attention.metadata import AttentionMetadata
+from engine.attention.metadata import AttentionMetadata, per_token_rows
 from engine.ops.loader import I64, PTR, bind, unavailable_reason
 from engine.quantization import KernelWeight, kernel_weight
 
 if TYPE_CHECKING:
-    from engine.models.llama import LlamaForCausalLM
+    from engine.models.common import RotaryEmbedding
+
+# The gate activations the kernel computes (fused_decode.c's ACT_*), by the name a recipe gives.
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "gelu": 2}
+
+
+class NotFusable(Exception):
+    """A model's layers are outside what the fused kernel computes; the message says why."""
+
+
+@dataclass(frozen=True)
+class FusedLayer:
+    """One decoder layer as the kernel runs it. Norm tensors are the float32 multipliers the RMSNorm
+    applies (a Gemma norm's 1 + w); None: the layer has no such norm."""
+
+    attn_norm: torch.Tensor
+    ffn_norm: torch.Tensor
+    qkv: nn.Module  # [q + 2 kv, hidden]: queries, keys, values
+    o: nn.Module
+    gate_up: nn.Module  # [2 intermediate, hidden]: gate rows, then up rows
+    down: nn.Module
+    rope: int = 0  # index into FusedRecipe.rotaries
+    attn_out_norm: torch.Tensor | None = None  # on o's output before the residual add (Gemma)
+    ffn_out_norm: torch.Tensor | None = None  # on down's output before the residual add (Gemma)
+    q_norm: torch.Tensor | None = None  # [head_dim], every query head
+    k_norm: torch.Tensor | None = None
+    softcap: float | None = None  # attention scores capped to softcap * tanh(s / softcap)
+
+    def norms(self) -> list[torch.Tensor]:
+        present = (self.attn_norm, self.ffn_norm, self.attn_out_norm, self.ffn_out_norm, self.q_norm, self.k_norm)
+        return [norm for norm in present if norm is not None]
+
+
+@dataclass(frozen=True)
+class FusedRecipe:
+    """A model's decode step as the kernel runs it: what every layer reads and the step's constants."""
+
+    layers: tuple[FusedLayer, ...]
+    rotaries: tuple[RotaryEmbedding, ...]
+    embed: Callable[[torch.Tensor], torch.Tensor]  # input ids [T] -> a fresh hidden tensor [T, hidden]
+    final_norm: Callable[[torch.Tensor], torch.Tensor]  # after the last layer
+    activation: str  # an ACTIVATIONS key
+    eps: float  # of every RMSNorm in the layers
+    scale: float  # attention scores are q . k * scale
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate: int
+
+
+class GroupRows(NamedTuple):
+    """One attention group's view of a step of T query rows."""
+
+    blocks: torch.Tensor  # [T, N] the cache blocks each row reads
+    mask: torch.Tensor | None  # bool [T, N * block_size], the keys each row sees (None: all)
+    slots: torch.Tensor  # [T] where each row's key and value go
+
+
+def decode_rows(meta: AttentionMetadata) -> GroupRows:
+    """A decode-only step's rows (one per sequence) in one group's metadata."""
+    mask = meta.attn_mask[:, 0] if meta.attn_mask is not None else None
+    return GroupRows(meta.key_blocks, mask, meta.slot_mapping)
+
+
+def token_rows(meta: AttentionMetadata, block_size: int) -> GroupRows:
+    """Any step as one row per new token (a token and its drafts are several rows of one sequence)."""
+    blocks, mask = per_token_rows(meta, block_size)
+    return GroupRows(blocks, mask, meta.slot_mapping)
 
 
 class _Int8Weight(ctypes.Structure):
     _fields_ = [("weight", PTR), ("scale", PTR), ("bias", PTR), ("out_features", I64), ("block_type", ctypes.c_int)]
 
 
-class _LlamaLayer(ctypes.Structure):
+class _DecoderLayer(ctypes.Structure):
     _fields_ = [
-        ("input_norm", PTR),
-        ("post_attention_norm", PTR),
+        ("attn_norm", PTR),
+        ("attn_out_norm", PTR),
+        ("ffn_norm", PTR),
+        ("ffn_out_norm", PTR),
         ("q_norm", PTR),
         ("k_norm", PTR),
         ("qkv", _Int8Weight),
@@ -38,7 +111,18 @@ class _LlamaLayer(ctypes.Structure):
         ("down", _Int8Weight),
         ("key_cache", PTR),
         ("value_cache", PTR),
+        ("group", I64),
+        ("rope", I64),
+        ("softcap", ctypes.c_float),
     ]
+
+
+class _GroupStep(ctypes.Structure):
+    _fields_ = [("blocks", PTR), ("mask", PTR), ("slot_mapping", PTR), ("num_blocks_per_seq", I64)]
+
+
+class _RopeStep(ctypes.Structure):
+    _fields_ = [("cos", PTR), ("sin", PTR)]
 
 
 class _DecodeStep(ctypes.Structure):
@@ -49,58 +133,63 @@ class _DecodeStep(ctypes.Structure):
         ("num_heads", I64),
         ("num_kv_heads", I64),
         ("head_dim", I64),
+        ("rotary_dim", I64),
         ("block_size", I64),
-        ("num_blocks_per_seq", I64),
         ("eps", ctypes.c_float),
         ("scale", ctypes.c_float),
-        ("cos", PTR),
-        ("sin", PTR),
-        ("slot_mapping", PTR),
-        ("blocks", PTR),
-        ("mask", PTR),
+        ("activation", ctypes.c_int),
+        ("groups", ctypes.POINTER(_GroupStep)),
+        ("ropes", ctypes.POINTER(_RopeStep)),
         ("num_threads", ctypes.c_int),
     ]
 
 
 @functools.cache
 def _kernel():
-    """kv_llama_decode_layers(layers, num_layers, step, hidden) -> status, or None when it cannot be used."""
-    argtypes = [ctypes.POINTER(_LlamaLayer), I64, ctypes.POINTER(_DecodeStep), PTR]
-    return bind("llama_decode", "kv_llama_decode_layers", argtypes, ctypes.c_int)
+    """kv_fused_decode_layers(layers, num_layers, step, hidden) -> status, or None when it cannot be used."""
+    argtypes = [ctypes.POINTER(_DecoderLayer), I64, ctypes.POINTER(_DecodeStep), PTR]
+    return bind("fused_decode", "kv_fused_decode_layers", argtypes, ctypes.c_int)
 
 
 def available() -> bool:
-    """Whether FusedLlamaDecode can run on this machine (for a model it supports)."""
+    """Whether FusedDecode can run on this machine (for a model it supports)."""
     return _kernel() is not None
 
 
-def unsupported_reason(model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> str | None:
-    """Why FusedLlamaDecode cannot run this model over these caches, or None when it can."""
-    layers = list(model.layers)
-    if not layers:
+def _recipe(model: nn.Module) -> FusedRecipe:
+    describe = getattr(model, "fused_recipe", None)
+    if describe is None:
+        raise NotFusable(f"{type(model).__name__} does not describe its layers to the fused kernel")
+    return describe()
+
+
+def unsupported_reason(model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> str | None:
+    """Why FusedDecode cannot run this model over these caches, or None when it can."""
+    try:
+        recipe = _recipe(model)
+    except NotFusable as why:
+        return str(why)
+    if not recipe.layers:
         return "the model has no layers"
-    head_norms = [norm for layer in layers for norm in (layer.q_norm, layer.k_norm) if norm is not None]
-    if any(norm.eps != layer.input_norm.eps for layer in layers for norm in (layer.q_norm, layer.k_norm) if norm):
-        return "its q/k norms have another eps than its layer norms (the fused kernel uses one)"
-    if model.rotary is not None and model.rotary.rotary_dim != layers[0].head_dim:
-        return "RoPE rotates only part of each head (the fused kernel rotates all of it)"
-    projections = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-    if any(kernel_weight(getattr(layer, name)) is None for layer in layers for name in projections):
+    if recipe.activation not in ACTIVATIONS:
+        return f"its MLP activation {recipe.activation!r} is not one the fused kernel computes"
+    if {rotary.rotary_dim for rotary in recipe.rotaries} != {recipe.rotaries[0].rotary_dim}:
+        return "its RoPE kinds rotate different parts of each head"
+    projections = [p for layer in recipe.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    if any(kernel_weight(projection) is None for projection in projections):
         return "its linear layers are neither int8 nor GGUF blocks (the fused kernel reads only those)"
     cache = kv_caches[0][0]
     if cache.dtype != torch.float32 or cache.device.type != "cpu" or not cache.is_contiguous():
         return f"the KV cache is {cache.dtype} on {cache.device.type} (the kernel needs contiguous float32 on CPU)"
-    norms = [norm.weight for layer in layers for norm in (layer.input_norm, layer.post_attention_norm)]
-    norms += [norm.weight for norm in head_norms]
-    if any(weight.dtype != torch.float32 for weight in [*norms, model.norm.weight]):
+    if any(norm.dtype != torch.float32 for layer in recipe.layers for norm in layer.norms()):
         return "its RMSNorm weights are not float32"
-    reason = unavailable_reason("llama_decode")
+    reason = unavailable_reason("fused_decode")
     if reason is not None:
         return f"the fused decode kernel is unavailable: {reason}"
     return None
 
 
-def _weight(linear: torch.nn.Module) -> _Int8Weight:
+def _weight(linear: nn.Module) -> _Int8Weight:
     """The kernel's view of one projection (a layer `unsupported_reason` accepted)."""
     weight: KernelWeight | None = kernel_weight(linear)
     if weight is None:
@@ -108,87 +197,106 @@ def _weight(linear: torch.nn.Module) -> _Int8Weight:
     return _Int8Weight(weight.weight, weight.scale, weight.bias, weight.out_features, weight.block_type)
 
 
-class FusedLlamaDecode:
-    """A decode-only step of a LLaMA-family model with every layer in one native call.
+def _pointer(tensor: torch.Tensor | None) -> int | None:
+    return tensor.data_ptr() if tensor is not None else None
 
-    Pointers to every layer's weights and KV cache are gathered once; call it like
-    the model's forward, once per decode-only step. Only for models where
-    `unsupported_reason` is None.
+
+class FusedDecode:
+    """A decode step of a decoder with every layer in one native call.
+
+    Pointers to every layer's weights and KV cache are gathered once; call it with one GroupRows per
+    attention group, once per step. `layer_group`: each layer's group index (the layers of a group share
+    its block tables, mask and slots). Only for models where `unsupported_reason` is None.
     """
 
-    def __init__(self, model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        layers = list(model.layers)
-        first = layers[0]
-        self.intermediate, self.num_heads, self.num_kv_heads = first.intermediate, first.num_heads, first.num_kv_heads
-        self.head_dim, self.scale, self.eps = first.head_dim, first.scale, first.input_norm.eps
-        self.layers = (_LlamaLayer * len(layers))(
+    def __init__(
+        self, model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], layer_group: Sequence[int]
+    ) -> None:
+        recipe = _recipe(model)
+        self.recipe = recipe
+        self.layers = (_DecoderLayer * len(recipe.layers))(
             *[
-                _LlamaLayer(
-                    layer.input_norm.weight.data_ptr(),
-                    layer.post_attention_norm.weight.data_ptr(),
-                    layer.q_norm.weight.data_ptr() if layer.q_norm is not None else None,
-                    layer.k_norm.weight.data_ptr() if layer.k_norm is not None else None,
-                    _weight(layer.qkv_proj),
-                    _weight(layer.o_proj),
-                    _weight(layer.gate_up_proj),
-                    _weight(layer.down_proj),
+                _DecoderLayer(
+                    layer.attn_norm.data_ptr(),
+                    _pointer(layer.attn_out_norm),
+                    layer.ffn_norm.data_ptr(),
+                    _pointer(layer.ffn_out_norm),
+                    _pointer(layer.q_norm),
+                    _pointer(layer.k_norm),
+                    _weight(layer.qkv),
+                    _weight(layer.o),
+                    _weight(layer.gate_up),
+                    _weight(layer.down),
                     key_cache.data_ptr(),
                     value_cache.data_ptr(),
+                    group,
+                    layer.rope,
+                    layer.softcap or 0.0,
                 )
-                for layer, (key_cache, value_cache) in zip(layers, kv_caches)
+                for layer, (key_cache, value_cache), group in zip(recipe.layers, kv_caches, layer_group, strict=True)
             ]
         )
+        self.num_groups = max(layer_group) + 1
         self.block_size = kv_caches[0][0].shape[1]
+        self.rotary_dim = recipe.rotaries[0].rotary_dim
         # The model and caches own the tensors behind the pointers above; they must outlive this object.
         self.model = model
         self._kv_caches = kv_caches
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions: [B] (one new token per sequence) -> final hidden states [B, hidden]."""
-        mask = meta.attn_mask[:, 0] if meta.attn_mask is not None else None
-        return self.run_rows(input_ids, positions, meta.key_blocks, mask, meta.slot_mapping)
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, groups: Sequence[GroupRows]) -> torch.Tensor:
+        """Final hidden states [T, hidden] of T new tokens, each one query row (the model's forward).
 
-    def run_rows(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        blocks: torch.Tensor,
-        mask: torch.Tensor | None,
-        slots: torch.Tensor,
-    ) -> torch.Tensor:
-        """Final hidden states [T, hidden] of T new tokens, each one query row with its own keys.
-
-        blocks: [T, N] the cache blocks row t reads; mask: bool [T, N * block_size] the keys it sees (None:
-        all); slots: [T] where its K/V go. Every row's K/V are written before any row attends, so several
-        rows of one sequence (a token and the drafts after it) see each other as the mask allows.
-        """
-        hidden = self.model.embed_tokens(input_ids).contiguous()  # a fresh tensor: the kernel updates it in place
-        cos, sin = self.model.rotary.cos_sin(positions, hidden.dtype)
+        input_ids, positions: [T]; groups: each attention group's rows, in the layout's group order. Every
+        row's K/V are written before any row attends, so several rows of one sequence (a token and the
+        drafts after it) see each other as the mask allows."""
+        if len(groups) != self.num_groups:
+            raise ValueError(f"the fused decode needs {self.num_groups} attention groups' rows, got {len(groups)}")
+        recipe = self.recipe
+        hidden = recipe.embed(input_ids).contiguous()  # a fresh tensor: the kernel updates it in place
         num_rows, hidden_size = hidden.shape
-        cos = cos.reshape(num_rows, self.head_dim).contiguous()
-        sin = sin.reshape(num_rows, self.head_dim).contiguous()
-        blocks = blocks.contiguous()
-        mask = mask.contiguous().view(torch.uint8) if mask is not None else None
-        slots = slots.contiguous()
+        keep: list[torch.Tensor] = []  # the tensors behind the step's pointers, alive until the call returns
+
+        def held(tensor: torch.Tensor) -> int:
+            keep.append(tensor)
+            return tensor.data_ptr()
+
+        masks: dict[int, torch.Tensor] = {}  # groups of one kind share their mask tensor: convert it once
+        group_steps = []
+        for rows in groups:
+            mask = None
+            if rows.mask is not None:
+                mask = masks.setdefault(id(rows.mask), rows.mask.contiguous().view(torch.uint8))
+            blocks = rows.blocks.contiguous()
+            group_steps.append(
+                _GroupStep(
+                    held(blocks),
+                    held(mask) if mask is not None else None,
+                    held(rows.slots.contiguous()),
+                    blocks.shape[1],
+                )
+            )
+        rope_steps = []
+        for rotary in recipe.rotaries:
+            cos, sin = rotary.cos_sin(positions, hidden.dtype)
+            shape = (num_rows, self.rotary_dim)
+            rope_steps.append(_RopeStep(held(cos.reshape(shape).contiguous()), held(sin.reshape(shape).contiguous())))
         step = _DecodeStep(
             num_rows,
             hidden_size,
-            self.intermediate,
-            self.num_heads,
-            self.num_kv_heads,
-            self.head_dim,
+            recipe.intermediate,
+            recipe.num_heads,
+            recipe.num_kv_heads,
+            recipe.head_dim,
+            self.rotary_dim,
             self.block_size,
-            blocks.shape[1],
-            self.eps,
-            self.scale,
-            cos.data_ptr(),
-            sin.data_ptr(),
-            slots.data_ptr(),
-            blocks.data_ptr(),
-            mask.data_ptr() if mask is not None else None,
+            recipe.eps,
+            recipe.scale,
+            ACTIVATIONS[recipe.activation],
+            (_GroupStep * len(group_steps))(*group_steps),
+            (_RopeStep * len(rope_steps))(*rope_steps),
             torch.get_num_threads(),
         )
         status = _kernel()(self.layers, len(self.layers), ctypes.byref(step), hidden.data_ptr())
         if status != 0:
             raise MemoryError("the fused decode kernel could not allocate its scratch buffers")
-        return self.model.norm(hidden)
+        return recipe.final_norm(hidden)

@@ -39,6 +39,7 @@ from engine.models.common import (
     load_linear,
     take,
 )
+from engine.models.fused_decode import FusedLayer, FusedRecipe
 from engine.models.llama import RMSNorm
 from engine.ops.gguf_linear import BlockWeight
 from engine.ops.rms_norm import rms_norm
@@ -51,6 +52,8 @@ _ACTIVATIONS = {
     "gelu": F.gelu,
 }
 SUPPORTED_ACTIVATIONS = tuple(_ACTIVATIONS)
+# The same activations as the fused decode kernel names them (engine/models/fused_decode.py).
+_FUSED_ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
 
 
 class GemmaRMSNorm(RMSNorm):
@@ -98,6 +101,7 @@ class GemmaLayer(nn.Module):
         self.down_proj = nn.Linear(self.intermediate, hidden, bias=False)
         self.post_feedforward_norm = GemmaRMSNorm(hidden, eps)
         self.activation = _ACTIVATIONS[hf.hidden_activation]
+        self.fused_activation = _FUSED_ACTIVATIONS[hf.hidden_activation]
         self.scale = hf.query_pre_attn_scalar**-0.5
         self.softcap = attn_softcap
 
@@ -191,6 +195,41 @@ class Gemma2ForCausalLM(nn.Module):
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits.float()
+
+    def fused_recipe(self) -> FusedRecipe:
+        """These layers as the fused decode kernel runs them (engine/models/fused_decode.py): the four norms
+        as their 1 + w multipliers, each layer's RoPE kind and attention softcap."""
+        kinds = list(self.rotaries)
+        first = self.layers[0]
+        return FusedRecipe(
+            layers=tuple(
+                FusedLayer(
+                    attn_norm=layer.input_norm.scale,
+                    attn_out_norm=layer.post_attention_norm.scale,
+                    ffn_norm=layer.pre_feedforward_norm.scale,
+                    ffn_out_norm=layer.post_feedforward_norm.scale,
+                    q_norm=layer.q_norm.scale if layer.q_norm is not None else None,
+                    k_norm=layer.k_norm.scale if layer.k_norm is not None else None,
+                    qkv=layer.qkv_proj,
+                    o=layer.o_proj,
+                    gate_up=layer.gate_up_proj,
+                    down=layer.down_proj,
+                    rope=kinds.index(kind),
+                    softcap=layer.softcap,
+                )
+                for layer, kind in zip(self.layers, self._rotary_kinds, strict=True)
+            ),
+            rotaries=tuple(self.rotaries.values()),
+            embed=lambda input_ids: self.embed_tokens(input_ids) * self.embed_scale,
+            final_norm=self.norm,
+            activation=first.fused_activation,
+            eps=first.input_norm.eps,  # every norm of the model has the config's rms_norm_eps
+            scale=first.scale,
+            num_heads=first.num_heads,
+            num_kv_heads=first.num_kv_heads,
+            head_dim=first.head_dim,
+            intermediate=first.intermediate,
+        )
 
     def load_weights(self, state: dict[str, torch.Tensor | BlockWeight]) -> None:
         """Fill the model from HF-named tensors; GGUF blocks (BlockWeight) replace the layers they fill."""

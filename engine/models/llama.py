@@ -7,9 +7,9 @@ not here. All activations are flat: [T, ...] for the T new tokens of a step.
 
 Plain torch modules. RMSNorm and paged attention call the op functions of
 engine/ops, which run a native kernel on float32 CPU tensors where it loads.
-The runner may run decode-only steps of int8 models through
-engine/models/llama_fused.py instead, which reads these modules' weights; this
-forward is its reference.
+The runner may run decode-only steps of int8 or GGUF-block models through
+engine/models/fused_decode.py instead, which reads these modules' weights as
+`fused_recipe` describes them; this forward is its reference.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from engine.models.common import (
     load_linear,
     take,
 )
+from engine.models.fused_decode import FusedLayer, FusedRecipe, NotFusable
 from engine.ops.gguf_linear import BlockWeight
 from engine.ops.rms_norm import rms_norm
 
@@ -135,6 +136,42 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> float32 logits [N, vocab]."""
         return self.lm_head(hidden).float()
+
+    def fused_recipe(self) -> FusedRecipe:
+        """These layers as the fused decode kernel runs them (engine/models/fused_decode.py)."""
+        layers = list(self.layers)
+        if not layers:
+            raise NotFusable("the model has no layers")
+        eps = layers[0].input_norm.eps
+        norms = [(layer.input_norm, layer.post_attention_norm, layer.q_norm, layer.k_norm) for layer in layers]
+        if any(norm is not None and norm.eps != eps for four in norms for norm in four):
+            raise NotFusable("its norms do not all have one eps (the fused kernel uses one)")
+        first = layers[0]
+        return FusedRecipe(
+            layers=tuple(
+                FusedLayer(
+                    attn_norm=layer.input_norm.weight,
+                    ffn_norm=layer.post_attention_norm.weight,
+                    qkv=layer.qkv_proj,
+                    o=layer.o_proj,
+                    gate_up=layer.gate_up_proj,
+                    down=layer.down_proj,
+                    q_norm=layer.q_norm.weight if layer.q_norm is not None else None,
+                    k_norm=layer.k_norm.weight if layer.k_norm is not None else None,
+                )
+                for layer in layers
+            ),
+            rotaries=(self.rotary,),
+            embed=self.embed_tokens,
+            final_norm=self.norm,
+            activation="silu",
+            eps=eps,
+            scale=first.scale,
+            num_heads=first.num_heads,
+            num_kv_heads=first.num_kv_heads,
+            head_dim=first.head_dim,
+            intermediate=first.intermediate,
+        )
 
     def load_weights(self, state: dict[str, torch.Tensor | BlockWeight]) -> None:
         """Fill the model from HF-named tensors; GGUF blocks (BlockWeight) replace the layers they fill."""

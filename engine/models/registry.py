@@ -3,7 +3,7 @@
 An entry names the model class that runs the architecture, the names its checkpoints carry
 (config.json's `architectures` and `model_type`, a GGUF file's `general.architecture`), how its
 config becomes a ModelConfig, and what the engine may do with it: the attention kinds it has,
-whether its positions are learned, whether the fused native decode (engine/models/llama_fused.py)
+whether its positions are learned, whether the fused native decode (engine/models/fused_decode.py)
 computes it exactly, whether its GGUF matrices can stay in their blocks, and the quantization
 modes that apply. Every list of decoder architecture names in the engine reads this table.
 
@@ -46,7 +46,7 @@ class ModelEntry:
     config_mapper: ConfigMapper
     attention_kinds: tuple[AttentionKind, ...]  # "sliding": its config may set a window
     has_learned_positions: bool = False  # a position table: no streaming past max_position_embeddings
-    fused_decode: bool = False  # llama_fused's kernel computes exactly this architecture's layers
+    fused_decode: bool = False  # engine/models/fused_decode.py's kernel computes this architecture's layers
     gguf_blocks: bool = False  # its GGUF tensors are read natively and may stay in their quantized blocks
     # Modes of engine.config.QUANTIZATION_MODES (auto aside) it runs under; "gguf" without gguf_blocks
     # dequantizes the file and rounds its matrices to int8.
@@ -202,8 +202,7 @@ _ENTRIES = (
         gguf_architectures=("phi3",),
         config_mapper=_llama_config,  # transformers' Phi-3 applies a config's sliding_window as LLaMA's does
         attention_kinds=("full", "sliding"),
-        # The native fused decode rotates whole heads (Phi-4-mini rotates 3/4 of each): Phi-3 decodes through
-        # the torch layers.
+        fused_decode=True,  # partial rotary and LongRoPE's per-token cos/sin run in the fused kernel too
         gguf_blocks=True,
     ),
     ModelEntry(
@@ -213,7 +212,7 @@ _ENTRIES = (
         gguf_architectures=("gemma2",),
         config_mapper=_gemma_config,
         attention_kinds=("full", "sliding"),
-        # The native fused decode has no post-norms, GeGLU or softcaps: Gemma decodes through the torch layers.
+        fused_decode=True,  # post-norms, GeGLU, softcaps and one attention group per window run fused too
         gguf_blocks=True,  # its norms stored as 1 + w
     ),
     ModelEntry(
@@ -223,6 +222,7 @@ _ENTRIES = (
         gguf_architectures=("gemma3",),  # transformers reads a gemma3 GGUF as the text model
         config_mapper=_gemma_config,
         attention_kinds=("full", "sliding"),
+        fused_decode=True,  # its q/k norms and per-layer-type RoPE too
         gguf_blocks=True,
     ),
     ModelEntry(

@@ -92,17 +92,6 @@ static int decode_attention_capped(const float *query, int64_t query_row_stride,
     return failed;
 }
 
-/* decode_attention_capped without a softcap (the fused LLaMA decode in llama_decode.c). */
-static inline int decode_attention_strided(const float *query, int64_t query_row_stride, const float *key_cache,
-                                           const float *value_cache, const int64_t *blocks, const uint8_t *mask,
-                                           float *out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
-                                           int64_t head_dim, int64_t block_size, int64_t num_blocks_per_seq,
-                                           float scale, int num_threads) {
-    return decode_attention_capped(query, query_row_stride, key_cache, value_cache, blocks, mask, out, num_seqs,
-                                   num_heads, num_kv_heads, head_dim, block_size, num_blocks_per_seq, scale, 0.0f,
-                                   num_threads);
-}
-
 /* Returns 0 on success, 1 if a scratch buffer could not be allocated. */
 int kv_decode_attention(const float *query, const float *key_cache, const float *value_cache,
                         const int64_t *blocks, const uint8_t *mask, float *out, int64_t num_seqs,

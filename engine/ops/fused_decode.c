@@ -1,14 +1,21 @@
-/* Every layer of a LLaMA-family decode step (one new token per sequence) in one call,
- * for float32 CPU models whose linear layers are int8 (engine/ops/int8_linear.py) or
- * GGUF blocks (engine/ops/gguf_linear.py), in any mix.
+/* Every layer of a decoder's decode step (one new query row per token) in one call, for float32 CPU
+ * models whose linear layers are int8 (engine/ops/int8_linear.py) or GGUF blocks
+ * (engine/ops/gguf_linear.py), in any mix.
  *
- * Why: after the int8 kernel, a SmolLM2 batch-1 step spent more time dispatching ~25
- * torch ops per layer (RoPE, residual adds, SiLU, views) than computing them. This runs
- * the same steps as engine/models/llama.py's LlamaLayer.forward, with the same kernels
- * (the int8 product, RMSNorm, paged decode attention, included below), and plain loops
- * for RoPE (HF's rotate-half convention), the cache writes, SiLU * up and the residuals.
- * Qwen3's per-head RMSNorm of queries and keys (before RoPE) runs when a layer has one.
- * The torch path stays the reference; tests/engine/test_fused_decode.py holds them equal.
+ * Why: after the int8 kernel, a SmolLM2 batch-1 step spent more time dispatching ~25 torch ops per
+ * layer (RoPE, residual adds, SiLU, views) than computing them. This runs the same steps as the
+ * families' torch layers, with the same kernels (the int8 product, RMSNorm, paged decode attention,
+ * included below), and plain loops for RoPE (HF's rotate-half convention), the cache writes, the gated
+ * activation and the residuals. One layer shape covers the families that take this path:
+ *
+ *   LLaMA / Qwen / Phi-3: h += o(attn(attn_norm(h)));            h += down(act(gate) * up)(ffn_norm(h))
+ *   Gemma 2 / 3:          h += attn_out_norm(o(attn(attn_norm(h)))); h += ffn_out_norm(down(...)(ffn_norm(h)))
+ *
+ * with optional per-head RMSNorms of queries and keys before RoPE (Qwen3, Gemma 3), RoPE over the first
+ * rotary_dim values of each head (Phi-3 rotates part of it), each layer's own attention group (its
+ * block table, mask and cache slots: layers that slide and layers that see every key), its own RoPE
+ * (Gemma 3 rotates sliding and full layers differently) and its own attention-score softcap.
+ * The torch layers stay the reference; tests/engine/test_fused_decode.py holds them equal.
  */
 #include "decode_attention.c"
 #include "gguf_blocks.c"
@@ -23,23 +30,42 @@ typedef struct {
     int block_type; /* 0: int8 per channel; else the GGML type id of the blocks */
 } Int8Weight;
 
+/* RMSNorm weights are the multipliers the kernel applies (a Gemma norm's 1 + w). NULL: no such norm. */
 typedef struct {
-    const float *input_norm;
-    const float *post_attention_norm;
-    const float *q_norm, *k_norm; /* [D] each, over every query / key head; NULL: no per-head norm */
+    const float *attn_norm;     /* [hidden] before attention */
+    const float *attn_out_norm; /* [hidden] on attention's projected output, before the residual add */
+    const float *ffn_norm;      /* [hidden] before the MLP */
+    const float *ffn_out_norm;  /* [hidden] on the MLP's output, before the residual add */
+    const float *q_norm, *k_norm; /* [D] each, over every query / key head */
     Int8Weight qkv, o, gate_up, down;
     float *key_cache;   /* [num_blocks, block_size, Hkv, D] */
     float *value_cache; /* same */
-} LlamaLayer;
+    int64_t group;      /* index into DecodeStep.groups: the block tables, mask and slots this layer uses */
+    int64_t rope;       /* index into DecodeStep.ropes */
+    float softcap;      /* > 0: attention scores capped to softcap * tanh(s / softcap); 0: off */
+} DecoderLayer;
+
+/* One attention group's view of the step. */
+typedef struct {
+    const int64_t *blocks;       /* [B, N] the cache blocks each row reads */
+    const uint8_t *mask;         /* [B, N * block_size], or NULL when every key is visible */
+    const int64_t *slot_mapping; /* [B] the cache slot of each row's new key and value */
+    int64_t num_blocks_per_seq;  /* N */
+} GroupStep;
 
 typedef struct {
-    int64_t num_seqs, hidden_size, intermediate_size, num_heads, num_kv_heads, head_dim;
-    int64_t block_size, num_blocks_per_seq;
+    const float *cos, *sin; /* [B, rotary_dim] */
+} RopeStep;
+
+enum { ACT_SILU = 0, ACT_GELU_TANH = 1, ACT_GELU = 2 };
+
+typedef struct {
+    int64_t num_seqs, hidden_size, intermediate_size, num_heads, num_kv_heads, head_dim, rotary_dim;
+    int64_t block_size;
     float eps, scale;
-    const float *cos, *sin;      /* [B, D] */
-    const int64_t *slot_mapping; /* [B] cache slot of each new token */
-    const int64_t *blocks;       /* [B, N] */
-    const uint8_t *mask;         /* [B, N * block_size], or NULL when every key is visible */
+    int activation; /* ACT_*: the gate's activation */
+    const GroupStep *groups;
+    const RopeStep *ropes;
     int num_threads;
 } DecodeStep;
 
@@ -49,11 +75,27 @@ static int linear(const float *x, const Int8Weight *w, int64_t rows, int64_t in_
     return kv_int8_gemm(x, rows, in_features, w->weight, w->scale, w->bias, out, w->out_features, threads);
 }
 
+/* The gate's activation, as torch computes it in float32 (F.silu; F.gelu, exact or approximate="tanh"). */
+static inline float activate(float g, int activation) {
+    switch (activation) {
+    case ACT_GELU_TANH: return 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g)));
+    case ACT_GELU: return 0.5f * g * (1.0f + erff(g * 0.7071067811865476f));
+    default: return g / (1.0f + expf(-g));
+    }
+}
+
+/* hidden += delta, after an RMSNorm of delta where the layer has one. */
+static void add_residual(float *hidden, float *delta, const float *norm, int64_t rows, int64_t H, float eps) {
+    if (norm) kv_rms_norm(delta, norm, delta, rows, H, eps); /* in place: a row's sum is taken before it is written */
+    for (int64_t i = 0; i < rows * H; i++) hidden[i] += delta[i];
+}
+
 /* hidden: float32 [B, hidden_size], updated in place through every layer.
  * Returns 0 on success, 1 if a scratch buffer could not be allocated. */
-int kv_llama_decode_layers(const LlamaLayer *layers, int64_t num_layers, const DecodeStep *step, float *hidden) {
+int kv_fused_decode_layers(const DecoderLayer *layers, int64_t num_layers, const DecodeStep *step, float *hidden) {
     const int64_t B = step->num_seqs, H = step->hidden_size, I = step->intermediate_size, D = step->head_dim;
     const int64_t q_size = step->num_heads * D, kv_size = step->num_kv_heads * D, qkv_size = q_size + 2 * kv_size;
+    const int64_t R = step->rotary_dim, half = R / 2;
     const int threads = step->num_threads;
     /* normed [B, H] | qkv [B, qkv] | attn [B, q] | gate_up [B, 2I] | act [B, I] | delta [B, H] */
     float *normed = malloc((size_t)B * (H + qkv_size + q_size + 3 * I + H) * sizeof(float));
@@ -62,45 +104,45 @@ int kv_llama_decode_layers(const LlamaLayer *layers, int64_t num_layers, const D
     float *act = gate_up + B * 2 * I, *delta = act + B * I;
     int failed = 0;
     for (int64_t l = 0; l < num_layers && !failed; l++) {
-        const LlamaLayer *layer = &layers[l];
-        kv_rms_norm(hidden, layer->input_norm, normed, B, H, step->eps);
+        const DecoderLayer *layer = &layers[l];
+        const GroupStep *group = &step->groups[layer->group];
+        const RopeStep *rope = &step->ropes[layer->rope];
+        kv_rms_norm(hidden, layer->attn_norm, normed, B, H, step->eps);
         failed |= linear(normed, &layer->qkv, B, H, qkv, threads);
         for (int64_t b = 0; b < B; b++) {
             float *row = qkv + b * qkv_size;
-            const float *cos = step->cos + b * D, *sin = step->sin + b * D;
-            int64_t half = D / 2;
-            if (layer->q_norm) { /* in place: each row's sum of squares is taken before it is written */
+            const float *cos = rope->cos + b * R, *sin = rope->sin + b * R;
+            if (layer->q_norm) { /* in place, as above */
                 kv_rms_norm(row, layer->q_norm, row, step->num_heads, D, step->eps);
                 kv_rms_norm(row + q_size, layer->k_norm, row + q_size, step->num_kv_heads, D, step->eps);
             }
             for (int64_t head = 0; head < step->num_heads + step->num_kv_heads; head++) {
-                float *x = row + head * D; /* query heads, then key heads */
+                float *x = row + head * D; /* query heads, then key heads; values past R pass through */
                 for (int64_t i = 0; i < half; i++) {
                     float x1 = x[i], x2 = x[i + half];
                     x[i] = x1 * cos[i] - x2 * sin[i];
                     x[i + half] = x2 * cos[i + half] + x1 * sin[i + half];
                 }
             }
-            int64_t slot = step->slot_mapping[b];
+            int64_t slot = group->slot_mapping[b];
             for (int64_t i = 0; i < kv_size; i++) {
                 layer->key_cache[slot * kv_size + i] = row[q_size + i];
                 layer->value_cache[slot * kv_size + i] = row[q_size + kv_size + i];
             }
         }
-        failed |= decode_attention_strided(qkv, qkv_size, layer->key_cache, layer->value_cache, step->blocks,
-                                           step->mask, attn, B, step->num_heads, step->num_kv_heads, D,
-                                           step->block_size, step->num_blocks_per_seq, step->scale, threads);
+        failed |= decode_attention_capped(qkv, qkv_size, layer->key_cache, layer->value_cache, group->blocks,
+                                          group->mask, attn, B, step->num_heads, step->num_kv_heads, D,
+                                          step->block_size, group->num_blocks_per_seq, step->scale, layer->softcap,
+                                          threads);
         failed |= linear(attn, &layer->o, B, q_size, delta, threads);
-        for (int64_t i = 0; i < B * H; i++) hidden[i] += delta[i];
-        kv_rms_norm(hidden, layer->post_attention_norm, normed, B, H, step->eps);
+        add_residual(hidden, delta, layer->attn_out_norm, B, H, step->eps);
+        kv_rms_norm(hidden, layer->ffn_norm, normed, B, H, step->eps);
         failed |= linear(normed, &layer->gate_up, B, H, gate_up, threads);
         for (int64_t b = 0; b < B; b++)
-            for (int64_t i = 0; i < I; i++) {
-                float g = gate_up[b * 2 * I + i], u = gate_up[b * 2 * I + I + i];
-                act[b * I + i] = g / (1.0f + expf(-g)) * u;
-            }
+            for (int64_t i = 0; i < I; i++)
+                act[b * I + i] = activate(gate_up[b * 2 * I + i], step->activation) * gate_up[b * 2 * I + I + i];
         failed |= linear(act, &layer->down, B, I, delta, threads);
-        for (int64_t i = 0; i < B * H; i++) hidden[i] += delta[i];
+        add_residual(hidden, delta, layer->ffn_out_norm, B, H, step->eps);
     }
     free(normed);
     return failed;

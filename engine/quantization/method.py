@@ -1,8 +1,8 @@
 """What every quantization method declares (QuantizationMethod), and what its layers show the fused kernel.
 
 A method's module (none.py, int8.py, gguf.py) builds one QuantizationMethod; engine/quantization/__init__.py
-lists them. A quantized linear layer offers `kernel_weight()`, so that the fused LLaMA decode step
-(engine/models/llama_fused.py) reads any layer it supports without knowing its class.
+lists them. A quantized linear layer offers `kernel_weight()`, so that the fused decode step
+(engine/models/fused_decode.py) reads any layer it supports without knowing its class.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from torch import nn
 
 # KernelWeight.block_type of an int8 weight with one scale per output channel; any other value is the
-# GGML type id of GGUF blocks (llama_decode.c `Int8Weight.block_type`).
+# GGML type id of GGUF blocks (fused_decode.c `Int8Weight.block_type`).
 INT8_PER_CHANNEL = 0
 
 

@@ -1,8 +1,8 @@
 """Which code runs a model's decode-only steps, chosen once when the runner starts.
 
-FUSED_NATIVE: every layer of the step in one native call (engine/models/llama_fused.py),
-for the architectures whose registry entry has fused_decode (the LLaMA family), with int8 or
-GGUF-block linear layers in float32 on CPU where the kernel loads.
+FUSED_NATIVE: every layer of the step in one native call (engine/models/fused_decode.py),
+for the architectures whose registry entry has fused_decode, with int8 or GGUF-block linear
+layers in float32 on CPU where the kernel loads.
 TORCH_LAYERS: the model's own torch layers. Prefill and mixed steps always run those;
 on float32 CPU tensors they call the native per-op kernels (RMSNorm, decode attention,
 int8 products) where they load, and torch ops otherwise.
@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from engine.core.kv_layout import KVLayout
-from engine.models import llama_fused, registry
+from engine.models import fused_decode, registry
 from engine.models.llama import RMSNorm
 from engine.ops import decode_attention, rms_norm
 from engine.quantization import native_linear_ops
@@ -60,16 +60,14 @@ def choose_decode_path(
     """The fused path where `model` and its caches allow it and the kernel loads, else the torch layers.
 
     `model` is a registered decoder: its `config` is the ModelConfig it was built from. Only an
-    architecture whose registry entry has fused_decode may take the fused path, whatever its class,
-    and only with one attention group (the kernel applies one mask to every layer).
+    architecture whose registry entry has fused_decode may take the fused path, whatever its class.
     """
     ops = native_ops(model, kv_caches)
     entry = registry.lookup(model.config.architecture)
     if not entry.fused_decode:
         return DecodePlan(DecodePath.TORCH_LAYERS, f"{entry.name} has no fused decode kernel", ops)
-    if layout.num_groups > 1:
-        return DecodePlan(DecodePath.TORCH_LAYERS, f"layers attend in {layout.num_groups} groups", ops)
-    reason = llama_fused.unsupported_reason(model, kv_caches)
+    reason = fused_decode.unsupported_reason(model, kv_caches)
     if reason is not None:
         return DecodePlan(DecodePath.TORCH_LAYERS, reason, ops)
-    return DecodePlan(DecodePath.FUSED_NATIVE, "a quantized float32 LLaMA-family model on CPU", ops)
+    groups = f", {layout.num_groups} attention groups" if layout.num_groups > 1 else ""
+    return DecodePlan(DecodePath.FUSED_NATIVE, f"a quantized float32 {entry.name} on CPU{groups}", ops)

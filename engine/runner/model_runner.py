@@ -16,13 +16,13 @@ import numpy as np
 import torch
 
 from engine import quantization
-from engine.attention.metadata import AttentionMetadata, build_group_metadata, per_token_rows
+from engine.attention.metadata import AttentionMetadata, build_group_metadata
 from engine.config import TORCH_DTYPES, EngineConfig, ModelConfig
 from engine.core.kv_layout import KVLayout
 from engine.core.scheduler import ScheduledBatch
 from engine.core.sequence import Sequence
 from engine.models import registry
-from engine.models.llama_fused import FusedLlamaDecode
+from engine.models.fused_decode import FusedDecode, decode_rows, token_rows
 from engine.outputs import EmittedTokens, TokenLogprob
 from engine.runner.decode_path import DecodePath, choose_decode_path
 from engine.runner.prompt_logprobs import prompt_rows, score_prompt_tokens
@@ -96,7 +96,7 @@ class ModelRunner:
         self.decode_plan = choose_decode_path(self.model, self.kv_caches, layout)
         logger.info("%s", self.decode_plan.describe())
         is_fused = self.decode_plan.path is DecodePath.FUSED_NATIVE
-        self.fused_decode = FusedLlamaDecode(self.model, self.kv_caches) if is_fused else None
+        self.fused_decode = FusedDecode(self.model, self.kv_caches, layout.layer_group) if is_fused else None
 
     def build_inputs(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, list[AttentionMetadata]]:
         """Flat input ids [T], positions [T] and each layer's attention metadata for one step (layers of one
@@ -132,12 +132,12 @@ class ModelRunner:
         (short_queries: a token and its speculative drafts, a draft model catching up): each token is then
         one query row, seeing what the step's mask lets it see."""
         if self.fused_decode is not None and self.decode_plan.path is DecodePath.FUSED_NATIVE:
-            meta = metas[0]  # the fused path runs only models of one attention group
-            if meta.is_decode_only:
-                return self.fused_decode(input_ids, positions, meta)
+            group_metas = [metas[group.layers[0]] for group in self.layout.groups]
+            if group_metas[0].is_decode_only:  # the same for every group: it counts each sequence's new tokens
+                return self.fused_decode(input_ids, positions, [decode_rows(meta) for meta in group_metas])
             if short_queries:
-                blocks, mask = per_token_rows(meta, self.block_size)
-                return self.fused_decode.run_rows(input_ids, positions, blocks, mask, meta.slot_mapping)
+                rows = [token_rows(meta, self.block_size) for meta in group_metas]
+                return self.fused_decode(input_ids, positions, rows)
         return self.model(input_ids, positions, self.kv_caches, metas)
 
     @torch.inference_mode()

@@ -15,11 +15,11 @@ import torch
 
 from engine.config import EngineConfig
 from engine.llm import LLM
-from engine.models import llama_fused
 from engine.models.common import RotaryEmbedding
 from engine.models.weights import load_checkpoint
 from engine.params import SamplingParams
 from engine.quantization.gguf import GgufLinear
+from engine.runner.decode_path import DecodePath, DecodePlan
 from tests.support.checkpoint_greedy import greedy_from_checkpoint, greedy_on
 from tests.support.llama_gguf import write_phi3_gguf
 from tests.support.tiny_models import load_reference, make_tiny_model
@@ -172,11 +172,16 @@ def test_a_q8_0_phi3_gguf_runs_on_its_blocks_and_follows_the_same_file_in_float3
         assert logprobs[0] == pytest.approx(float_logprobs[0], abs=0.05)
 
 
-def test_the_fused_decode_kernel_refuses_partial_rotary(phi3_dir):
-    """The registry gives Phi-3 no fused decode; the kernel's own checks refuse it too, since it rotates
-    whole heads."""
-    runner = LLM.from_config(EngineConfig(model=phi3_dir, block_size=4, quantization="int8")).engine.runner
-    assert runner.fused_decode is None
-    assert llama_fused.unsupported_reason(runner.model, runner.kv_caches) == (
-        "RoPE rotates only part of each head (the fused kernel rotates all of it)"
-    )
+def test_the_fused_decode_rotates_part_of_each_head_with_each_tokens_longrope_factors(phi3_dir):
+    """int8 Phi-3 decodes through the fused kernel: 12 of 16 values of each head rotate, positions below and
+    past ORIGINAL take their own factor sets, under the window; the same tokens as its torch layers."""
+    fused = LLM.from_config(EngineConfig(model=phi3_dir, block_size=4, quantization="int8"))
+    assert fused.engine.runner.decode_plan.path is DecodePath.FUSED_NATIVE, fused.engine.runner.decode_plan.reason
+    layers = LLM.from_config(EngineConfig(model=phi3_dir, block_size=4, quantization="int8"))
+    layers.engine.runner.decode_plan = DecodePlan(DecodePath.TORCH_LAYERS, "the reference", ())
+    prompts = [_prompt(20, seed=3), _prompt(30, seed=4)]  # both decode across ORIGINAL
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+    for ours, theirs in zip(fused.generate(prompts, params), layers.generate(prompts, params), strict=True):
+        assert ours[0].token_ids == theirs[0].token_ids
+        for got, expected in zip(ours[0].logprobs, theirs[0].logprobs, strict=True):
+            assert got.logprob == pytest.approx(expected.logprob, abs=1e-3)

@@ -36,7 +36,7 @@ def test_int8_llama_on_cpu_runs_the_fused_decode_and_says_so(tiny_model_dirs, ca
     lines = [r.getMessage() for r in caplog.records if r.name == "engine.runner.model_runner"]
     decode_lines = [line for line in lines if line.startswith("decode path:")]
     assert decode_lines == [runner.decode_plan.describe()]
-    assert "fused native decode" in decode_lines[0] and "quantized float32 LLaMA-family" in decode_lines[0]
+    assert "fused native decode" in decode_lines[0] and "quantized float32 LlamaForCausalLM on CPU" in decode_lines[0]
 
 
 def test_float32_llama_runs_the_torch_layers(tiny_model_dirs, caplog):
