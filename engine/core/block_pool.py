@@ -15,7 +15,8 @@ candidate: a hit also needs the block's stored token ids to equal the
 requested ones and its stored parent to be the very block the request took
 for the previous position (same id, not reused since). By induction from the
 first block, a hit therefore holds K/V computed for exactly the requested
-prefix, whatever the hash function returns.
+prefix, whatever the hash function returns. (A sliding-window group's block
+may name another proven block as its parent instead: KVCacheManager.)
 """
 
 from __future__ import annotations
@@ -91,18 +92,26 @@ class BlockPool:
         self._ref_counts[block] = 1
         return block
 
-    def take_cached(self, block_hash: bytes, token_ids: tuple[int, ...], parent: int | None) -> int | None:
-        """The cached block for these tokens after `parent`, with one more reference; None on a miss.
+    def find_cached(self, block_hash: bytes, token_ids: tuple[int, ...], parent: int | None) -> int | None:
+        """The cached block for these tokens after `parent`, untouched; None on a miss.
 
-        `parent` is the block the caller holds for the previous position (None
-        for the first block). A digest whose block holds other tokens or
-        followed another parent is a miss.
+        `parent` is the block the caller holds that the block was registered against: the one for the
+        previous position (None for the first block), or another block that proves the same prefix (see
+        KVCacheManager). A digest whose block holds other tokens or was registered against another
+        parent is a miss.
         """
         block = self._cached.get(block_hash)
         if block is None:
             return None
         entry = self._entries[block]
         if entry is None or entry.token_ids != token_ids or entry.parent != self._identity(parent):
+            return None
+        return block
+
+    def take_cached(self, block_hash: bytes, token_ids: tuple[int, ...], parent: int | None) -> int | None:
+        """find_cached's block with one more reference; None on a miss."""
+        block = self.find_cached(block_hash, token_ids, parent)
+        if block is None:
             return None
         if self._ref_counts[block] == 0:
             del self._free[block]

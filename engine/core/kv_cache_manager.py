@@ -4,6 +4,13 @@ A sequence holds one block table per attention group (engine/core/kv_layout.py),
 same pool. Every table covers the same positions; a sliding group's table points entries it no
 longer needs at the null block. Each operation here acts on every group at once, so the scheduler
 sees one sequence with one size.
+
+Prefix hits, per group: a full group needs every block of the prefix, found as a chain (each block
+registered against the one before it). In a model that has a full group, the first one (the anchor)
+proves the prefix for the sliding groups too: a sliding group's block is registered against the
+anchor's block at the same position, so a sliding group needs only the blocks its window (and its
+sinks) still sees from the end of the prefix, whatever it released before. A model without a full
+group matches every group as a chain.
 """
 
 from __future__ import annotations
@@ -44,6 +51,10 @@ class KVCacheManager:
         self._group_tags = [
             repr((g, group.sliding_window, group.num_sink_tokens)).encode() for g, group in enumerate(groups)
         ]
+        # The first full group, whose chain proves a prefix for the sliding groups (module docstring).
+        self._anchor = next((g for g, group in enumerate(groups) if not group.is_sliding), None)
+        # The sliding groups registered against the anchor; none without a full group.
+        self._windowed = [g for g, group in enumerate(groups) if group.is_sliding] if self._anchor is not None else []
 
     @classmethod
     def single(
@@ -79,8 +90,8 @@ class KVCacheManager:
 
         Only blocks strictly before the one holding the last token are looked up, so at least one
         token is always computed (its logits are needed) and a shared block is never written to.
-        Each group's first miss ends its match, and the prefix found is the shortest match of all
-        groups: a prefix whose blocks one group lacks is computed again for every group.
+        The prefix found is the longest that every group holds what it needs of (module docstring);
+        a prefix one group lacks is computed again for every group.
         """
         tables = self._tables(seq)
         assert not any(tables) and seq.num_computed_tokens == 0
@@ -88,19 +99,60 @@ class KVCacheManager:
             return 0
         self._update_hashes(seq, len(seq.token_ids))
         num_found = (len(seq.token_ids) - 1) // self.block_size
-        for g, table in enumerate(tables):
+        chained = [g for g in range(len(tables)) if g not in self._windowed]
+        for g in chained:  # the anchor first: it is the lowest full group
+            table = tables[g]
             for i in range(num_found):
-                parent = table[-1] if table else None
                 key = self._published_key(seq.block_hashes[i], g)
-                block = self.pool.take_cached(key, self._block_tokens(seq, i), parent)
+                block = self.pool.take_cached(key, self._block_tokens(seq, i), table[-1] if table else None)
                 if block is None:
                     break
                 table.append(block)
             num_found = len(table)
-        for table in tables:  # groups matched before a shorter one give back what the others lack
-            while len(table) > num_found:
-                self.pool.release(table.pop())
+        anchor = tables[self._anchor] if self._anchor is not None else []
+        while True:  # each sliding group may shorten the prefix, which moves every window: repeat until none does
+            shortest = min((self._window_hit(seq, g, anchor, num_found) for g in self._windowed), default=num_found)
+            if shortest == num_found:
+                break
+            num_found = shortest
+        for g in chained:  # groups matched before a shorter one give back what the others lack
+            while len(tables[g]) > num_found:
+                self.pool.release(tables[g].pop())
+        for g in self._windowed:
+            tables[g].extend([NULL_BLOCK] * num_found)
+            for i in self._window_blocks(self.groups[g], num_found):
+                block = self.pool.take_cached(*self._window_lookup(seq, g, anchor, i))
+                assert block is not None, "a block _window_hit found is still cached"
+                tables[g][i] = block
         return num_found * self.block_size
+
+    def _window_blocks(self, group: AttentionGroup, num_blocks: int) -> list[int]:
+        """The blocks a sliding group's next query sees after a prefix of num_blocks blocks: its sinks'
+        and those its window reaches back to."""
+        first_visible = num_blocks * self.block_size - group.sliding_window + 1
+        first_live = max(first_visible, 0) // self.block_size
+        sink_blocks = min(self.num_blocks_for(group.num_sink_tokens), num_blocks)
+        return sorted({*range(sink_blocks), *range(first_live, num_blocks)})
+
+    def _window_lookup(self, seq: Sequence, g: int, anchor: list[int], i: int) -> tuple[bytes, tuple[int, ...], int]:
+        return self._published_key(seq.block_hashes[i], g), self._block_tokens(seq, i), anchor[i]
+
+    def _window_hit(self, seq: Sequence, g: int, anchor: list[int], num_blocks: int) -> int:
+        """The longest prefix of at most num_blocks blocks whose window blocks group g has cached.
+
+        A missing block j is needed by every prefix longer than j (the window only moves forward),
+        so the next candidate is j blocks long."""
+        group = self.groups[g]
+        while num_blocks > 0:
+            missing = [
+                i
+                for i in self._window_blocks(group, num_blocks)
+                if self.pool.find_cached(*self._window_lookup(seq, g, anchor, i)) is None
+            ]
+            if not missing:
+                return num_blocks
+            num_blocks = missing[-1]
+        return 0
 
     def _published_key(self, block_hash: bytes, group: int) -> bytes:
         return block_hash + self._group_tags[group]
@@ -123,17 +175,22 @@ class KVCacheManager:
     def register_computed_blocks(self, seq: Sequence) -> None:
         """After a step: publish every block that is now full of computed tokens, in every group.
 
-        A block whose predecessor was already released by the window is not published: a hit must
-        name the very block it followed.
+        A chained block whose predecessor was already released by the window is not published: a hit
+        must name the very block it followed. A sliding group's block in a model with a full group is
+        published against the anchor's block at its position, which is never released.
         """
         if not self.pool.enable_prefix_caching:
             return
         self._update_hashes(seq, seq.num_computed_tokens)
         num_full = seq.num_computed_tokens // self.block_size
-        for g, table in enumerate(self._tables(seq)):
+        tables = self._tables(seq)
+        for g, table in enumerate(tables):
             for i in range(seq.num_registered_blocks, num_full):
                 block = table[i]
-                parent = table[i - 1] if i > 0 else None
+                if g in self._windowed:
+                    parent = tables[self._anchor][i]
+                else:
+                    parent = table[i - 1] if i > 0 else None
                 if block != NULL_BLOCK and parent != NULL_BLOCK:
                     key = self._published_key(seq.block_hashes[i], g)
                     self.pool.register(block, key, self._block_tokens(seq, i), parent)

@@ -140,6 +140,31 @@ def test_batched_equals_one_at_a_time_and_prefix_cache_on_equals_off(mixed_dir):
     assert [out[0].token_ids for out in uncached.generate(prompts, params)] == alone
 
 
+def test_a_prefix_hit_needs_only_the_window_of_each_sliding_group(mixed_dir, reference):
+    """While a 40-token prompt decodes, its sliding groups have released what left their window, and every
+    released block is handed out again; the same prompt still hits all 40 tokens (the full group holds
+    them all, each sliding group the blocks its window sees from position 40), and decodes as transformers."""
+    engine = _engine(mixed_dir)
+    core = engine.engine
+    prompt = [(7 * i) % 300 + 10 for i in range(40)]
+    first = core.add_request(prompt, _greedy(20))
+    core.step()  # the whole prompt
+    core.step()  # one token; the sliding groups gave back the blocks before the window
+    pool = core.pool
+    for block in [*iter(pool.allocate, None)]:
+        pool.release(block)  # handed out once: no released block is findable any more
+    hits = core.stats().prefix_cache_hits
+    again = prompt + [prompt[3]]
+    second = core.add_request(again, _greedy(6))
+    tokens: dict[str, list[int]] = {first: [], second: []}
+    while core.has_unfinished_requests():
+        for out in core.step():
+            tokens[out.request_id].extend(token for sample in out.outputs for token in sample.token_ids)
+    assert core.stats().prefix_cache_hits - hits == 40
+    assert tokens[second] == _expected(reference, again, 6)
+    assert tokens[first] == _expected(reference, prompt, 20)[2:]  # its first two tokens came before the loop
+
+
 def test_preemption_in_the_middle_changes_no_token(mixed_dir):
     roomy = _engine(mixed_dir)
     prompts = [roomy.tokenizer.encode(p) for p in PROMPTS]

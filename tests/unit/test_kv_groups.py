@@ -120,25 +120,67 @@ def test_a_prefix_is_found_in_both_groups():
     first = _computed(manager, [1, 2, 3, 4, 5, 6, 7])
     second = _seq([1, 2, 3, 4, 5, 6, 9])
     assert manager.take_cached_prefix(second) == 6
-    for g in (FULL, SLIDING):
-        assert second.block_tables[g] == first.block_tables[g][:3]
+    assert second.block_tables[FULL] == first.block_tables[FULL][:3]
+    # The next query (position 6) sees 3..6: the sliding group takes blocks 1 and 2 only.
+    assert second.block_tables[SLIDING] == [NULL_BLOCK, *first.block_tables[SLIDING][1:3]]
 
 
-def test_a_prefix_one_group_lacks_is_not_a_hit_in_the_other():
+def _computed_then_slid_past(manager: KVCacheManager, tokens: list[int]) -> Sequence:
+    """A sequence computed over `tokens` whose sliding group then released what its window left behind,
+    and those blocks handed out again (every free block taken by another sequence)."""
+    first = _computed(manager, tokens)
+    manager.release_out_of_window(first)
+    _hand_out_every_free_block(manager.pool)
+    return first
+
+
+def _hand_out_every_free_block(pool: BlockPool) -> None:
+    while pool.allocate() is not None:
+        pass
+
+
+def test_a_sliding_group_needs_only_what_its_window_sees_at_the_end_of_the_prefix():
     manager = _manager(num_blocks=12, window=4)
-    pool = manager.pool
     tokens = list(range(1, 11))
-    first = _computed(manager, tokens)  # 5 blocks per group
-    first.num_computed_tokens = 10
-    manager.release_out_of_window(first)  # the sliding group frees positions 0..5 (still findable)
+    first = _computed_then_slid_past(manager, tokens)  # 5 blocks per group; the sliding one kept 3 and 4
     assert first.block_tables[SLIDING][:3] == [NULL_BLOCK] * 3
-    filler = _seq([0] * 2 * pool.num_free_blocks)
-    assert manager.grow(filler, len(filler.token_ids) // 2)  # every free block, in both of its groups
-    assert pool.num_free_blocks == 0  # the released sliding blocks were handed out again
     second = _seq(tokens + [99])
-    assert manager.take_cached_prefix(second) == 0  # the full group still has all 5, the sliding one none
+    assert manager.take_cached_prefix(second) == 10  # the next query (position 10) sees 7..10
+    assert second.block_tables[FULL] == first.block_tables[FULL]
+    assert second.block_tables[SLIDING] == [NULL_BLOCK] * 3 + first.block_tables[SLIDING][3:]
+    assert all(manager.pool.ref_count(b) == 2 for b in first.block_tables[FULL])
+
+
+def test_a_sliding_hit_keeps_the_sink_blocks_too():
+    manager = _manager(num_blocks=12, window=4, sinks=2)
+    tokens = list(range(1, 11))
+    first = _computed_then_slid_past(manager, tokens)  # the sliding group kept its sink block 0, and 3 and 4
+    second = _seq(tokens + [99])
+    assert manager.take_cached_prefix(second) == 10
+    sliding = first.block_tables[SLIDING]
+    assert second.block_tables[SLIDING] == [sliding[0], NULL_BLOCK, NULL_BLOCK, sliding[3], sliding[4]]
+
+
+def test_a_prefix_whose_window_blocks_are_gone_is_not_a_hit_in_the_full_group_either():
+    manager = _manager(num_blocks=12, window=4)
+    tokens = list(range(1, 11))
+    first = _computed_then_slid_past(manager, tokens)
+    pool = manager.pool
+    # Ending at 6 tokens, the window would need blocks 1 and 2, then 0 and 1, then 0: all handed out again.
+    second = _seq(tokens[:6] + [99])
+    assert manager.take_cached_prefix(second) == 0
     assert not second.holds_blocks
     assert all(pool.ref_count(b) == 1 for b in first.block_tables[FULL])  # what the full group took went back
+
+
+def test_a_model_without_a_full_group_matches_each_group_as_a_chain():
+    layout = plan_kv_layout([4, 8], 0)  # two sliding kinds, no full group to anchor them
+    manager = KVCacheManager(BlockPool(12), 2, layout.groups)
+    tokens = list(range(1, 11))
+    first = _computed(manager, tokens)
+    manager.release_out_of_window(first)  # the window-4 group frees blocks 0..2, the window-8 one block 0
+    _hand_out_every_free_block(manager.pool)
+    assert manager.take_cached_prefix(_seq(tokens + [99])) == 0  # each chain starts with a block handed out
 
 
 def test_groups_never_take_each_others_blocks():
