@@ -1,6 +1,6 @@
 """A model with random weights, written as a GGUF file: a larger model to benchmark.
 
-    python -m engine.bench.random_gguf OUT.gguf [--arch llama|qwen3|gemma3] [--type Q4_0|Q8_0|F32]
+    python -m engine.bench.random_gguf OUT.gguf [--arch llama|qwen3|gemma3] [--type Q4_0|Q4_1|Q5_0|Q5_1|Q8_0|F32]
                                                 [--layers 22 --hidden 2048 ...]
 
 Each `--arch` has its family's shape by default, with the default model's 49,152-token vocabulary:
@@ -39,7 +39,7 @@ from engine.hub.models_hub import DEFAULT_GENERATION_MODEL
 
 logger = logging.getLogger(__name__)
 
-WEIGHT_TYPES = ("Q4_0", "Q4_1", "Q8_0", "F32")
+WEIGHT_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "F32")
 ARCHITECTURES = ("llama", "qwen3", "gemma3")
 _INIT_STD = 0.02
 

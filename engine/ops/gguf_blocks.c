@@ -10,8 +10,9 @@
  * scale per block (d = max|x| / 127 over the block), the way the weights are stored,
  * so a block's dot product is an integer sum of int8 x int8 (or uint4 x int8)
  * products, computed 32 at a time with vpmaddubsw and vpmaddwd, and scaled by
- * d_w * d_x in float. Q4_1's offset m adds m * d_x * sum(q_x), kept per activation
- * block. Every (row, column) pair is summed block by block in the same order
+ * d_w * d_x in float. Q4_1's and Q5_1's offset m adds m * d_x * sum(q_x), kept per
+ * activation block; 5-bit weights are unpacked to bytes 0..31 (the fifth bits spread
+ * from one 32-bit word). Every (row, column) pair is summed block by block in the same order
  * whatever M is and however rows are grouped, so a row's result does not depend
  * on the batch it came in (sampling stays batch-invariant).
  *
@@ -37,7 +38,7 @@
 #include <stdlib.h>
 
 /* GGML's type ids, as written in GGUF files; PAIRED marks the repacked 4-bit layout. */
-enum { KV_Q4_0 = 2, KV_Q4_1 = 3, KV_Q8_0 = 8, KV_PAIRED = 0x100 };
+enum { KV_Q4_0 = 2, KV_Q4_1 = 3, KV_Q5_0 = 6, KV_Q5_1 = 7, KV_Q8_0 = 8, KV_PAIRED = 0x100 };
 
 #define QK 32 /* weights per block */
 #define ROWS_PER_SLAB 16
@@ -56,6 +57,19 @@ typedef struct {
     uint16_t d, m; /* fp16 scale and offset: value q * d + m */
     uint8_t qs[16];
 } BlockQ4_1;
+
+/* 5-bit blocks: the low 4 bits as in Q4_0 / Q4_1, bit j of qh the fifth bit of weight j. */
+typedef struct {
+    uint16_t d;
+    uint8_t qh[4];
+    uint8_t qs[16]; /* value (q - 16) * d, q in 0..31 */
+} BlockQ5_0;
+
+typedef struct {
+    uint16_t d, m;
+    uint8_t qh[4];
+    uint8_t qs[16]; /* value q * d + m */
+} BlockQ5_1;
 
 typedef struct {
     uint16_t d;
@@ -89,6 +103,8 @@ static int64_t bytes_per_block(int type) {
     switch (type) {
     case KV_Q4_0: return sizeof(BlockQ4_0);
     case KV_Q4_1: return sizeof(BlockQ4_1);
+    case KV_Q5_0: return sizeof(BlockQ5_0);
+    case KV_Q5_1: return sizeof(BlockQ5_1);
     case KV_Q8_0: return sizeof(BlockQ8_0);
     case KV_Q4_0 | KV_PAIRED: return sizeof(PairQ4_0) / 2;
     case KV_Q4_1 | KV_PAIRED: return sizeof(PairQ4_1) / 2;
@@ -153,6 +169,25 @@ static inline __m128 load_fp16_pair(const uint16_t *h) {
 
 static inline __m128 load_float_pair(const float *f) { return _mm_castpd_ps(_mm_load_sd((const double *)f)); }
 
+/* 32 bits -> 32 bytes, byte i 0xFF where bit i is set: each byte lane takes the byte of `bits` holding its
+ * bit, every other bit of it is forced to one, and the lane is all ones exactly when its own bit was one. */
+static inline __m256i bits_to_byte_mask(uint32_t bits) {
+    const __m256i byte_of_lane = _mm256_setr_epi64x(0x0000000000000000, 0x0101010101010101, 0x0202020202020202,
+                                                    0x0303030303030303);
+    const __m256i other_bits = _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe); /* lane i: every bit but i % 8 */
+    __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), byte_of_lane);
+    return _mm256_cmpeq_epi8(_mm256_or_si256(v, other_bits), _mm256_set1_epi64x(-1));
+}
+
+/* The 32 weights of a Q5_0 / Q5_1 block as bytes 0..31, in order. */
+static inline __m256i unpack_5bit(const uint8_t *qh, const uint8_t *qs) {
+    uint32_t high;
+    __builtin_memcpy(&high, qh, sizeof high);
+    __m128i raw = _mm_loadu_si128((const __m128i *)qs);
+    __m256i low = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0x0F));
+    return _mm256_or_si256(low, _mm256_and_si256(bits_to_byte_mask(high), _mm256_set1_epi8(0x10)));
+}
+
 /* Dot products of one weight row (nb blocks) with R activation rows (block offsets act_first[r]);
  * R is a constant at each call. Each row accumulates block by block, in the same order for every R. */
 static inline __attribute__((always_inline)) void dot_row(int type, const uint8_t *w, const Activations *act,
@@ -196,6 +231,25 @@ static inline __attribute__((always_inline)) void dot_row(int type, const uint8_
                     pairs = _mm256_sub_epi16(pairs, _mm256_loadu_si256((const __m256i *)(act->eight + i * 16)));
                 acc[r] = scale_add(pairs, _mm256_set1_ps(dw * act->d[i]), acc[r]);
                 if (type == KV_Q4_1) offset[r] = _mm_add_ss(offset[r], _mm_set_ss(mw * act->s[i]));
+            }
+        }
+    } else if (type == KV_Q5_0 || type == KV_Q5_1) {
+        const int64_t stride = bytes_per_block(type);
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *block = w + b * stride;
+            __builtin_prefetch(block + PREFETCH_BYTES);
+            float dw = fp16_to_float(*(const uint16_t *)block);
+            float mw = type == KV_Q5_1 ? fp16_to_float(((const BlockQ5_1 *)block)->m) : 0.0f;
+            __m256i wv = type == KV_Q5_0 ? unpack_5bit(((const BlockQ5_0 *)block)->qh, ((const BlockQ5_0 *)block)->qs)
+                                         : unpack_5bit(((const BlockQ5_1 *)block)->qh, ((const BlockQ5_1 *)block)->qs);
+            for (int r = 0; r < R; r++) {
+                int64_t i = act_first[r] + b;
+                __m256i pairs = _mm256_maddubs_epi16(wv, _mm256_loadu_si256((const __m256i *)(act->q + i * QK)));
+                if (type == KV_Q5_0) /* sum (q - 16) x = sum q x - 16 sum x: twice the Q4_0 pair term */
+                    pairs = _mm256_sub_epi16(
+                        pairs, _mm256_slli_epi16(_mm256_loadu_si256((const __m256i *)(act->eight + i * 16)), 1));
+                acc[r] = scale_add(pairs, _mm256_set1_ps(dw * act->d[i]), acc[r]);
+                if (type == KV_Q5_1) offset[r] = _mm_add_ss(offset[r], _mm_set_ss(mw * act->s[i]));
             }
         }
     } else {
@@ -319,6 +373,17 @@ int kv_gguf_dequantize(int type, const uint8_t *w, int64_t K, const int64_t *row
                 const BlockQ8_0 *block = (const BlockQ8_0 *)row + b;
                 float d = fp16_to_float(block->d);
                 for (int j = 0; j < QK; j++) dst[b * QK + j] = (float)block->qs[j] * d;
+            }
+        } else if (type == KV_Q5_0 || type == KV_Q5_1) {
+            for (int64_t b = 0; b < nb; b++) {
+                const uint8_t *block = row + b * bytes_per_block(type);
+                const uint8_t *qh = type == KV_Q5_0 ? ((const BlockQ5_0 *)block)->qh : ((const BlockQ5_1 *)block)->qh;
+                const uint8_t *qs = type == KV_Q5_0 ? ((const BlockQ5_0 *)block)->qs : ((const BlockQ5_1 *)block)->qs;
+                float d = fp16_to_float(*(const uint16_t *)block);
+                float m = type == KV_Q5_0 ? -16.0f * d : fp16_to_float(((const BlockQ5_1 *)block)->m);
+                uint32_t high = (uint32_t)qh[0] | (uint32_t)qh[1] << 8 | (uint32_t)qh[2] << 16 | (uint32_t)qh[3] << 24;
+                for (int j = 0; j < QK; j++)
+                    dst[b * QK + j] = (float)(file_nibble(qs, j) | ((high >> j) & 1) << 4) * d + m;
             }
         } else if (type == KV_Q4_0 || type == KV_Q4_1) {
             for (int64_t b = 0; b < nb; b++) {

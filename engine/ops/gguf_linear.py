@@ -1,10 +1,10 @@
 """Products and row lookups over a GGUF file's own quantized blocks: the AVX2 kernels, the tiled
 BLAS path and the torch reference (the layers that hold the blocks are engine/quantization/gguf.py).
 
-A GGUF weight of type Q4_0, Q4_1 or Q8_0 stays in memory exactly as the file
-stores it: each row of K weights is K / 32 blocks, one fp16 scale (and for Q4_1
-an fp16 offset) per 32 weights, so a 4-bit model takes 4.5 or 5 bits per weight
-and nothing else (no float32 copy). The model runs the file's numbers, not a
+A GGUF weight of type Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0 stays in memory exactly as
+the file stores it: each row of K weights is K / 32 blocks, one fp16 scale (and for
+Q4_1 / Q5_1 an fp16 offset) per 32 weights, so a 4-bit model takes 4.5 or 5 bits per
+weight, a 5-bit one 5.5 or 6, and nothing else (no float32 copy). The model runs the file's numbers, not a
 re-quantization of them.
 
 At load, 4-bit blocks are repacked in pairs (`pack`: the same bytes and numbers,
@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from engine.ops.loader import I64, PTR, bind
 
 # GGML type name -> (type id as in GGUF files, bytes per block of 32 weights).
-BLOCK_TYPES = {"Q4_0": (2, 18), "Q4_1": (3, 20), "Q8_0": (8, 34)}
+BLOCK_TYPES = {"Q4_0": (2, 18), "Q4_1": (3, 20), "Q5_0": (6, 22), "Q5_1": (7, 24), "Q8_0": (8, 34)}
 BLOCK = 32
 # The kernel's flag for 4-bit blocks repacked in pairs (gguf_blocks.c KV_PAIRED).
 PAIRED = 0x100
@@ -103,12 +103,16 @@ def dequantize_reference(weight: BlockWeight) -> torch.Tensor:
     blocks = weight.blocks.view(n, k // BLOCK, BLOCK_TYPES[weight.qtype][1])
     d = _fp16_field(blocks, 0)
     if weight.qtype == "Q8_0":
-        values = blocks[..., 2:].contiguous().view(torch.int8).float() * d
-    else:
-        packed = blocks[..., -16:]  # weight j in the low nibble of byte j, weight j + 16 in the high one
-        nibbles = torch.cat([packed & 0x0F, packed >> 4], dim=-1).float()
-        values = (nibbles - 8) * d if weight.qtype == "Q4_0" else nibbles * d + _fp16_field(blocks, 2)
-    return values.reshape(n, k)
+        return (blocks[..., 2:].contiguous().view(torch.int8).float() * d).reshape(n, k)
+    packed = blocks[..., -16:]  # weight j in the low nibble of byte j, weight j + 16 in the high one
+    q = torch.cat([packed & 0x0F, packed >> 4], dim=-1).float()
+    if weight.qtype in ("Q5_0", "Q5_1"):  # bit j of the 4 bytes before qs: weight j's fifth bit
+        high = blocks[..., -20:-16].contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF  # little-endian
+        q = q + 16 * ((high >> torch.arange(BLOCK)) & 1).float()
+    if weight.qtype in ("Q4_0", "Q5_0"):
+        offset = 8 if weight.qtype == "Q4_0" else 16
+        return ((q - offset) * d).reshape(n, k)
+    return (q * d + _fp16_field(blocks, 2)).reshape(n, k)
 
 
 def round_activations_reference(x: torch.Tensor) -> torch.Tensor:

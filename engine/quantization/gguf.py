@@ -1,4 +1,4 @@
-"""gguf: a .gguf file's Q4_0 / Q4_1 / Q8_0 matrices stay in the file's own blocks (CPU, float32).
+"""gguf: a .gguf file's Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 matrices stay in the file's own blocks (CPU, float32).
 
 The checkpoint loader keeps those matrices as BlockWeight (engine/models/weights.py), and the model's
 load_weights puts a GgufLinear (or GgufEmbedding) in place of each layer they fill (`linear_over_blocks`,

@@ -138,3 +138,23 @@ def test_batched_generation_equals_one_at_a_time(engines):
 def test_gguf_quantization_needs_a_gguf_file(tiny_model_dirs):
     with pytest.raises(ValueError, match="needs a .gguf"):
         LLM.from_config(EngineConfig(model=tiny_model_dirs["llama"], quantization="gguf"))
+
+
+@needs_kernels
+def test_five_bit_blocks_serve_on_their_own_blocks_as_the_float32_file_does(tmp_path):
+    """Q5_0 and Q5_1, the types llama.cpp falls back to in small models' Q4_K_M files: kept in blocks, the
+    fused decode on them, greedy tokens and prompt logprobs as the same file in float32."""
+    types = {"attn_q.weight": "Q5_0", "attn_k.weight": "Q5_0", "attn_v.weight": "Q5_0", "ffn_down.weight": "Q5_1"}
+    path = write_random_gguf(tmp_path / "q5.gguf", "Q5_1", SHAPE, seed=4, tensor_types=types, weight_std=0.15)
+    blocks = LLM.from_config(EngineConfig(model=str(path), quantization="gguf", block_size=4))
+    model = blocks.engine.runner.model
+    assert {layer.qkv_proj.qtype for layer in model.layers} == {"Q5_0"}
+    assert {layer.down_proj.qtype for layer in model.layers} == {"Q5_1"}
+    assert model.lm_head.qtype == "Q5_1" and blocks.engine.runner.decode_plan.path is DecodePath.FUSED_NATIVE
+    reference = LLM(_float_engine(blocks, EngineConfig(model=str(path), quantization="none")), blocks.tokenizer)
+    prompt = _prompts(blocks, 1, extra=6)[0]
+    params = SamplingParams(max_tokens=4, temperature=0, prompt_logprobs=0, ignore_eos=True)
+    ours, theirs = blocks.generate([prompt], params)[0][0], reference.generate([prompt], params)[0][0]
+    assert ours.token_ids[:2] == theirs.token_ids[:2]
+    differences = [abs(a.logprob - b.logprob) for a, b in zip(ours.prompt_logprobs[1:], theirs.prompt_logprobs[1:])]
+    assert max(differences) < 0.3 and sum(differences) / len(differences) < 0.1

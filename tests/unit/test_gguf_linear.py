@@ -47,12 +47,35 @@ def test_blocks_decode_as_the_gguf_package_decodes_them(qtype, in_features):
     weight, decoded = _weight(qtype, 40, in_features)
     assert torch.equal(dequantize_reference(weight), decoded)
     packed = pack(weight)
-    paired = gguf_linear.available() and qtype != "Q8_0" and in_features == 128
+    paired = gguf_linear.available() and qtype in ("Q4_0", "Q4_1") and in_features == 128
     assert bool(packed.kernel_type & PAIRED) == paired and packed.blocks.nbytes == weight.blocks.nbytes
     assert torch.equal(dequantize_rows(packed), decoded)  # native where the kernel loads
     assert torch.equal(dequantize_rows(packed, start=7, stop=19), decoded[7:19])
     picked = torch.tensor([39, 0, 5, 5])
     assert torch.equal(dequantize_rows(packed, rows=picked), decoded[picked])
+
+
+@pytest.mark.parametrize("qtype", list(BLOCK_TYPES))
+def test_the_extremes_of_each_scale_decode_and_multiply_as_the_reference(qtype):
+    """Blocks of zeros, of one repeated value, at the edge of fp16's range and in its subnormals, of one sign."""
+    dense = torch.randn(6, 256)
+    dense[0, :32] = 0.0
+    dense[1, 32:64] = 3.0
+    dense[2, 64:96] *= 2000.0  # scales near fp16's largest
+    dense[3, 96:128] *= 1e-6  # subnormal fp16 scales
+    dense[4] = dense[4].abs()
+    dense[5] = -dense[5].abs()
+    kind = gguf.GGMLQuantizationType[qtype]
+    raw = gguf.quants.quantize(dense.numpy(), kind)
+    weight = BlockWeight(qtype, torch.from_numpy(raw.copy()), 256)
+    decoded = torch.from_numpy(gguf.quants.dequantize(raw, kind).copy())
+    assert torch.equal(dequantize_reference(weight), decoded)
+    assert torch.equal(dequantize_rows(pack(weight)), decoded)
+    if gguf_linear.available():
+        x = torch.randn(3, 256)
+        expected = gguf_linear_reference(x, weight, None)
+        scale = expected.abs().max()
+        assert (gguf_linear_native(x, pack(weight), None) - expected).abs().max() <= 1e-5 * scale
 
 
 def test_activation_rounding_is_per_block_of_32_and_within_half_a_step():
@@ -68,7 +91,7 @@ def test_activation_rounding_is_per_block_of_32_and_within_half_a_step():
 
 @needs_kernel
 @pytest.mark.parametrize("qtype", list(BLOCK_TYPES))
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 64])
 @pytest.mark.parametrize("in_features", [160, 192])  # an odd and an even number of blocks a row
 def test_the_kernel_matches_the_reference(qtype, rows, in_features):
     weight, _ = _weight(qtype, 70, in_features)
