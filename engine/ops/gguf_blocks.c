@@ -214,42 +214,34 @@ static inline __attribute__((always_inline)) void dot_row(int type, const uint8_
                 acc[r] = scale_add(pairs, _mm256_set1_ps(dw * act->d[i]), acc[r]);
             }
         }
-    } else if (type == KV_Q4_0 || type == KV_Q4_1) { /* the file's layout: rows of an odd number of blocks */
+    } else if (type == KV_Q4_0 || type == KV_Q4_1 || type == KV_Q5_0 || type == KV_Q5_1) {
+        /* 4-bit blocks in the file's layout (rows of an odd number of blocks) and 5-bit blocks: unsigned weights,
+         * Q4_0 / Q5_0 centred at 8 / 16 (subtracted exactly in the integer pair sums), Q4_1 / Q5_1 with an offset. */
         const int64_t stride = bytes_per_block(type);
+        const int five_bit = type == KV_Q5_0 || type == KV_Q5_1, has_offset = type == KV_Q4_1 || type == KV_Q5_1;
+        const int centre_shift = type == KV_Q5_0 ? 1 : 0; /* the centre is 8 << centre_shift */
         for (int64_t b = 0; b < nb; b++) {
             const uint8_t *block = w + b * stride;
             __builtin_prefetch(block + PREFETCH_BYTES);
             float dw = fp16_to_float(*(const uint16_t *)block);
-            float mw = type == KV_Q4_1 ? fp16_to_float(((const BlockQ4_1 *)block)->m) : 0.0f;
-            const uint8_t *qs = type == KV_Q4_0 ? ((const BlockQ4_0 *)block)->qs : ((const BlockQ4_1 *)block)->qs;
-            __m128i raw = _mm_loadu_si128((const __m128i *)qs);
-            __m256i wv = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low4); /* 0..15 */
-            for (int r = 0; r < R; r++) {
-                int64_t i = act_first[r] + b;
-                __m256i pairs = _mm256_maddubs_epi16(wv, _mm256_loadu_si256((const __m256i *)(act->q + i * QK)));
-                if (type == KV_Q4_0)
-                    pairs = _mm256_sub_epi16(pairs, _mm256_loadu_si256((const __m256i *)(act->eight + i * 16)));
-                acc[r] = scale_add(pairs, _mm256_set1_ps(dw * act->d[i]), acc[r]);
-                if (type == KV_Q4_1) offset[r] = _mm_add_ss(offset[r], _mm_set_ss(mw * act->s[i]));
+            /* the offset (Q4_1 / Q5_1) follows the scale; a 5-bit block's fifth bits come next, then qs */
+            float mw = has_offset ? fp16_to_float(*(const uint16_t *)(block + 2)) : 0.0f;
+            const uint8_t *qs = block + stride - 16;
+            __m256i wv;
+            if (five_bit) {
+                wv = unpack_5bit(qs - 4, qs);
+            } else {
+                __m128i raw = _mm_loadu_si128((const __m128i *)qs);
+                wv = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low4); /* 0..15 */
             }
-        }
-    } else if (type == KV_Q5_0 || type == KV_Q5_1) {
-        const int64_t stride = bytes_per_block(type);
-        for (int64_t b = 0; b < nb; b++) {
-            const uint8_t *block = w + b * stride;
-            __builtin_prefetch(block + PREFETCH_BYTES);
-            float dw = fp16_to_float(*(const uint16_t *)block);
-            float mw = type == KV_Q5_1 ? fp16_to_float(((const BlockQ5_1 *)block)->m) : 0.0f;
-            __m256i wv = type == KV_Q5_0 ? unpack_5bit(((const BlockQ5_0 *)block)->qh, ((const BlockQ5_0 *)block)->qs)
-                                         : unpack_5bit(((const BlockQ5_1 *)block)->qh, ((const BlockQ5_1 *)block)->qs);
             for (int r = 0; r < R; r++) {
                 int64_t i = act_first[r] + b;
                 __m256i pairs = _mm256_maddubs_epi16(wv, _mm256_loadu_si256((const __m256i *)(act->q + i * QK)));
-                if (type == KV_Q5_0) /* sum (q - 16) x = sum q x - 16 sum x: twice the Q4_0 pair term */
+                if (!has_offset) /* sum (q - c) x = sum q x - c sum x, c * sum x from the 8 * pair sums */
                     pairs = _mm256_sub_epi16(
-                        pairs, _mm256_slli_epi16(_mm256_loadu_si256((const __m256i *)(act->eight + i * 16)), 1));
+                        pairs, _mm256_slli_epi16(_mm256_loadu_si256((const __m256i *)(act->eight + i * 16)), centre_shift));
                 acc[r] = scale_add(pairs, _mm256_set1_ps(dw * act->d[i]), acc[r]);
-                if (type == KV_Q5_1) offset[r] = _mm_add_ss(offset[r], _mm_set_ss(mw * act->s[i]));
+                if (has_offset) offset[r] = _mm_add_ss(offset[r], _mm_set_ss(mw * act->s[i]));
             }
         }
     } else {
