@@ -6,7 +6,8 @@ For each block type and row count: the integer kernel (`gguf_linear_native`), th
 path (`gguf_linear_tiled`), float32 BLAS on the dequantized weight (the baseline) and the per-channel int8
 kernel (up to its 48 rows), best of --repeats, with GMAC/s and the speed-up over float32. The default shape is
 a 1.1B LLaMA's fused gate/up projection (TinyLlama's FFN 5632 x 2, hidden 2048). Weights are random normal,
-quantized by the `gguf` package. Ratios, not absolute times, are the point: this machine's speed varies.
+quantized by the `gguf` package (K-quants: random blocks of the type). Ratios, not absolute times, are the
+point: this machine's speed varies.
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ import argparse
 import time
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
+from engine.bench.random_gguf import K_QUANT_FALLBACK, random_k_quant_blocks
 from engine.ops import gguf_linear, int8_linear
 from engine.ops.gguf_linear import BlockWeight, pack
 
@@ -63,7 +66,10 @@ def measure(
     quantized, scale = int8_linear.quantize_int8(dense)
     results = []
     for qtype in qtypes:
-        raw = gguf.quants.quantize(dense.numpy(), gguf.GGMLQuantizationType[qtype])
+        if qtype in K_QUANT_FALLBACK:  # the gguf package cannot write K-quants: random blocks of the type
+            raw = random_k_quant_blocks(np.random.default_rng(0), qtype, out_features, in_features, 1.0)
+        else:
+            raw = gguf.quants.quantize(dense.numpy(), gguf.GGMLQuantizationType[qtype])
         weight = pack(BlockWeight(qtype, torch.from_numpy(raw.copy()), in_features))
         dequantized = gguf_linear.dequantize_rows(weight)
         for rows in row_counts:

@@ -28,6 +28,8 @@
  * BLAS, an embedding table looks its rows up), and rounding activation rows to the
  * same blocks in float (what the BLAS path multiplies, so both paths agree).
  *
+ * The K-quant types (blocks of 256 with sub-block scales) are in gguf_kquants.c, included below.
+ *
  * Built at first use by engine/ops/loader.py; engine/ops/gguf_linear.py holds the
  * torch reference these are tested against.
  */
@@ -90,17 +92,51 @@ typedef struct {
 
 /* Activation rows rounded to blocks, as arrays over the M * K / 32 blocks (row-major):
  * q: int8 values; d: scales; s: d * sum(q) (Q4_1's offset); eight: per pair of values, 8 * (q[2i] + q[2i+1])
- * as int16 (Q4_0's -8 offset, subtracted exactly from the integer pair sums). */
+ * as int16 (Q4_0's -8 offset, subtracted exactly from the integer pair sums). The K-quant types
+ * (gguf_kquants.c) round per block of 256 instead: q and d as above, s and eight unused, and bsums the
+ * sum of each 16 values as int16. */
 typedef struct {
     int8_t *q;
     float *d, *s;
-    int16_t *eight;
+    int16_t *eight, *bsums;
 } Activations;
 
 static inline float fp16_to_float(uint16_t h) { return _cvtsh_ss(h); }
 
+static inline float hsum_ps(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* One block of n floats -> int8 values, returning its scale (d = max|x| / 127; an all-zero block gets d = 0)
+ * and setting *sum to the values' sum. */
+static inline float round_block(const float *v, int64_t n, int8_t *q, int *sum) {
+    float amax = 0.0f;
+    for (int64_t i = 0; i < n; i++) amax = fmaxf(amax, fabsf(v[i]));
+    float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
+    int total = 0;
+    for (int64_t i = 0; i < n; i++) {
+        int value = (int)nearbyintf(v[i] * inv);
+        value = value > 127 ? 127 : (value < -127 ? -127 : value);
+        q[i] = (int8_t)value;
+        total += value;
+    }
+    *sum = total;
+    return d;
+}
+
+#include "gguf_kquants.c"
+
+/* Weights per block: 256 for the K-quant types, 32 otherwise. */
+static int64_t weights_per_block(int type) { return is_k_type(type) ? QK_K : QK; }
+
 static int64_t bytes_per_block(int type) {
     switch (type) {
+    case KV_Q4_K: return sizeof(BlockQ4_K);
+    case KV_Q5_K: return sizeof(BlockQ5_K);
+    case KV_Q6_K: return sizeof(BlockQ6_K);
     case KV_Q4_0: return sizeof(BlockQ4_0);
     case KV_Q4_1: return sizeof(BlockQ4_1);
     case KV_Q5_0: return sizeof(BlockQ5_0);
@@ -114,44 +150,31 @@ static int64_t bytes_per_block(int type) {
 
 /* 0 when blocks of `type` can hold rows of K weights; paired types need an even number of blocks. */
 static int check_shape(int type, int64_t K) {
-    if (bytes_per_block(type) == 0 || K % QK != 0) return 2;
+    if (bytes_per_block(type) == 0 || K % weights_per_block(type) != 0) return 2;
     if ((type & KV_PAIRED) && K % (2 * QK) != 0) return 2;
     return 0;
 }
 
-/* One block of 32 floats -> int8 values and scale (d = max|x| / 127; an all-zero block gets d = 0). */
-static inline float round_block(const float *v, int8_t *q, int *sum) {
-    float amax = 0.0f;
-    for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(v[i]));
-    float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
-    int total = 0;
-    for (int i = 0; i < QK; i++) {
-        int value = (int)nearbyintf(v[i] * inv);
-        value = value > 127 ? 127 : (value < -127 ? -127 : value);
-        q[i] = (int8_t)value;
-        total += value;
-    }
-    *sum = total;
-    return d;
-}
-
-static void quantize_act_row(const float *x, int64_t K, const Activations *act, int64_t first_block) {
-    for (int64_t b = 0; b < K / QK; b++) {
+/* One activation row -> its blocks in `act` (from block first_block on), as `type`'s products read them. */
+static void quantize_act_row(int type, const float *x, int64_t K, const Activations *act, int64_t first_block) {
+    const int64_t block = weights_per_block(type);
+    for (int64_t b = 0; b < K / block; b++) {
         int64_t index = first_block + b;
-        int8_t *q = act->q + index * QK;
+        int8_t *q = act->q + index * block;
         int sum;
-        float d = round_block(x + b * QK, q, &sum);
+        float d = round_block(x + b * block, block, q, &sum);
         act->d[index] = d;
+        if (is_k_type(type)) { /* the sum of each 16 values */
+            for (int g = 0; g < QK_K / 16; g++) {
+                int group = 0;
+                for (int i = 16 * g; i < 16 * g + 16; i++) group += q[i];
+                act->bsums[index * 16 + g] = (int16_t)group;
+            }
+            continue;
+        }
         act->s[index] = d * (float)sum;
         for (int i = 0; i < QK / 2; i++) act->eight[index * 16 + i] = (int16_t)(8 * (q[2 * i] + q[2 * i + 1]));
     }
-}
-
-static inline float hsum_ps(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
 }
 
 /* int16 pair sums as eight int32 lanes, scaled by d and added to acc. */
@@ -279,21 +302,37 @@ static inline __attribute__((always_inline)) void dot_row(int type, const uint8_
     }
 }
 
+/* The activation buffer for M rows of K values rounded to `type`'s activation blocks, its parts 32-byte
+ * aligned: q [M*K] int8, then (32-weight types) eight [M*K/2] int16, d and s [M*K/32] float, or (K-quants)
+ * bsums [M*K/16] int16 and d [M*K/256] float. NULL if it cannot be allocated. */
+static uint8_t *alloc_activations(int type, int64_t M, int64_t K, Activations *act) {
+    size_t q_bytes = ((size_t)(M * K) + 31) & ~(size_t)31, nb = (size_t)(M * K / weights_per_block(type));
+    size_t int16_bytes = ((size_t)(M * K) + 31) & ~(size_t)31; /* M*K/2 int16 (eight) or M*K/16 (bsums) */
+    size_t float_bytes = ((nb * sizeof(float)) + 31) & ~(size_t)31;
+    uint8_t *buffer = aligned_alloc(32, q_bytes + int16_bytes + 2 * float_bytes);
+    if (!buffer) return NULL;
+    int16_t *int16s = (int16_t *)(buffer + q_bytes);
+    float *floats = (float *)(buffer + q_bytes + int16_bytes);
+    *act = (Activations){(int8_t *)buffer, floats, floats + float_bytes / sizeof(float), NULL, NULL};
+    if (is_k_type(type))
+        act->bsums = int16s;
+    else
+        act->eight = int16s;
+    return buffer;
+}
+
 /* Returns 0 on success, 1 if the activation buffer could not be allocated, 2 for an unknown type
  * or a K the type cannot hold. */
 int kv_gguf_gemm(const float *x, int64_t M, int64_t K, int type, const uint8_t *w, const float *bias, float *y,
                  int64_t N, int num_threads) {
     if (check_shape(type, K)) return 2;
-    int64_t nb = K / QK, row_bytes = nb * bytes_per_block(type);
-    /* q [M*K] int8 | eight [M*nb*16] int16 | d [M*nb] | s [M*nb], each part 32-byte aligned */
-    size_t q_bytes = ((size_t)(M * K) + 31) & ~(size_t)31, eight_bytes = (size_t)(M * nb) * 32;
-    size_t float_bytes = (((size_t)(M * nb) * sizeof(float)) + 31) & ~(size_t)31;
-    uint8_t *buffer = aligned_alloc(32, q_bytes + eight_bytes + 2 * float_bytes);
+    const int k_quant = is_k_type(type);
+    int64_t nb = K / weights_per_block(type), row_bytes = nb * bytes_per_block(type);
+    Activations act;
+    uint8_t *buffer = alloc_activations(type, M, K, &act);
     if (!buffer) return 1;
-    Activations act = {(int8_t *)buffer, (float *)(buffer + q_bytes + eight_bytes),
-                       (float *)(buffer + q_bytes + eight_bytes + float_bytes), (int16_t *)(buffer + q_bytes)};
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (M > 1)
-    for (int64_t m = 0; m < M; m++) quantize_act_row(x + m * K, K, &act, m * nb);
+    for (int64_t m = 0; m < M; m++) quantize_act_row(type, x + m * K, K, &act, m * nb);
     /* Activation rows in slabs of ROWS_PER_SLAB (~2.25 K bytes a row: a slab stays in L2 while every
      * weight row passes over it; all M rows at once spilled to memory once M * K passed ~1 MB). */
     for (int64_t slab = 0; slab < M; slab += ROWS_PER_SLAB) {
@@ -306,11 +345,20 @@ int kv_gguf_gemm(const float *x, int64_t M, int64_t K, int type, const uint8_t *
             int64_t first[4];
             for (int r = 0; r < 4; r++) first[r] = (m0 + (r < R ? r : 0)) * nb;
             float out[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-            switch (R) {
-            case 4: dot_row(type, row, &act, first, nb, 4, out); break;
-            case 3: dot_row(type, row, &act, first, nb, 3, out); break;
-            case 2: dot_row(type, row, &act, first, nb, 2, out); break;
-            default: dot_row(type, row, &act, first, nb, 1, out); break;
+            if (k_quant) {
+                switch (R) {
+                case 4: dot_row_k(type, row, &act, first, nb, 4, out); break;
+                case 3: dot_row_k(type, row, &act, first, nb, 3, out); break;
+                case 2: dot_row_k(type, row, &act, first, nb, 2, out); break;
+                default: dot_row_k(type, row, &act, first, nb, 1, out); break;
+                }
+            } else {
+                switch (R) {
+                case 4: dot_row(type, row, &act, first, nb, 4, out); break;
+                case 3: dot_row(type, row, &act, first, nb, 3, out); break;
+                case 2: dot_row(type, row, &act, first, nb, 2, out); break;
+                default: dot_row(type, row, &act, first, nb, 1, out); break;
+                }
             }
             for (int r = 0; r < R; r++) y[(m0 + r) * N + n] = bias ? out[r] + bias[n] : out[r];
         }
@@ -355,12 +403,14 @@ int kv_gguf_repack(int type, const uint8_t *src, uint8_t *dst, int64_t rows, int
 int kv_gguf_dequantize(int type, const uint8_t *w, int64_t K, const int64_t *rows, int64_t num_rows, float *out,
                        int num_threads) {
     if (check_shape(type, K)) return 2;
-    int64_t nb = K / QK, row_bytes = nb * bytes_per_block(type);
+    int64_t nb = K / QK, row_bytes = K / weights_per_block(type) * bytes_per_block(type);
 #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int64_t i = 0; i < num_rows; i++) {
         const uint8_t *row = w + (rows ? rows[i] : i) * row_bytes;
         float *dst = out + i * K;
-        if (type == KV_Q8_0) {
+        if (is_k_type(type)) {
+            dequantize_row_k(type, row, K, dst);
+        } else if (type == KV_Q8_0) {
             for (int64_t b = 0; b < nb; b++) {
                 const BlockQ8_0 *block = (const BlockQ8_0 *)row + b;
                 float d = fp16_to_float(block->d);
@@ -401,16 +451,18 @@ int kv_gguf_dequantize(int type, const uint8_t *w, int64_t K, const int64_t *row
     return 0;
 }
 
-/* out = each row of x rounded to activation blocks and back to float (q * d): what the BLAS
- * path multiplies, so a row gets the kernel's numbers whichever path its batch takes. */
-void kv_gguf_round_activations(const float *x, float *out, int64_t M, int64_t K, int num_threads) {
+/* out = each row of x rounded to activation blocks of `block` values (32, or 256 for the K-quant types) and
+ * back to float (q * d): what the BLAS path multiplies, so a row gets the kernel's numbers whichever path
+ * its batch takes. */
+void kv_gguf_round_activations(const float *x, float *out, int64_t M, int64_t K, int64_t block, int num_threads) {
+    if (block != QK && block != QK_K) return;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int64_t m = 0; m < M; m++) {
-        int8_t q[QK];
+        int8_t q[QK_K];
         int sum;
-        for (int64_t b = 0; b < K / QK; b++) {
-            float d = round_block(x + m * K + b * QK, q, &sum);
-            for (int i = 0; i < QK; i++) out[m * K + b * QK + i] = (float)q[i] * d;
+        for (int64_t b = 0; b < K / block; b++) {
+            float d = round_block(x + m * K + b * block, block, q, &sum);
+            for (int64_t i = 0; i < block; i++) out[m * K + b * block + i] = (float)q[i] * d;
         }
     }
 }

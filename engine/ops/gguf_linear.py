@@ -4,14 +4,17 @@ BLAS path and the torch reference (the layers that hold the blocks are engine/qu
 A GGUF weight of type Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0 stays in memory exactly as
 the file stores it: each row of K weights is K / 32 blocks, one fp16 scale (and for
 Q4_1 / Q5_1 an fp16 offset) per 32 weights, so a 4-bit model takes 4.5 or 5 bits per
-weight, a 5-bit one 5.5 or 6, and nothing else (no float32 copy). The model runs the file's numbers, not a
-re-quantization of them.
+weight, a 5-bit one 5.5 or 6, and nothing else (no float32 copy). The K-quant types
+Q4_K, Q5_K and Q6_K (4.5, 5.5 and 6.5625 bits) hold blocks of 256 weights with 6- or
+8-bit scales per sub-block of 32 or 16 (engine/ops/gguf_kquants.c). The model runs the
+file's numbers, not a re-quantization of them.
 
 At load, 4-bit blocks are repacked in pairs (`pack`: the same bytes and numbers,
 arranged so the kernel unpacks 64 weights with two masks); Q8_0 stays as is.
 
 Products: each activation row is rounded to blocks of 32 int8 values with one
-scale per block (the layout of Q8_0), then
+scale per block (the layout of Q8_0; blocks of 256 for the K-quant types, as
+llama.cpp rounds them for each type), then
 - decode-sized batches (M <= MAX_KERNEL_ROWS) run integer dot products in the
   AVX2 kernel `engine/ops/gguf_blocks.c` (`gguf_linear_native`), which reads the
   4-bit blocks straight from memory;
@@ -39,9 +42,19 @@ import torch.nn.functional as F
 
 from engine.ops.loader import I64, PTR, bind
 
-# GGML type name -> (type id as in GGUF files, bytes per block of 32 weights).
-BLOCK_TYPES = {"Q4_0": (2, 18), "Q4_1": (3, 20), "Q5_0": (6, 22), "Q5_1": (7, 24), "Q8_0": (8, 34)}
+# GGML type name -> (type id as in GGUF files, bytes per block, weights per block).
+BLOCK_TYPES = {
+    "Q4_0": (2, 18, 32),
+    "Q4_1": (3, 20, 32),
+    "Q5_0": (6, 22, 32),
+    "Q5_1": (7, 24, 32),
+    "Q8_0": (8, 34, 32),
+    "Q4_K": (12, 144, 256),
+    "Q5_K": (13, 176, 256),
+    "Q6_K": (14, 210, 256),
+}
 BLOCK = 32
+K_QUANT_BLOCK = 256
 # The kernel's flag for 4-bit blocks repacked in pairs (gguf_blocks.c KV_PAIRED).
 PAIRED = 0x100
 # Up to this many rows the integer kernel beats dequantize-and-BLAS: on 2 AVX2 cores, an
@@ -64,8 +77,9 @@ class BlockWeight:
     def __post_init__(self) -> None:
         if self.qtype not in BLOCK_TYPES:
             raise ValueError(f"GGUF type {self.qtype} has no block kernel (supported: {', '.join(BLOCK_TYPES)})")
-        expected = self.in_features // BLOCK * BLOCK_TYPES[self.qtype][1]
-        if self.in_features % BLOCK or self.blocks.dtype != torch.uint8 or self.blocks.shape[-1] != expected:
+        _, block_bytes, block = BLOCK_TYPES[self.qtype]
+        expected = self.in_features // block * block_bytes
+        if self.in_features % block or self.blocks.dtype != torch.uint8 or self.blocks.shape[-1] != expected:
             raise ValueError(f"{self.qtype} blocks of shape {tuple(self.blocks.shape)} do not hold {self.in_features}")
 
     @property
@@ -79,6 +93,11 @@ class BlockWeight:
     @property
     def type_id(self) -> int:
         return BLOCK_TYPES[self.qtype][0]
+
+    @property
+    def activation_block(self) -> int:
+        """How many activation values share one rounding scale in this type's products."""
+        return BLOCK_TYPES[self.qtype][2]
 
     def dequantize(self) -> torch.Tensor:
         """float32 [out_features, in_features]."""
@@ -97,10 +116,47 @@ def _fp16_field(blocks: torch.Tensor, offset: int) -> torch.Tensor:
     return blocks[..., offset : offset + 2].contiguous().view(torch.float16).float()
 
 
+def _k_scales_and_mins(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., 12] uint8 -> the 8 six-bit sub-block scales and minimums of Q4_K / Q5_K, as float32 [..., 8, 1]."""
+    p = packed.to(torch.int32)
+    first, second, low = p[..., 0:4], p[..., 4:8], p[..., 8:12]
+    scales = torch.cat([first & 63, (low & 0x0F) | (first >> 6) << 4], dim=-1)
+    mins = torch.cat([second & 63, (low >> 4) | (second >> 6) << 4], dim=-1)
+    return scales.float().unsqueeze(-1), mins.float().unsqueeze(-1)
+
+
+def _dequantize_k_reference(qtype: str, blocks: torch.Tensor) -> torch.Tensor:
+    """[..., 256-weight blocks, block bytes] uint8 -> float32 [..., blocks, 256]."""
+    if qtype == "Q6_K":  # ql [128] | qh [64] | int8 scales [16] | fp16 d
+        ql, qh = blocks[..., :128].to(torch.int32), blocks[..., 128:192].to(torch.int32)
+        scales = blocks[..., 192:208].contiguous().view(torch.int8).float()
+        d = _fp16_field(blocks, 208)
+        halves = []
+        for h in range(2):  # 128 weights each: group g (32 weights) from ql's nibble g // 2 and qh's bits 2g, 2g + 1
+            low, high = ql[..., 64 * h : 64 * h + 64], qh[..., 32 * h : 32 * h + 32]
+            for g in range(4):
+                nibble = (low[..., 32 * (g % 2) : 32 * (g % 2) + 32] >> (4 * (g // 2))) & 0x0F
+                halves.append((nibble | ((high >> (2 * g)) & 3) << 4) - 32)
+        q = torch.cat(halves, dim=-1).float().unflatten(-1, (16, 16))
+        return ((d.unsqueeze(-1) * scales.unsqueeze(-1)) * q).flatten(-2)
+    # Q4_K: fp16 d | fp16 dmin | scales [12] | qs [128]; Q5_K puts qh [32] before qs
+    d, dmin = _fp16_field(blocks, 0).unsqueeze(-1), _fp16_field(blocks, 2).unsqueeze(-1)
+    scales, mins = _k_scales_and_mins(blocks[..., 4:16])
+    qs = blocks[..., -128:].to(torch.int32).unflatten(-1, (4, 32))  # 64 weights per 32 bytes: low nibbles first
+    q = torch.stack([qs & 0x0F, qs >> 4], dim=-2).flatten(-3, -2)  # [..., 8 sub-blocks, 32]
+    if qtype == "Q5_K":  # bit j of qh[l]: the fifth bit of weight l of sub-block j
+        qh = blocks[..., 16:48].to(torch.int32).unsqueeze(-2)
+        q = q | ((qh >> torch.arange(8).view(8, 1)) & 1) << 4
+    return ((d * scales) * q.float() - dmin * mins).flatten(-2)
+
+
 def dequantize_reference(weight: BlockWeight) -> torch.Tensor:
     """The plain definition of each block type's values, in torch: float32 [N, K]."""
     n, k = weight.shape
-    blocks = weight.blocks.view(n, k // BLOCK, BLOCK_TYPES[weight.qtype][1])
+    _, block_bytes, block = BLOCK_TYPES[weight.qtype]
+    blocks = weight.blocks.view(n, k // block, block_bytes)
+    if block == K_QUANT_BLOCK:
+        return _dequantize_k_reference(weight.qtype, blocks).reshape(n, k)
     d = _fp16_field(blocks, 0)
     if weight.qtype == "Q8_0":
         return (blocks[..., 2:].contiguous().view(torch.int8).float() * d).reshape(n, k)
@@ -115,9 +171,10 @@ def dequantize_reference(weight: BlockWeight) -> torch.Tensor:
     return (q * d + _fp16_field(blocks, 2)).reshape(n, k)
 
 
-def round_activations_reference(x: torch.Tensor) -> torch.Tensor:
-    """x [M, K] float32 -> each block of 32 rounded to int8 with scale d = max|block| / 127, back in float."""
-    blocks = x.float().reshape(*x.shape[:-1], -1, BLOCK)
+def round_activations_reference(x: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
+    """x [M, K] float32 -> each block of `block` values rounded to int8 with scale d = max|block| / 127,
+    back in float."""
+    blocks = x.float().reshape(*x.shape[:-1], -1, block)
     d = blocks.abs().amax(dim=-1, keepdim=True) / 127.0
     inverse = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
     return (torch.round(blocks * inverse).clamp_(-127, 127) * d).reshape(x.shape)
@@ -125,7 +182,7 @@ def round_activations_reference(x: torch.Tensor) -> torch.Tensor:
 
 def gguf_linear_reference(x: torch.Tensor, weight: BlockWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """x [M, K] -> [M, N]: the rounded activations times the dequantized weight."""
-    return F.linear(round_activations_reference(x), weight.dequantize(), bias)
+    return F.linear(round_activations_reference(x, weight.activation_block), weight.dequantize(), bias)
 
 
 @dataclass(frozen=True)
@@ -141,6 +198,11 @@ class PackedWeight:
     @property
     def out_features(self) -> int:
         return self.blocks.shape[0]
+
+    @property
+    def activation_block(self) -> int:
+        """How many activation values share one rounding scale in this type's products."""
+        return BLOCK_TYPES[self.qtype][2]
 
 
 @functools.cache
@@ -165,8 +227,8 @@ def _dequantize_kernel():
 
 @functools.cache
 def _round_kernel():
-    """kv_gguf_round_activations(x, out, rows, cols, threads), or None."""
-    return bind("gguf_blocks", "kv_gguf_round_activations", [PTR, PTR, I64, I64, ctypes.c_int], None)
+    """kv_gguf_round_activations(x, out, rows, cols, block, threads), or None."""
+    return bind("gguf_blocks", "kv_gguf_round_activations", [PTR, PTR, I64, I64, I64, ctypes.c_int], None)
 
 
 def available() -> bool:
@@ -235,20 +297,20 @@ def dequantize_rows(
     return out
 
 
-def round_activations(x: torch.Tensor) -> torch.Tensor:
+def round_activations(x: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
     """round_activations_reference, natively where the kernel loads."""
     kernel = _round_kernel()
     if kernel is None or x.dtype != torch.float32 or x.device.type != "cpu":
-        return round_activations_reference(x)
+        return round_activations_reference(x, block)
     x = x.contiguous()
     out = torch.empty_like(x)
-    kernel(x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], torch.get_num_threads())
+    kernel(x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], block, torch.get_num_threads())
     return out
 
 
 def gguf_linear_tiled(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """The kernel's numbers for large M in float32 BLAS, one dequantized tile of weight rows at a time."""
-    rounded = round_activations(x.float())
+    rounded = round_activations(x.float(), weight.activation_block)
     out = torch.empty(x.shape[0], weight.out_features, dtype=torch.float32)
     tile = max(16, TILE_BYTES // (4 * weight.in_features))
     for start in range(0, weight.out_features, tile):

@@ -4,9 +4,11 @@ the `gguf` package decodes them, and the AVX2 kernel, the tiled BLAS path and th
 from __future__ import annotations
 
 import gguf
+import numpy as np
 import pytest
 import torch
 
+from engine.bench.random_gguf import K_QUANT_FALLBACK, random_k_quant_blocks
 from engine.ops import gguf_linear
 from engine.ops.gguf_linear import (
     BLOCK_TYPES,
@@ -31,31 +33,42 @@ needs_kernel = pytest.mark.skipif(
 )
 
 
+K_QUANTS = list(K_QUANT_FALLBACK)
+
+
 def _weight(qtype: str, out_features: int, in_features: int, seed: int = 0) -> tuple[BlockWeight, torch.Tensor]:
-    """Blocks quantized by the gguf package (the format llama.cpp writes), and their values as it decodes them."""
-    generator = torch.Generator().manual_seed(seed)
-    dense = torch.randn(out_features, in_features, generator=generator).numpy()
+    """Blocks quantized by the gguf package (the format llama.cpp writes), or random K-quant blocks (which it
+    cannot write), and their values as the package decodes them."""
     kind = gguf.GGMLQuantizationType[qtype]
-    raw = gguf.quants.quantize(dense, kind)
+    if qtype in K_QUANTS:
+        raw = random_k_quant_blocks(np.random.default_rng(seed), qtype, out_features, in_features, 1.0)
+    else:
+        generator = torch.Generator().manual_seed(seed)
+        raw = gguf.quants.quantize(torch.randn(out_features, in_features, generator=generator).numpy(), kind)
     decoded = torch.from_numpy(gguf.quants.dequantize(raw, kind).copy())
     return BlockWeight(qtype, torch.from_numpy(raw.copy()), in_features), decoded
 
 
+def _in_features(qtype: str, blocks: int) -> int:
+    return blocks * BLOCK_TYPES[qtype][2]
+
+
 @pytest.mark.parametrize("qtype", list(BLOCK_TYPES))
-@pytest.mark.parametrize("in_features", [96, 128])  # 3 blocks a row stay in the file's layout, 4 are paired
-def test_blocks_decode_as_the_gguf_package_decodes_them(qtype, in_features):
-    weight, decoded = _weight(qtype, 40, in_features)
+@pytest.mark.parametrize("blocks", [3, 4])  # 3 blocks a row stay in the file's layout, 4 are paired (4-bit)
+def test_blocks_decode_as_the_gguf_package_decodes_them(qtype, blocks):
+    in_features = _in_features(qtype, blocks)
+    weight, decoded = _weight(qtype, 41, in_features)
     assert torch.equal(dequantize_reference(weight), decoded)
     packed = pack(weight)
-    paired = gguf_linear.available() and qtype in ("Q4_0", "Q4_1") and in_features == 128
+    paired = gguf_linear.available() and qtype in ("Q4_0", "Q4_1") and blocks == 4
     assert bool(packed.kernel_type & PAIRED) == paired and packed.blocks.nbytes == weight.blocks.nbytes
     assert torch.equal(dequantize_rows(packed), decoded)  # native where the kernel loads
     assert torch.equal(dequantize_rows(packed, start=7, stop=19), decoded[7:19])
-    picked = torch.tensor([39, 0, 5, 5])
+    picked = torch.tensor([40, 0, 5, 5])
     assert torch.equal(dequantize_rows(packed, rows=picked), decoded[picked])
 
 
-@pytest.mark.parametrize("qtype", list(BLOCK_TYPES))
+@pytest.mark.parametrize("qtype", [q for q in BLOCK_TYPES if q not in K_QUANTS])
 def test_the_extremes_of_each_scale_decode_and_multiply_as_the_reference(qtype):
     """Blocks of zeros, of one repeated value, at the edge of fp16's range and in its subnormals, of one sign."""
     dense = torch.randn(6, 256)
@@ -78,22 +91,62 @@ def test_the_extremes_of_each_scale_decode_and_multiply_as_the_reference(qtype):
         assert (gguf_linear_native(x, pack(weight), None) - expected).abs().max() <= 1e-5 * scale
 
 
-def test_activation_rounding_is_per_block_of_32_and_within_half_a_step():
-    x = torch.randn(5, 128) * torch.linspace(0.01, 100, 128)  # blocks of very different magnitudes
-    x[2, 32:64] = 0.0  # an all-zero block keeps zeros
-    rounded = round_activations_reference(x)
-    assert torch.equal(round_activations(x), rounded)
-    step = x.reshape(5, 4, 32).abs().amax(-1, keepdim=True) / 127
-    error = (rounded - x).reshape(5, 4, 32).abs()
+def _k_block_fields(qtype: str, blocks: np.ndarray) -> dict[str, np.ndarray]:
+    """Views of the fields of [rows, n, block bytes] K-quant blocks: fp16 d (and dmin), the packed scales."""
+    if qtype == "Q6_K":
+        return {"d": blocks[..., 208:210], "scales": blocks[..., 192:208]}
+    return {"d": blocks[..., 0:2], "dmin": blocks[..., 2:4], "scales": blocks[..., 4:16]}
+
+
+@pytest.mark.parametrize("qtype", K_QUANTS)
+def test_the_extremes_of_each_k_quant_scale_decode_and_multiply_as_the_reference(qtype):
+    """Super-scales of zero, near fp16's largest, subnormal and negative; sub-block scales all at their
+    largest (6 bits: 63; Q6_K's int8: -128 and 127) and at zero; every weight bit set."""
+    raw = random_k_quant_blocks(np.random.default_rng(5), qtype, 6, 512, 1.0).reshape(6, 2, -1)
+    fields = _k_block_fields(qtype, raw)
+    for row, value in enumerate([0.0, 60000.0, 1e-7, -0.75]):
+        fields["d"][row, 0] = np.array([value], dtype=np.float16).view(np.uint8)
+    if "dmin" in fields:
+        fields["dmin"][1, 1] = np.array([-3e4], dtype=np.float16).view(np.uint8)
+    fields["scales"][4, 0] = 0xFF if qtype != "Q6_K" else np.array([-128, 127] * 8, dtype=np.int8).view(np.uint8)
+    fields["scales"][4, 1] = 0
+    raw[5, 0, :] = 0xFF
+    raw[5, 0, -2:] = np.array([0.5], dtype=np.float16).view(np.uint8) if qtype == "Q6_K" else raw[5, 0, -2:]
+    if qtype != "Q6_K":
+        raw[5, 0, 0:4] = np.array([0.5, 0.25], dtype=np.float16).view(np.uint8)
+    raw = raw.reshape(6, -1)
+    weight = BlockWeight(qtype, torch.from_numpy(raw.copy()), 512)
+    decoded = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype]).copy())
+    assert torch.isfinite(decoded).all()
+    assert torch.equal(dequantize_reference(weight), decoded)
+    assert torch.equal(dequantize_rows(pack(weight)), decoded)
+    if gguf_linear.available():
+        x = torch.randn(3, 512)
+        expected = gguf_linear_reference(x, weight, None)
+        scale = expected.abs().amax(dim=0, keepdim=True).clamp_min(1e-30)  # per output row: row 1 is huge
+        assert ((gguf_linear_native(x, pack(weight), None) - expected).abs() <= 1e-5 * scale).all()
+
+
+@pytest.mark.parametrize("block", [32, 256])  # the 32-weight types' blocks and the K-quants'
+def test_activation_rounding_is_per_block_and_within_half_a_step(block):
+    x = torch.randn(5, 4 * block) * torch.linspace(0.01, 100, 4 * block)  # blocks of very different magnitudes
+    x[2, block : 2 * block] = 0.0  # an all-zero block keeps zeros
+    rounded = round_activations_reference(x, block)
+    assert torch.equal(round_activations(x, block), rounded)
+    step = x.reshape(5, 4, block).abs().amax(-1, keepdim=True) / 127
+    error = (rounded - x).reshape(5, 4, block).abs()
     assert bool((error <= step / 2 + 1e-6 * step).all())
-    assert torch.equal(rounded[2, 32:64], torch.zeros(32))
+    assert torch.equal(rounded[2, block : 2 * block], torch.zeros(block))
+    if block == 256:  # one scale per 256: a block of 32 small values next to large ones rounds coarser
+        assert not torch.equal(rounded, round_activations_reference(x, 32))
 
 
 @needs_kernel
 @pytest.mark.parametrize("qtype", list(BLOCK_TYPES))
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 64])
-@pytest.mark.parametrize("in_features", [160, 192])  # an odd and an even number of blocks a row
-def test_the_kernel_matches_the_reference(qtype, rows, in_features):
+@pytest.mark.parametrize("blocks", [5, 6])  # an odd and an even number of blocks a row
+def test_the_kernel_matches_the_reference(qtype, rows, blocks):
+    in_features = _in_features(qtype, blocks)
     weight, _ = _weight(qtype, 70, in_features)
     x = torch.randn(rows, in_features)
     bias = torch.randn(70)
@@ -107,8 +160,8 @@ def test_the_kernel_matches_the_reference(qtype, rows, in_features):
 @pytest.mark.parametrize("qtype", list(BLOCK_TYPES))
 def test_a_rows_result_does_not_depend_on_its_batch(qtype):
     """Rows go through the kernel in groups of up to 4; each is summed in the same order in any group."""
-    packed = pack(_weight(qtype, 33, 256, seed=1)[0])
-    x = torch.randn(11, 256)
+    packed = pack(_weight(qtype, 33, 512, seed=1)[0])
+    x = torch.randn(11, 512)
     batched = gguf_linear_native(x, packed, None)
     one_by_one = torch.cat([gguf_linear_native(x[i : i + 1], packed, None) for i in range(11)])
     assert torch.equal(batched, one_by_one)
@@ -159,7 +212,9 @@ def test_fused_projections_stay_blocks_only_when_their_types_match():
 
 def test_malformed_blocks_are_refused():
     with pytest.raises(ValueError, match="no block kernel"):
-        BlockWeight("Q6_K", torch.zeros(2, 210, dtype=torch.uint8), 256)
+        BlockWeight("IQ2_XS", torch.zeros(2, 74, dtype=torch.uint8), 256)
+    with pytest.raises(ValueError, match="do not hold"):
+        BlockWeight("Q6_K", torch.zeros(2, 210, dtype=torch.uint8), 128)  # rows of 256 weights at least
     with pytest.raises(ValueError, match="do not hold"):
         BlockWeight("Q4_0", torch.zeros(2, 17, dtype=torch.uint8), 32)
 
