@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from engine.errors import ModelLoadError
-from engine.ops.gguf_linear import BlockWeight, PackedWeight, cat_weights
+from engine.ops.gguf_linear import BlockParts, BlockWeight, PackedWeight, cat_weights
 from engine.quantization import gguf
 
 
@@ -23,20 +23,22 @@ def assign(param: torch.nn.Parameter | torch.Tensor, value: torch.Tensor, name: 
         param.copy_(value.to(param.dtype))
 
 
-def cat_rows(parts: list[torch.Tensor | BlockWeight]) -> torch.Tensor | BlockWeight:
-    """Weights stacked by rows into one fused projection: still blocks when every part has the
-    same block type, else float (the blocks dequantized)."""
+def cat_rows(parts: list[torch.Tensor | BlockWeight]) -> torch.Tensor | BlockWeight | BlockParts:
+    """Weights stacked by rows into one fused projection: one block weight when every part has the same
+    block type, the parts each in their own blocks when the types differ, else float (blocks dequantized)."""
     if all(isinstance(p, BlockWeight) for p in parts):
         fused = cat_weights(parts)
         if fused is not None:
             return fused
+        if len({p.in_features for p in parts}) == 1:
+            return BlockParts(tuple(parts))
     return torch.cat([p.dequantize() if isinstance(p, BlockWeight) else p for p in parts])
 
 
 def load_linear(
     owner: torch.nn.Module,
     name: str,
-    weight: torch.Tensor | BlockWeight | PackedWeight,
+    weight: torch.Tensor | BlockWeight | BlockParts | PackedWeight,
     bias: torch.Tensor | None,
     label: str,
 ) -> None:

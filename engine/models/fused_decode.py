@@ -94,7 +94,18 @@ def token_rows(meta: AttentionMetadata, block_size: int) -> GroupRows:
 
 
 class _Int8Weight(ctypes.Structure):
-    _fields_ = [("weight", PTR), ("scale", PTR), ("bias", PTR), ("out_features", I64), ("block_type", ctypes.c_int)]
+    pass
+
+
+# next: the projection's next part (rows in a type of their own), or NULL
+_Int8Weight._fields_ = [
+    ("weight", PTR),
+    ("scale", PTR),
+    ("bias", PTR),
+    ("out_features", I64),
+    ("block_type", ctypes.c_int),
+    ("next", ctypes.POINTER(_Int8Weight)),
+]
 
 
 class _DecoderLayer(ctypes.Structure):
@@ -189,12 +200,21 @@ def unsupported_reason(model: nn.Module, kv_caches: list[tuple[torch.Tensor, tor
     return None
 
 
-def _weight(linear: nn.Module) -> _Int8Weight:
-    """The kernel's view of one projection (a layer `unsupported_reason` accepted)."""
+def _weight(linear: nn.Module, parts: list[_Int8Weight]) -> _Int8Weight:
+    """The kernel's view of one projection (a layer `unsupported_reason` accepted). A projection of several
+    parts chains them; the parts after the first are appended to `parts`, which must outlive the kernel's use."""
     weight: KernelWeight | None = kernel_weight(linear)
     if weight is None:
         raise ValueError(f"the fused decode kernel cannot read a {type(linear).__name__}")
-    return _Int8Weight(weight.weight, weight.scale, weight.bias, weight.out_features, weight.block_type)
+
+    def view(part: KernelWeight) -> _Int8Weight:
+        following = None
+        if part.next is not None:
+            parts.append(view(part.next))
+            following = ctypes.pointer(parts[-1])
+        return _Int8Weight(part.weight, part.scale, part.bias, part.out_features, part.block_type, following)
+
+    return view(weight)
 
 
 def _pointer(tensor: torch.Tensor | None) -> int | None:
@@ -214,6 +234,8 @@ class FusedDecode:
     ) -> None:
         recipe = _recipe(model)
         self.recipe = recipe
+        self._weight_parts: list[_Int8Weight] = []  # the later parts of projections split by type
+        parts = self._weight_parts
         self.layers = (_DecoderLayer * len(recipe.layers))(
             *[
                 _DecoderLayer(
@@ -223,10 +245,10 @@ class FusedDecode:
                     _pointer(layer.ffn_out_norm),
                     _pointer(layer.q_norm),
                     _pointer(layer.k_norm),
-                    _weight(layer.qkv),
-                    _weight(layer.o),
-                    _weight(layer.gate_up),
-                    _weight(layer.down),
+                    _weight(layer.qkv, parts),
+                    _weight(layer.o, parts),
+                    _weight(layer.gate_up, parts),
+                    _weight(layer.down, parts),
                     key_cache.data_ptr(),
                     value_cache.data_ptr(),
                     group,

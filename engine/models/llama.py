@@ -31,7 +31,7 @@ from engine.models.common import (
     take,
 )
 from engine.models.fused_decode import FusedLayer, FusedRecipe, NotFusable
-from engine.ops.gguf_linear import BlockWeight
+from engine.ops.gguf_linear import BlockParts, BlockWeight
 from engine.ops.rms_norm import rms_norm
 
 
@@ -217,11 +217,15 @@ class LlamaForCausalLM(nn.Module):
 
     # Hooks for architectures that lay out the same layers differently (Phi-3: engine/models/phi3.py).
 
-    def _take_qkv(self, state: dict[str, torch.Tensor | BlockWeight], prefix: str) -> torch.Tensor | BlockWeight:
+    def _take_qkv(
+        self, state: dict[str, torch.Tensor | BlockWeight], prefix: str
+    ) -> torch.Tensor | BlockWeight | BlockParts:
         """One layer's fused q/k/v weight [q_size + 2 * kv_size, hidden], taken out of `state`."""
         return cat_rows([take(state, f"{prefix}self_attn.{n}_proj.weight") for n in "qkv"])
 
-    def _take_gate_up(self, state: dict[str, torch.Tensor | BlockWeight], prefix: str) -> torch.Tensor | BlockWeight:
+    def _take_gate_up(
+        self, state: dict[str, torch.Tensor | BlockWeight], prefix: str
+    ) -> torch.Tensor | BlockWeight | BlockParts:
         """One layer's fused gate/up weight [2 * intermediate, hidden] (gate rows first), taken out of `state`."""
         return cat_rows([take(state, f"{prefix}mlp.{n}_proj.weight") for n in ("gate", "up")])
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -247,7 +248,7 @@ def _read_llama_gguf_tensors(
 
     try:
         tensors: dict[str, torch.Tensor | BlockWeight] = {}
-        dequantized_types: set[str] = set()
+        dequantized: Counter[str] = Counter()  # GGUF type -> the file's bytes of its dequantized matrices
         for tensor in reader.tensors:
             name = tensor.name
             if name in _GGUF_ROPE_TENSORS:
@@ -269,7 +270,7 @@ def _read_llama_gguf_tensors(
             else:
                 weight = torch.from_numpy(gguf.quants.dequantize(tensor.data, tensor.tensor_type).copy()).float()
                 if keep_blocks and is_matrix:
-                    dequantized_types.add(qtype)
+                    dequantized[qtype] += int(tensor.n_bytes)
             if norms_plus_one and hf_name.endswith("norm.weight"):
                 weight = weight - 1.0  # the checkpoint's offset from one, as Gemma's RMSNorm reads it
             if permuted and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
@@ -278,11 +279,11 @@ def _read_llama_gguf_tensors(
                 weight = _unpermute_rows(weight, model_config.num_kv_heads)
             # GGUF lists dimensions innermost first: shape[0] is a row's length.
             tensors[hf_name] = BlockWeight(qtype, weight, int(tensor.shape[0])) if keep else weight
-        if dequantized_types:
+        if dequantized:
             logger.warning(
                 "%s: GGUF types %s have no block kernel; those matrices are dequantized (then rounded to int8)",
                 path,
-                ", ".join(sorted(dequantized_types)),
+                ", ".join(f"{t} ({dequantized[t] / 2**20:.1f} MiB in the file)" for t in sorted(dequantized)),
             )
         return tensors
     except Exception as exc:

@@ -17,17 +17,22 @@
  * (Gemma 3 rotates sliding and full layers differently) and its own attention-score softcap.
  * The torch layers stay the reference; tests/engine/test_fused_decode.py holds them equal.
  */
+#include <string.h>
+
 #include "decode_attention.c"
 #include "gguf_blocks.c"
 #include "int8_gemm.c"
 #include "rms_norm.c"
 
-typedef struct {
+typedef struct Int8Weight {
     const void *weight; /* int8 [out_features, in_features], or GGUF blocks of block_type */
     const float *scale; /* int8: one per output channel; unused for blocks */
     const float *bias;  /* NULL: no bias */
     int64_t out_features;
     int block_type; /* 0: int8 per channel; else the GGML type id of the blocks */
+    /* NULL, or the projection's next rows in a type of their own (a GGUF file's q, k and v in different
+     * types): the projection's outputs are this part's columns, then the next part's, and so on. */
+    const struct Int8Weight *next;
 } Int8Weight;
 
 /* RMSNorm weights are the multipliers the kernel applies (a Gemma norm's 1 + w). NULL: no such norm. */
@@ -69,10 +74,33 @@ typedef struct {
     int num_threads;
 } DecodeStep;
 
-static int linear(const float *x, const Int8Weight *w, int64_t rows, int64_t in_features, float *out, int threads) {
+static int linear_part(const float *x, const Int8Weight *w, int64_t rows, int64_t in_features, float *out,
+                       int threads) {
     if (w->block_type != 0)
         return kv_gguf_gemm(x, rows, in_features, w->block_type, w->weight, w->bias, out, w->out_features, threads);
     return kv_int8_gemm(x, rows, in_features, w->weight, w->scale, w->bias, out, w->out_features, threads);
+}
+
+/* out [rows, sum of the parts' out_features] = x times the projection, part by part. */
+static int linear(const float *x, const Int8Weight *w, int64_t rows, int64_t in_features, float *out, int threads) {
+    if (!w->next) return linear_part(x, w, rows, in_features, out, threads);
+    int64_t total = 0, widest = 0;
+    for (const Int8Weight *part = w; part; part = part->next) {
+        total += part->out_features;
+        widest = part->out_features > widest ? part->out_features : widest;
+    }
+    float *scratch = malloc((size_t)(rows * widest) * sizeof(float));
+    if (!scratch) return 1;
+    int64_t column = 0;
+    int failed = 0;
+    for (const Int8Weight *part = w; part && !failed; part = part->next) {
+        failed = linear_part(x, part, rows, in_features, scratch, threads);
+        for (int64_t r = 0; r < rows; r++)
+            memcpy(out + r * total + column, scratch + r * part->out_features, (size_t)part->out_features * sizeof(float));
+        column += part->out_features;
+    }
+    free(scratch);
+    return failed;
 }
 
 /* The gate's activation, as torch computes it in float32 (F.silu; F.gelu, exact or approximate="tanh"). */

@@ -104,6 +104,30 @@ class BlockWeight:
         return dequantize_reference(self)
 
 
+@dataclass(frozen=True)
+class BlockParts:
+    """A fused projection's weights stacked by rows whose parts keep blocks of different types (a GGUF file's
+    Q4_K q and k with a Q6_K v): each part stays in its own type."""
+
+    parts: tuple[BlockWeight, ...]
+
+    @property
+    def in_features(self) -> int:
+        return self.parts[0].in_features
+
+    @property
+    def out_features(self) -> int:
+        return sum(part.out_features for part in self.parts)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.out_features, self.in_features)
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [out_features, in_features]."""
+        return torch.cat([part.dequantize() for part in self.parts])
+
+
 def cat_weights(parts: list[BlockWeight]) -> BlockWeight | None:
     """The parts stacked by rows (e.g. q, k and v into one projection), or None when their types differ."""
     if len({(p.qtype, p.in_features) for p in parts}) != 1:

@@ -10,6 +10,7 @@ engine/ops/gguf_linear.py.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from typing import ClassVar
 
@@ -18,8 +19,9 @@ from torch import nn
 
 from engine.errors import ModelLoadError
 from engine.ops import gguf_linear
-from engine.ops.gguf_linear import BlockWeight, PackedWeight, dequantize_rows, pack
+from engine.ops.gguf_linear import BlockParts, BlockWeight, PackedWeight, dequantize_rows, pack
 from engine.quantization import int8
+from engine.quantization.int8 import Int8Linear
 from engine.quantization.method import KernelWeight, QuantizationMethod
 
 
@@ -84,19 +86,48 @@ class GgufEmbedding(_BlockBuffers):
         return f"{self.num_embeddings}, {self.embedding_dim}, GGUF {self.qtype} blocks"
 
 
+class GgufPartsLinear(nn.Module):
+    """Drop-in for nn.Linear over a fused projection whose parts are GGUF blocks of different types: each
+    part a GgufLinear, the outputs side by side (the fused kernel reads the parts one after the other)."""
+
+    def __init__(self, parts: list[GgufLinear]) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.in_features = parts[0].in_features
+        self.out_features = sum(part.out_features for part in parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part(x) for part in self.parts], dim=-1)
+
+    def kernel_weight(self) -> KernelWeight:
+        following = None
+        for part in reversed(self.parts):
+            following = dataclasses.replace(part.kernel_weight(), next=following)
+        return following
+
+    def extra_repr(self) -> str:
+        kinds = " + ".join(part.qtype for part in self.parts)
+        return f"in_features={self.in_features}, out_features={self.out_features}, GGUF {kinds} blocks"
+
+
 def is_blocks(weight: object) -> bool:
-    """Whether a loaded weight is GGUF blocks (as the file stores them, or packed for the kernel)."""
-    return isinstance(weight, BlockWeight | PackedWeight)
+    """Whether a loaded weight is GGUF blocks (as the file stores them, or packed for the kernel, or a fused
+    projection's parts in blocks of their own types)."""
+    return isinstance(weight, BlockWeight | PackedWeight | BlockParts)
 
 
 def linear_over_blocks(
-    linear: nn.Linear, weight: BlockWeight | PackedWeight, bias: torch.Tensor | None, label: str
-) -> GgufLinear:
-    """The GgufLinear that takes `linear`'s place (a PackedWeight is shared as is: a tied output layer
-    reads the embedding table's blocks)."""
+    linear: nn.Linear, weight: BlockWeight | BlockParts | PackedWeight, bias: torch.Tensor | None, label: str
+) -> GgufLinear | GgufPartsLinear:
+    """The layer that takes `linear`'s place (a PackedWeight is shared as is: a tied output layer reads the
+    embedding table's blocks; BlockParts become one GgufLinear per part, each with its slice of the bias)."""
     shape = (weight.out_features, weight.in_features)
     if tuple(linear.weight.shape) != shape:
         raise ModelLoadError(f"weight {label!r} has shape {shape}, expected {tuple(linear.weight.shape)}")
+    if isinstance(weight, BlockParts):
+        sizes = [part.out_features for part in weight.parts]
+        biases = bias.split(sizes) if bias is not None else [None] * len(sizes)
+        return GgufPartsLinear([GgufLinear(pack(part), b) for part, b in zip(weight.parts, biases, strict=True)])
     return GgufLinear(weight if isinstance(weight, PackedWeight) else pack(weight), bias)
 
 
@@ -107,10 +138,29 @@ def embedding_over_blocks(embedding: nn.Embedding, weight: BlockWeight, label: s
     return GgufEmbedding(pack(weight))
 
 
+def _mib(num_bytes: int) -> str:
+    return f"{num_bytes / 2**20:.1f} MiB"
+
+
 def quantize_model(model: nn.Module) -> str:
-    """The layers the file's blocks filled are GGUF layers already; every nn.Linear left becomes int8."""
-    blocks = Counter(m.qtype for m in model.modules() if isinstance(m, GgufLinear | GgufEmbedding))
-    return f"GGUF blocks {dict(blocks) or 'none'}; {int8.quantize_model(model)}"
+    """The layers the file's blocks filled are GGUF layers already; every nn.Linear left becomes int8.
+    Returns the load log's line: the block types kept, with their layers and bytes (a table shared by the
+    embedding and a tied output layer counted once), and the int8 layers with theirs."""
+    layers: Counter[str] = Counter()
+    held: dict[int, tuple[str, int]] = {}  # blocks' data pointer -> (type, bytes)
+    for module in model.modules():
+        if isinstance(module, GgufLinear | GgufEmbedding):
+            layers[module.qtype] += 1
+            held[module.blocks.data_ptr()] = (module.qtype, module.blocks.nbytes)
+    type_bytes: Counter[str] = Counter()
+    for qtype, num_bytes in held.values():
+        type_bytes[qtype] += num_bytes
+    kept = ", ".join(f"{t} {layers[t]} layers {_mib(type_bytes[t])}" for t in sorted(layers)) or "none"
+    count = int8.quantize_linears(model)
+    int8_layers = [m for m in model.modules() if isinstance(m, Int8Linear)]
+    int8_bytes = sum(b.nbytes for m in int8_layers for b in m.buffers())
+    left = f"int8 {count} linear layers {_mib(int8_bytes)} (with float32 copies for prefill)" if count else "int8 none"
+    return f"GGUF blocks {kept}; {left}"
 
 
 METHOD = QuantizationMethod(

@@ -26,6 +26,7 @@ class KernelWeight:
     scale: int | None  # float32 [out_features] for int8; None for blocks (their scales are inside)
     bias: int | None  # float32 [out_features]; None: no bias
     out_features: int
+    next: KernelWeight | None = None  # the projection's next rows, in a type of their own (their outputs follow)
 
 
 def kernel_weight(linear: nn.Module) -> KernelWeight | None:

@@ -4,6 +4,9 @@ differ in type, the fused decode step, batching, and the bytes the weights take.
 
 from __future__ import annotations
 
+import logging
+import re
+
 import gguf
 import pytest
 
@@ -11,7 +14,7 @@ from engine.bench.random_gguf import LlamaShape, write_random_gguf
 from engine.config import EngineConfig
 from engine.llm import LLM
 from engine.params import SamplingParams
-from engine.quantization.gguf import GgufEmbedding, GgufLinear
+from engine.quantization.gguf import GgufEmbedding, GgufLinear, GgufPartsLinear
 from engine.quantization.int8 import Int8Linear
 from engine.runner.decode_path import DecodePath, DecodePlan
 from tests.support.native_kernels import needs_kernels
@@ -81,15 +84,18 @@ def test_each_matrix_runs_on_the_files_blocks_and_takes_the_files_bytes(engines,
     assert isinstance(model.lm_head, GgufLinear) and model.lm_head.qtype == "Q4_1"
     kinds = {name: getattr(layer0, name).qtype for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")}
     assert kinds == {"qkv_proj": "Q4_0", "o_proj": "Q8_0", "gate_up_proj": "Q4_1", "down_proj": "Q8_0"}
-    assert isinstance(layer1.qkv_proj, Int8Linear)  # q, k (Q4_0) and v (Q8_0) cannot share one block type
-    # Block bytes in memory are the file's bytes of those tensors, exactly.
-    file_tensors = {t.name: t for t in gguf.GGUFReader(str(mixed_gguf)).tensors}
-    layer1_qkv = {f"blk.1.attn_{n}.weight" for n in "qkv"}
-    expected = sum(int(t.n_bytes) for name, t in file_tensors.items() if t.tensor_type.name != "F32") - sum(
-        int(file_tensors[name].n_bytes) for name in layer1_qkv
-    )
+    # q, k (Q4_0) and v (Q8_0) cannot share one block type: each part stays in its own
+    assert isinstance(layer1.qkv_proj, GgufPartsLinear)
+    assert [part.qtype for part in layer1.qkv_proj.parts] == ["Q4_0", "Q4_0", "Q8_0"]
+    assert not any(isinstance(m, Int8Linear) for m in model.modules())
+    _assert_blocks_take_the_files_bytes(model, mixed_gguf)
+
+
+def _assert_blocks_take_the_files_bytes(model, path) -> None:
+    """Block bytes in memory are the file's bytes of its quantized tensors, exactly: nothing dequantized."""
+    file_bytes = sum(int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors if t.tensor_type.name != "F32")
     held = {m.blocks.data_ptr(): m.blocks.nbytes for m in model.modules() if isinstance(m, GgufLinear | GgufEmbedding)}
-    assert sum(held.values()) == expected
+    assert sum(held.values()) == file_bytes
 
 
 def test_prompt_logprobs_follow_the_float32_reference(engines):
@@ -171,19 +177,23 @@ K_TYPES = {"output.weight": "Q6_K", "blk.0.attn_v.weight": "Q6_K", "blk.0.ffn_do
 
 
 @needs_kernels
-def test_k_quant_blocks_serve_on_their_own_blocks_as_the_float32_file_does(tmp_path):
+def test_k_quant_blocks_serve_on_their_own_blocks_as_the_float32_file_does(tmp_path, caplog):
     path = write_random_gguf(tmp_path / "qk.gguf", "Q4_K", K_SHAPE, seed=5, tensor_types=K_TYPES, weight_std=0.15)
-    blocks = LLM.from_config(EngineConfig(model=str(path), quantization="gguf", block_size=4))
+    with caplog.at_level(logging.INFO, logger="engine.runner.model_runner"):
+        blocks = LLM.from_config(EngineConfig(model=str(path), quantization="gguf", block_size=4))
+    # The load log names each type kept with its layers and bytes, and the layers left to int8.
+    kept = re.search(r"weights: GGUF blocks (.*); int8 none", caplog.text)
+    assert kept, caplog.text
+    assert re.fullmatch(
+        r"Q4_K 8 layers [\d.]+ MiB, Q5_0 1 layers [\d.]+ MiB, Q6_K 2 layers [\d.]+ MiB, Q8_0 1 layers [\d.]+ MiB",
+        kept[1],
+    )
     model = blocks.engine.runner.model
     layer0, layer1 = model.layers
     assert (model.embed_tokens.qtype, model.lm_head.qtype, layer1.qkv_proj.qtype) == ("Q4_K", "Q6_K", "Q4_K")
-    assert isinstance(layer0.qkv_proj, Int8Linear)  # q and k Q4_K, v Q6_K: not one block type
+    assert [part.qtype for part in layer0.qkv_proj.parts] == ["Q4_K", "Q4_K", "Q6_K"]  # each in its own type
     assert (layer0.down_proj.qtype, layer1.down_proj.qtype, layer0.gate_up_proj.qtype) == ("Q8_0", "Q5_0", "Q4_K")
-    file_tensors = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
-    expected = sum(int(t.n_bytes) for name, t in file_tensors.items() if t.tensor_type.name != "F32")
-    expected -= sum(int(file_tensors[f"blk.0.attn_{n}.weight"].n_bytes) for n in "qkv")
-    held = {m.blocks.data_ptr(): m.blocks.nbytes for m in model.modules() if isinstance(m, GgufLinear | GgufEmbedding)}
-    assert sum(held.values()) == expected
+    _assert_blocks_take_the_files_bytes(model, path)
     assert blocks.engine.runner.decode_plan.path is DecodePath.FUSED_NATIVE
 
     reference = LLM(_float_engine(blocks, EngineConfig(model=str(path), quantization="none")), blocks.tokenizer)
