@@ -2,8 +2,9 @@
 # Build llama.cpp's `llama-server` from the C++ source shipped in the llama-cpp-python sdist (PyPI),
 # so the benchmark can compare kvserve with llama.cpp on the same GGUF without network access to GitHub.
 #
-# Result: third_party/llama.cpp/build/bin/llama-server (third_party/ is gitignored).
-# Idempotent: does nothing when the binary already exists.
+# Result: third_party/llama.cpp/build/bin/llama-server, llama-quantize and llama-perplexity (third_party/ is
+# gitignored).
+# Idempotent: does nothing when the binaries already exist.
 # Env: JOBS (default 2), LLAMA_CPP_PYTHON_VERSION (optional pin, e.g. 0.3.16), PYTHON (default: python).
 set -euo pipefail
 
@@ -13,8 +14,13 @@ BIN="$DEST/build/bin/llama-server"
 JOBS="${JOBS:-2}"
 PYTHON="${PYTHON:-python}"
 
-if [[ -x "$BIN" ]]; then
-    echo "llama-server already built: $BIN"
+TOOLS="$DEST/build/bin"
+if [[ -x "$BIN" && -x "$TOOLS/llama-quantize" && -x "$TOOLS/llama-perplexity" ]]; then
+    echo "llama.cpp already built: $TOOLS"
+    exit 0
+fi
+if [[ -x "$BIN" ]]; then  # an earlier build of the server alone: add the tools from the same source
+    cmake --build "$DEST/build" --config Release --target llama-quantize llama-perplexity -j "$JOBS"
     exit 0
 fi
 
@@ -59,7 +65,9 @@ cmake -S "$DEST" -B "$DEST/build" \
     -DGGML_NATIVE=ON \
     -DLLAMA_CURL=OFF \
     -DBUILD_SHARED_LIBS=OFF
-cmake --build "$DEST/build" --config Release --target llama-server -j "$JOBS"
+# llama-quantize writes the K-quant test files (tests/engine/test_llama_quantize.py); llama-perplexity measures
+# llama.cpp's KL divergence to float32 (python -m clients.bench.quality).
+cmake --build "$DEST/build" --config Release --target llama-server llama-quantize llama-perplexity -j "$JOBS"
 
 if [[ ! -x "$BIN" ]]; then
     echo "error: build finished but $BIN is missing" >&2

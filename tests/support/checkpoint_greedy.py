@@ -14,8 +14,9 @@ from engine.params import SamplingParams
 def greedy_from_checkpoint(
     checkpoint: str | Path, prompts: list[list[int]], max_tokens: int = 8, **config: object
 ) -> list[tuple[list[int], list[float]]]:
-    """(token ids, logprobs) of max_tokens greedy tokens after each prompt (token ids: no tokenizer needed)."""
-    model_config, state = load_checkpoint(checkpoint)
+    """(token ids, logprobs) of max_tokens greedy tokens after each prompt (token ids: no tokenizer needed).
+    With quantization="gguf", a GGUF file's matrices stay in its blocks, as the server loads them."""
+    model_config, state = load_checkpoint(checkpoint, keep_gguf_blocks=config.get("quantization") == "gguf")
     engine_config = EngineConfig(model=str(checkpoint), **{"num_blocks": 96, "block_size": 4, **config})
     return greedy_on(LLMEngine(engine_config, model_config, state, eos_token_ids=()), prompts, max_tokens)
 
