@@ -45,9 +45,9 @@ logger = logging.getLogger(__name__)
 WEIGHT_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "F32")
 # A K-quant type -> the type llama.cpp writes instead for a matrix whose rows are not a multiple of 256.
 K_QUANT_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
-# Bytes of one block of 256 weights, and the standard deviation of its values when its fp16 scale d is 1
-# and its other bits are uniformly random (with Q4_K's / Q5_K's dmin at the value that centres them).
-_K_QUANT_BLOCKS = {"Q4_K": (144, 258.0), "Q5_K": (176, 527.0), "Q6_K": (210, 1370.0)}
+# The standard deviation of a K-quant block's values when its fp16 scale d is 1 and its other bits are
+# uniformly random (with Q4_K's / Q5_K's dmin at the value that centres them).
+_K_QUANT_UNIT_STD = {"Q4_K": 258.0, "Q5_K": 527.0, "Q6_K": 1370.0}
 ARCHITECTURES = ("llama", "qwen3", "gemma3")
 _INIT_STD = 0.02
 
@@ -220,7 +220,9 @@ def random_k_quant_blocks(rng: np.random.Generator, qtype: str, rows: int, cols:
     The `gguf` package cannot quantize to these types; llama.cpp's llama-quantize can, for real mixtures."""
     if cols % 256:
         raise ValueError(f"{qtype} rows hold a multiple of 256 weights, not {cols}")
-    block_bytes, unit_std = _K_QUANT_BLOCKS[qtype]
+    from engine.ops.gguf_linear import BLOCK_TYPES
+
+    block_bytes, unit_std = BLOCK_TYPES[qtype][1], _K_QUANT_UNIT_STD[qtype]
     blocks = rng.integers(0, 256, size=(rows, cols // 256, block_bytes), dtype=np.uint8)
     d = (std / unit_std * rng.uniform(0.5, 1.5, size=(rows, cols // 256))).astype(np.float16)
     if qtype == "Q6_K":

@@ -134,9 +134,9 @@ static int64_t weights_per_block(int type) { return is_k_type(type) ? QK_K : QK;
 
 static int64_t bytes_per_block(int type) {
     switch (type) {
-    case KV_Q4_K: return sizeof(BlockQ4_K);
-    case KV_Q5_K: return sizeof(BlockQ5_K);
-    case KV_Q6_K: return sizeof(BlockQ6_K);
+    case KV_Q4_K:
+    case KV_Q5_K:
+    case KV_Q6_K: return bytes_per_k_block(type);
     case KV_Q4_0: return sizeof(BlockQ4_0);
     case KV_Q4_1: return sizeof(BlockQ4_1);
     case KV_Q5_0: return sizeof(BlockQ5_0);
@@ -302,6 +302,16 @@ static inline __attribute__((always_inline)) void dot_row(int type, const uint8_
     }
 }
 
+/* dot_row or dot_row_k, by the weights' type; R is a constant at each call. */
+static inline __attribute__((always_inline)) void dot_rows(int type, const uint8_t *w, const Activations *act,
+                                                           const int64_t *act_first, int64_t nb, const int R,
+                                                           float *out) {
+    if (is_k_type(type))
+        dot_row_k(type, w, act, act_first, nb, R, out);
+    else
+        dot_row(type, w, act, act_first, nb, R, out);
+}
+
 /* The activation buffer for M rows of K values rounded to `type`'s activation blocks, its parts 32-byte
  * aligned: q [M*K] int8, then (32-weight types) eight [M*K/2] int16, d and s [M*K/32] float, or (K-quants)
  * bsums [M*K/16] int16 and d [M*K/256] float. NULL if it cannot be allocated. */
@@ -326,7 +336,6 @@ static uint8_t *alloc_activations(int type, int64_t M, int64_t K, Activations *a
 int kv_gguf_gemm(const float *x, int64_t M, int64_t K, int type, const uint8_t *w, const float *bias, float *y,
                  int64_t N, int num_threads) {
     if (check_shape(type, K)) return 2;
-    const int k_quant = is_k_type(type);
     int64_t nb = K / weights_per_block(type), row_bytes = nb * bytes_per_block(type);
     Activations act;
     uint8_t *buffer = alloc_activations(type, M, K, &act);
@@ -345,20 +354,11 @@ int kv_gguf_gemm(const float *x, int64_t M, int64_t K, int type, const uint8_t *
             int64_t first[4];
             for (int r = 0; r < 4; r++) first[r] = (m0 + (r < R ? r : 0)) * nb;
             float out[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-            if (k_quant) {
-                switch (R) {
-                case 4: dot_row_k(type, row, &act, first, nb, 4, out); break;
-                case 3: dot_row_k(type, row, &act, first, nb, 3, out); break;
-                case 2: dot_row_k(type, row, &act, first, nb, 2, out); break;
-                default: dot_row_k(type, row, &act, first, nb, 1, out); break;
-                }
-            } else {
-                switch (R) {
-                case 4: dot_row(type, row, &act, first, nb, 4, out); break;
-                case 3: dot_row(type, row, &act, first, nb, 3, out); break;
-                case 2: dot_row(type, row, &act, first, nb, 2, out); break;
-                default: dot_row(type, row, &act, first, nb, 1, out); break;
-                }
+            switch (R) {
+            case 4: dot_rows(type, row, &act, first, nb, 4, out); break;
+            case 3: dot_rows(type, row, &act, first, nb, 3, out); break;
+            case 2: dot_rows(type, row, &act, first, nb, 2, out); break;
+            default: dot_rows(type, row, &act, first, nb, 1, out); break;
             }
             for (int r = 0; r < R; r++) y[(m0 + r) * N + n] = bias ? out[r] + bias[n] : out[r];
         }
