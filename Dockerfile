@@ -86,11 +86,12 @@ FROM deps AS kernels
 ENV KVSERVE_HOME=/opt/kvserve/home
 COPY engine/__init__.py engine/errors.py ./engine/
 COPY engine/hub ./engine/hub
-COPY engine/ops/__init__.py engine/ops/loader.py engine/ops/*.c ./engine/ops/
-# Built into $KVSERVE_HOME/kernels, keyed by the sources' hash, so the runtime image needs no compiler. On a
-# build machine without AVX2 they are skipped and the torch paths run: the log says which at start-up.
-RUN /opt/kvserve/.venv/bin/python -c "from engine.ops.loader import SOURCE_DIR, load_library; \
-[load_library(p.stem) for p in sorted(SOURCE_DIR.glob('*.c'))]" \
+COPY engine/ops/__init__.py engine/ops/loader.py engine/ops/cpu_features.py engine/ops/*.c ./engine/ops/
+# Built into $KVSERVE_HOME/kernels, keyed by the sources' hash, so the runtime image needs no compiler: every
+# instruction-set build (AVX2, and with VNNI), whatever the build machine's CPU; the machine that runs the
+# image loads the best one it has, and the log says which at start-up.
+RUN /opt/kvserve/.venv/bin/python -c "from engine.ops.loader import SOURCE_DIR, prebuild; \
+[prebuild(p.stem) for p in sorted(SOURCE_DIR.glob('*.c'))]" \
  && ls /opt/kvserve/home/kernels
 
 # ---------------------------------------------------------------- runtime

@@ -30,10 +30,10 @@ import torch
 from tqdm import tqdm
 
 from engine.bench.gguf_file import gguf_path
-from engine.bench.machine_limits import cpu_simd_flags
 from engine.config import EngineConfig
 from engine.hub.models_hub import DEFAULT_GENERATION_MODEL
 from engine.llm import LLM
+from engine.ops.cpu_features import cpu_features
 from engine.params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         results.append(llama_cpp_kl(args.llama_perplexity, model, args.ctx))
     if args.json:
         report = {"reference": asdict(baseline), "results": [asdict(r) for r in results], "prompts": prompts}
-        extra = {"ctx": args.ctx, "model": str(model), "greedy_tokens": GREEDY_TOKENS, "cpu_flags": cpu_simd_flags()}
+        extra = {"ctx": args.ctx, "model": str(model), "greedy_tokens": GREEDY_TOKENS, "cpu_flags": cpu_features()}
         print(json.dumps({**report, **extra}))
     else:
         for result in results:

@@ -19,6 +19,7 @@ from typing import Any
 
 from engine.bench.gguf_file import gguf_path
 from engine.hub.models_hub import DEFAULT_GENERATION_MODEL
+from engine.ops.cpu_features import cpu_features
 
 # --------------------------------------------------------------------------- machine rates
 
@@ -30,7 +31,7 @@ class MachineRates:
     matmul_fp32_gflops: float
     matmul_bf16_gflops: float
     num_threads: int
-    cpu_flags: tuple[str, ...]  # the SIMD features that decide which kernels are fast (avx2, avx512*, amx*)
+    cpu_flags: tuple[str, ...]  # the SIMD features that decide which kernels are fast (engine/ops/cpu_features.py)
 
 
 def _best_time(fn: Callable[[], object], repeats: int, slow_s: float = 1.0) -> float:
@@ -79,20 +80,8 @@ def measure_rates(buffer_mib: int = 512, matmul_n: int = 1024, repeats: int = 5)
         matmul_fp32_gflops=rates[torch.float32],
         matmul_bf16_gflops=rates[torch.bfloat16],
         num_threads=torch.get_num_threads(),
-        cpu_flags=cpu_simd_flags(),
+        cpu_flags=cpu_features(),
     )
-
-
-def cpu_simd_flags() -> tuple[str, ...]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return ()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            flags = line.split(":", 1)[1].split()
-            return tuple(sorted(f for f in flags if f in ("avx2", "fma") or f.startswith(("avx512", "amx"))))
-    return ()
 
 
 # --------------------------------------------------------------------------- model sizes

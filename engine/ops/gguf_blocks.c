@@ -1,4 +1,4 @@
-/* Matrix products on weights kept in a GGUF file's own quantized blocks, on AVX2 CPUs.
+/* Matrix products on weights kept in a GGUF file's own quantized blocks, on AVX2 CPUs (with VNNI where built for it).
  *
  *   y[m, n] = sum_k x[m, k] * w[n, k]  (+ bias[n])
  *
@@ -9,7 +9,8 @@
  * Each activation row is first rounded to blocks of 32 int8 values with one float
  * scale per block (d = max|x| / 127 over the block), the way the weights are stored,
  * so a block's dot product is an integer sum of int8 x int8 (or uint4 x int8)
- * products, computed 32 at a time with vpmaddubsw and vpmaddwd, and scaled by
+ * products, computed 32 at a time (`dot4`: vpdpbusd where the build has VNNI, else
+ * vpmaddubsw and vpmaddwd; the same integers either way), and scaled by
  * d_w * d_x in float. Q4_1's and Q5_1's offset m adds m * d_x * sum(q_x), kept per
  * activation block; 5-bit weights are unpacked to bytes 0..31 (the fifth bits spread
  * from one 32-bit word). Every (row, column) pair is summed block by block in the same order
@@ -91,15 +92,32 @@ typedef struct {
 } PairQ4_1;
 
 /* Activation rows rounded to blocks, as arrays over the M * K / 32 blocks (row-major):
- * q: int8 values; d: scales; s: d * sum(q) (Q4_1's offset); eight: per pair of values, 8 * (q[2i] + q[2i+1])
- * as int16 (Q4_0's -8 offset, subtracted exactly from the integer pair sums). The K-quant types
- * (gguf_kquants.c) round per block of 256 instead: q and d as above, s and eight unused, and bsums the
- * sum of each 16 values as int16. */
+ * q: int8 values; d: scales; s: d * sum(q) (Q4_1's offset); centre: per 4 values, -8 * (q[4i] + ... + q[4i+3])
+ * as int32 (Q4_0's -8 offset, where the integer sums of 4 products start, so it is subtracted exactly). The
+ * K-quant types (gguf_kquants.c) round per block of 256 instead: q and d as above, s and centre unused, and
+ * bsums the sum of each 16 values as int16. */
 typedef struct {
     int8_t *q;
     float *d, *s;
-    int16_t *eight, *bsums;
+    int32_t *centre;
+    int16_t *bsums;
 } Activations;
+
+/* Sums of 4 unsigned x signed byte products as eight int32 lanes (lane j: bytes 4j..4j+3), added to `start`.
+ * With VNNI one instruction; otherwise pairs in int16 (no pair here can saturate: |u| <= 127 or u <= 31, so
+ * two products stay under 32767) then pairs of pairs. Either way the same integers. */
+#if defined(__AVXVNNI__)
+#define KV_VNNI 1
+static inline __m256i dot4(__m256i start, __m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(start, u, s); }
+#elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define KV_VNNI 1
+static inline __m256i dot4(__m256i start, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(start, u, s); }
+#else
+#define KV_VNNI 0
+static inline __m256i dot4(__m256i start, __m256i u, __m256i s) {
+    return _mm256_add_epi32(start, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+}
+#endif
 
 static inline float fp16_to_float(uint16_t h) { return _cvtsh_ss(h); }
 
@@ -173,13 +191,13 @@ static void quantize_act_row(int type, const float *x, int64_t K, const Activati
             continue;
         }
         act->s[index] = d * (float)sum;
-        for (int i = 0; i < QK / 2; i++) act->eight[index * 16 + i] = (int16_t)(8 * (q[2 * i] + q[2 * i + 1]));
+        for (int i = 0; i < QK / 4; i++)
+            act->centre[index * 8 + i] = -8 * (q[4 * i] + q[4 * i + 1] + q[4 * i + 2] + q[4 * i + 3]);
     }
 }
 
-/* int16 pair sums as eight int32 lanes, scaled by d and added to acc. */
-static inline __m256 scale_add(__m256i pairs16, __m256 d, __m256 acc) {
-    __m256i lanes = _mm256_madd_epi16(pairs16, _mm256_set1_epi16(1));
+/* Eight int32 lanes scaled by d and added to acc. */
+static inline __m256 scale_add(__m256i lanes, __m256 d, __m256 acc) {
     return _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(lanes), acc);
 }
 
@@ -229,17 +247,17 @@ static inline __attribute__((always_inline)) void dot_row(int type, const uint8_
             __builtin_prefetch((const char *)(blocks + b) + PREFETCH_BYTES);
             float dw = fp16_to_float(blocks[b].d);
             __m256i wv = _mm256_loadu_si256((const __m256i *)blocks[b].qs);
-            __m256i wabs = _mm256_sign_epi8(wv, wv); /* vpmaddubsw takes one unsigned operand: |w| . x*sign(w) */
+            __m256i wabs = _mm256_sign_epi8(wv, wv); /* dot4 takes one unsigned operand: |w| . x*sign(w) */
             for (int r = 0; r < R; r++) {
                 int64_t i = act_first[r] + b;
                 __m256i xv = _mm256_loadu_si256((const __m256i *)(act->q + i * QK));
-                __m256i pairs = _mm256_maddubs_epi16(wabs, _mm256_sign_epi8(xv, wv));
-                acc[r] = scale_add(pairs, _mm256_set1_ps(dw * act->d[i]), acc[r]);
+                __m256i lanes = dot4(_mm256_setzero_si256(), wabs, _mm256_sign_epi8(xv, wv));
+                acc[r] = scale_add(lanes, _mm256_set1_ps(dw * act->d[i]), acc[r]);
             }
         }
     } else if (type == KV_Q4_0 || type == KV_Q4_1 || type == KV_Q5_0 || type == KV_Q5_1) {
         /* 4-bit blocks in the file's layout (rows of an odd number of blocks) and 5-bit blocks: unsigned weights,
-         * Q4_0 / Q5_0 centred at 8 / 16 (subtracted exactly in the integer pair sums), Q4_1 / Q5_1 with an offset. */
+         * Q4_0 / Q5_0 centred at 8 / 16 (subtracted exactly in the integer sums), Q4_1 / Q5_1 with an offset. */
         const int64_t stride = bytes_per_block(type);
         const int five_bit = type == KV_Q5_0 || type == KV_Q5_1, has_offset = type == KV_Q4_1 || type == KV_Q5_1;
         const int centre_shift = type == KV_Q5_0 ? 1 : 0; /* the centre is 8 << centre_shift */
@@ -259,11 +277,12 @@ static inline __attribute__((always_inline)) void dot_row(int type, const uint8_
             }
             for (int r = 0; r < R; r++) {
                 int64_t i = act_first[r] + b;
-                __m256i pairs = _mm256_maddubs_epi16(wv, _mm256_loadu_si256((const __m256i *)(act->q + i * QK)));
-                if (!has_offset) /* sum (q - c) x = sum q x - c sum x, c * sum x from the 8 * pair sums */
-                    pairs = _mm256_sub_epi16(
-                        pairs, _mm256_slli_epi16(_mm256_loadu_si256((const __m256i *)(act->eight + i * 16)), centre_shift));
-                acc[r] = scale_add(pairs, _mm256_set1_ps(dw * act->d[i]), acc[r]);
+                /* sum (q - c) x = sum q x - c sum x: the sums start at -c sum x, from -8 times the sums of 4 */
+                __m256i start = has_offset ? _mm256_setzero_si256()
+                                           : _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)(act->centre + i * 8)),
+                                                               centre_shift);
+                __m256i lanes = dot4(start, wv, _mm256_loadu_si256((const __m256i *)(act->q + i * QK)));
+                acc[r] = scale_add(lanes, _mm256_set1_ps(dw * act->d[i]), acc[r]);
                 if (has_offset) offset[r] = _mm_add_ss(offset[r], _mm_set_ss(mw * act->s[i]));
             }
         }
@@ -283,12 +302,11 @@ static inline __attribute__((always_inline)) void dot_row(int type, const uint8_
             for (int r = 0; r < R; r++) {
                 int64_t i = act_first[r] + 2 * p;
                 const int8_t *xq = act->q + i * QK;
-                __m256i p0 = _mm256_maddubs_epi16(first, _mm256_loadu_si256((const __m256i *)xq));
-                __m256i p1 = _mm256_maddubs_epi16(second, _mm256_loadu_si256((const __m256i *)(xq + QK)));
-                if (is_q4_0) { /* sum (q - 8) x = sum q x - 8 sum x, exact in int16 pairs */
-                    p0 = _mm256_sub_epi16(p0, _mm256_loadu_si256((const __m256i *)(act->eight + i * 16)));
-                    p1 = _mm256_sub_epi16(p1, _mm256_loadu_si256((const __m256i *)(act->eight + i * 16 + 16)));
-                }
+                /* Q4_0: sum (q - 8) x = sum q x - 8 sum x, the sums starting at -8 sum x */
+                __m256i start0 = is_q4_0 ? _mm256_loadu_si256((const __m256i *)(act->centre + i * 8)) : _mm256_setzero_si256();
+                __m256i start1 = is_q4_0 ? _mm256_loadu_si256((const __m256i *)(act->centre + i * 8 + 8)) : _mm256_setzero_si256();
+                __m256i p0 = dot4(start0, first, _mm256_loadu_si256((const __m256i *)xq));
+                __m256i p1 = dot4(start1, second, _mm256_loadu_si256((const __m256i *)(xq + QK)));
                 __m128 d = _mm_mul_ps(dw, load_float_pair(act->d + i));
                 acc[r] = scale_add(p0, _mm256_broadcastss_ps(d), acc[r]);
                 acc[r] = scale_add(p1, _mm256_broadcastss_ps(_mm_movehdup_ps(d)), acc[r]);
@@ -313,23 +331,26 @@ static inline __attribute__((always_inline)) void dot_rows(int type, const uint8
 }
 
 /* The activation buffer for M rows of K values rounded to `type`'s activation blocks, its parts 32-byte
- * aligned: q [M*K] int8, then (32-weight types) eight [M*K/2] int16, d and s [M*K/32] float, or (K-quants)
+ * aligned: q [M*K] int8, then (32-weight types) centre [M*K/4] int32, d and s [M*K/32] float, or (K-quants)
  * bsums [M*K/16] int16 and d [M*K/256] float. NULL if it cannot be allocated. */
 static uint8_t *alloc_activations(int type, int64_t M, int64_t K, Activations *act) {
     size_t q_bytes = ((size_t)(M * K) + 31) & ~(size_t)31, nb = (size_t)(M * K / weights_per_block(type));
-    size_t int16_bytes = ((size_t)(M * K) + 31) & ~(size_t)31; /* M*K/2 int16 (eight) or M*K/16 (bsums) */
+    size_t sums_bytes = ((size_t)(M * K) + 31) & ~(size_t)31; /* M*K/4 int32 (centre) or M*K/16 int16 (bsums) */
     size_t float_bytes = ((nb * sizeof(float)) + 31) & ~(size_t)31;
-    uint8_t *buffer = aligned_alloc(32, q_bytes + int16_bytes + 2 * float_bytes);
+    uint8_t *buffer = aligned_alloc(32, q_bytes + sums_bytes + 2 * float_bytes);
     if (!buffer) return NULL;
-    int16_t *int16s = (int16_t *)(buffer + q_bytes);
-    float *floats = (float *)(buffer + q_bytes + int16_bytes);
+    uint8_t *sums = buffer + q_bytes;
+    float *floats = (float *)(buffer + q_bytes + sums_bytes);
     *act = (Activations){(int8_t *)buffer, floats, floats + float_bytes / sizeof(float), NULL, NULL};
     if (is_k_type(type))
-        act->bsums = int16s;
+        act->bsums = (int16_t *)sums;
     else
-        act->eight = int16s;
+        act->centre = (int32_t *)sums;
     return buffer;
 }
+
+/* 1 when this build's dot4 is VNNI's vpdpbusd, 0 for the AVX2 pair sums. */
+int kv_gguf_uses_vnni(void) { return KV_VNNI; }
 
 /* Returns 0 on success, 1 if the activation buffer could not be allocated, 2 for an unknown type
  * or a K the type cannot hold. */

@@ -201,16 +201,22 @@ def test_the_kernels_stage_builds_every_kernel_from_its_sources(dockerfile, tmp_
     code = (
         "from pathlib import Path; from engine.ops import loader;"
         "assert Path(loader.__file__).is_relative_to(Path.cwd()), loader.__file__;"
-        "print('\\n'.join(loader.library_path(p.stem).name for p in sorted(loader.SOURCE_DIR.glob('*.c'))))"
+        "print('\\n'.join(loader.library_path(p.stem, isa).name for p in sorted(loader.SOURCE_DIR.glob('*.c'))"
+        " for isa in loader.ISA_BUILDS))"
     )
     result = _run_in(tree, code, tmp_path / "home")
     assert result.returncode == 0, result.stderr
     from engine.ops import loader
 
-    expected = [loader.library_path(p.stem).name for p in sorted(loader.SOURCE_DIR.glob("*.c"))]
+    # every instruction-set build of every kernel: the machine that runs the image picks its own
+    expected = [
+        loader.library_path(p.stem, isa).name
+        for p in sorted(loader.SOURCE_DIR.glob("*.c"))
+        for isa in loader.ISA_BUILDS
+    ]
     assert result.stdout.split() == expected
     (build,) = kernels.all("RUN")
-    assert "load_library(p.stem) for p in sorted(SOURCE_DIR.glob('*.c'))" in build
+    assert "prebuild(p.stem) for p in sorted(SOURCE_DIR.glob('*.c'))" in build
 
 
 def test_source_layers_come_last(dockerfile) -> None:
