@@ -20,6 +20,9 @@ SUPPORTED_DTYPES = tuple(TORCH_DTYPES)
 QUANTIZATION_MODES = ("none", "int8", "gguf", "auto")
 # The methods whose layers run only on CPU with float32 activations.
 CPU_FLOAT32_QUANTIZATIONS = ("int8", "gguf")
+# The values of `--prefill-dtype`: the dtype GGUF block layers multiply large batches (prefill) in;
+# engine.quantization.resolve_prefill_dtype decides auto from the CPU's features.
+PREFILL_DTYPES = ("auto", "float32", "bfloat16")
 # How an embedding model turns per-token hidden states into one vector (engine/pooling/embedder.py `pool`).
 POOLING_MODES = ("mean", "cls", "last")
 
@@ -86,6 +89,9 @@ class EngineConfig:
     sliding_window: force a window on any model (None: the model's own, if any).
     num_sink_tokens: with a window, the first S tokens stay visible forever.
     quantization: one of QUANTIZATION_MODES; engine/loader.py resolves auto (engine.quantization.resolve).
+    prefill_dtype: one of PREFILL_DTYPES: the dtype of the GGUF block layers' products over more rows than
+        their integer kernel takes (prefill): the weight tile dequantized to it and the rounded activations
+        cast to it. auto: bfloat16 where the CPU multiplies it in hardware (AVX-512 BF16, AMX), else float32.
     speculative: speculative decoding (None: off).
     tokenizer: a Hugging Face tokenizer directory used instead of the model's own tokenizer (for a GGUF
         file: instead of the one its metadata makes); its ids must fit the model's embedding table.
@@ -107,6 +113,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     num_threads: int | None = None
     quantization: str = "none"
+    prefill_dtype: str = "auto"
     speculative: SpeculativeConfig | None = None
     tokenizer: str | None = None
     chat_template: str | None = None
@@ -123,6 +130,8 @@ class EngineConfig:
             raise ValueError(f"quantization must be one of {QUANTIZATION_MODES}, got {self.quantization!r}")
         if self.quantization in CPU_FLOAT32_QUANTIZATIONS and (self.device != "cpu" or self.dtype != "float32"):
             raise ValueError(f"quantization {self.quantization} runs on CPU with dtype float32; use bfloat16 on GPUs")
+        if self.prefill_dtype not in PREFILL_DTYPES:
+            raise ValueError(f"prefill_dtype must be one of {PREFILL_DTYPES}, got {self.prefill_dtype!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.max_num_seqs < 1:

@@ -1,7 +1,9 @@
 """ModelInfo: the facts about a loaded generation model that callers read and never change.
 
-The model's shape (layers, heads, head size, vocabulary) and how its attention is masked as this
-engine runs it (the engine's sliding window and sink tokens, which may override the checkpoint's).
+The model's shape (layers, heads, head size, vocabulary), how its attention is masked as this
+engine runs it (the engine's sliding window and sink tokens, which may override the checkpoint's), and
+what it runs on (the device; on CPU the features its kernels were chosen by, the kernels' build and the
+dtype of its GGUF layers' prefill products), so a benchmark table can say what ran.
 """
 
 from __future__ import annotations
@@ -29,13 +31,22 @@ class ModelInfo:
     num_sink_tokens: int  # leading positions a sliding layer keeps visible; 0 without a window
     max_model_len: int  # prompt plus generated tokens of one sequence
     vocab_size: int  # token ids are in [0, vocab_size)
+    device: str  # torch device, "cpu" or "cuda:0"
+    cpu_features: tuple[str, ...]  # on CPU the SIMD features kernels are chosen by (engine/ops/cpu_features.py)
+    kernel_build: str | None  # the native kernels' instruction-set build (engine/ops/loader.py); None: torch only
+    prefill_dtype: str | None  # the GGUF block layers' prefill products (--prefill-dtype); None: no such layers
 
 
 def read_model_info(llm_engine: LLMEngine) -> ModelInfo:
     """The engine's model, as the engine runs it: each layer full or under the engine's window and sinks."""
     model = llm_engine.model_config
     window = llm_engine.sliding_window
+    from engine.ops import loader  # here: ModelInfo itself imports without torch
+    from engine.ops.cpu_features import cpu_features
+
     layout = llm_engine.layout
+    runner = llm_engine.runner
+    on_cpu = runner.device.type == "cpu"
     kinds = tuple(
         ATTENTION_FULL if layout.window_of_layer(layer) is None else ATTENTION_SLIDING
         for layer in range(model.num_layers)
@@ -51,4 +62,8 @@ def read_model_info(llm_engine: LLMEngine) -> ModelInfo:
         num_sink_tokens=llm_engine.num_sink_tokens,
         max_model_len=llm_engine.max_model_len,
         vocab_size=llm_engine.vocab_size,
+        device=str(runner.device),
+        cpu_features=cpu_features() if on_cpu else (),
+        kernel_build=loader.chosen_isa() if on_cpu and runner.decode_plan.native_ops else None,
+        prefill_dtype=str(runner.prefill_dtype).removeprefix("torch.") if runner.prefill_dtype is not None else None,
     )

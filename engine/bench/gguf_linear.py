@@ -3,11 +3,12 @@
     python -m engine.bench.gguf_linear [--shape 11264,2048] [--types Q4_0,Q4_1,Q8_0] [--rows 1,8,64,128,512]
 
 For each block type and row count: the integer kernel (`gguf_linear_native`), the tiled dequantize-and-BLAS
-path (`gguf_linear_tiled`), float32 BLAS on the dequantized weight (the baseline) and the per-channel int8
-kernel (up to its 48 rows), best of --repeats, with GMAC/s and the speed-up over float32. The default shape is
-a 1.1B LLaMA's fused gate/up projection (TinyLlama's FFN 5632 x 2, hidden 2048). Weights are random normal,
-quantized by the `gguf` package (K-quants: random blocks of the type). Ratios, not absolute times, are the
-point: this machine's speed varies.
+path (`gguf_linear_tiled`, in float32 and in bfloat16: `--prefill-dtype`), float32 BLAS on the dequantized
+weight (the baseline) and the per-channel int8 kernel (up to its 48 rows), best of --repeats, with GMAC/s and
+the speed-up over float32. The default shape is a 1.1B LLaMA's fused gate/up projection (TinyLlama's FFN 5632
+x 2, hidden 2048). Weights are random normal, quantized by the `gguf` package (K-quants: random blocks of the
+type). Ratios, not absolute times, are the
+point: this machine's speed varies. The CPU's features are printed above the table.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 
 from engine.bench.random_gguf import K_QUANT_FALLBACK, random_k_quant_blocks
 from engine.ops import gguf_linear, int8_linear
+from engine.ops.cpu_features import cpu_features
 from engine.ops.gguf_linear import BlockWeight, pack
 
 
@@ -49,6 +51,7 @@ def _time_paths(
         if gguf_linear.available()
         else None,
         "tiled_ms": _best_ms(lambda: gguf_linear.gguf_linear_tiled(x, weight, None), repeats),
+        "tiled_bf16_ms": _best_ms(lambda: gguf_linear.gguf_linear_tiled(x, weight, None, torch.bfloat16), repeats),
         "float32_ms": _best_ms(lambda: x @ dequantized.t(), repeats),
         "int8_ms": _best_ms(lambda: int8_linear.int8_linear_native(x, quantized, scale, None), repeats)
         if fits_int8
@@ -86,13 +89,14 @@ def markdown(results: list[dict[str, float | int | str | None]]) -> str:
         return f"{ms:.2f} ({macs / ms / 1e6:.0f} GMAC/s, {baseline / ms:.2f}×)"
 
     lines = [
-        "| type | rows | GGUF kernel | GGUF tiled | float32 BLAS | int8 kernel |",
-        "| --- | ---: | ---: | ---: | ---: | ---: |",
+        "| type | rows | GGUF kernel | GGUF tiled | GGUF tiled bfloat16 | float32 BLAS | int8 kernel |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in results:
         macs, base = int(r["macs"]), float(r["float32_ms"])
         lines.append(
             f"| {r['type']} | {r['rows']} | {cell(r['kernel_ms'], macs, base)} | {cell(r['tiled_ms'], macs, base)} "
+            f"| {cell(r['tiled_bf16_ms'], macs, base)} "
             f"| {cell(r['float32_ms'], macs, base)} | {cell(r['int8_ms'], macs, base)} |"
         )
     return "\n".join(lines)
@@ -113,7 +117,9 @@ def main(argv: list[str] | None = None) -> int:
         [int(r) for r in args.rows.split(",")],
         args.repeats,
     )
-    print(f"Weight [{out_features}, {in_features}], {torch.get_num_threads()} threads; ms (GMAC/s, × float32)\n")
+    threads = torch.get_num_threads()
+    print(f"Weight [{out_features}, {in_features}], {threads} threads, CPU {' '.join(cpu_features())}")
+    print("ms (GMAC/s, × float32)\n")
     print(markdown(results))
     return 0
 

@@ -419,57 +419,93 @@ int kv_gguf_repack(int type, const uint8_t *src, uint8_t *dst, int64_t rows, int
     return 0;
 }
 
+/* One row of K weights in blocks of `type` -> float32. */
+static void dequantize_row(int type, const uint8_t *row, int64_t K, float *dst) {
+    int64_t nb = K / QK;
+    if (is_k_type(type)) {
+        dequantize_row_k(type, row, K, dst);
+    } else if (type == KV_Q8_0) {
+        for (int64_t b = 0; b < nb; b++) {
+            const BlockQ8_0 *block = (const BlockQ8_0 *)row + b;
+            float d = fp16_to_float(block->d);
+            for (int j = 0; j < QK; j++) dst[b * QK + j] = (float)block->qs[j] * d;
+        }
+    } else if (type == KV_Q5_0 || type == KV_Q5_1) {
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *block = row + b * bytes_per_block(type);
+            const uint8_t *qh = type == KV_Q5_0 ? ((const BlockQ5_0 *)block)->qh : ((const BlockQ5_1 *)block)->qh;
+            const uint8_t *qs = type == KV_Q5_0 ? ((const BlockQ5_0 *)block)->qs : ((const BlockQ5_1 *)block)->qs;
+            float d = fp16_to_float(*(const uint16_t *)block);
+            float m = type == KV_Q5_0 ? -16.0f * d : fp16_to_float(((const BlockQ5_1 *)block)->m);
+            uint32_t high = (uint32_t)qh[0] | (uint32_t)qh[1] << 8 | (uint32_t)qh[2] << 16 | (uint32_t)qh[3] << 24;
+            for (int j = 0; j < QK; j++)
+                dst[b * QK + j] = (float)(file_nibble(qs, j) | ((high >> j) & 1) << 4) * d + m;
+        }
+    } else if (type == KV_Q4_0 || type == KV_Q4_1) {
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *qs = type == KV_Q4_0 ? ((const BlockQ4_0 *)row)[b].qs : ((const BlockQ4_1 *)row)[b].qs;
+            float d = fp16_to_float(type == KV_Q4_0 ? ((const BlockQ4_0 *)row)[b].d : ((const BlockQ4_1 *)row)[b].d);
+            float m = type == KV_Q4_0 ? -8.0f * d : fp16_to_float(((const BlockQ4_1 *)row)[b].m);
+            for (int j = 0; j < QK; j++) dst[b * QK + j] = (float)file_nibble(qs, j) * d + m;
+        }
+    } else {
+        for (int64_t p = 0; p < nb / 2; p++) {
+            int is_q4_0 = type == (KV_Q4_0 | KV_PAIRED);
+            const uint16_t *scales = is_q4_0 ? ((const PairQ4_0 *)row)[p].d : ((const PairQ4_1 *)row)[p].d;
+            const uint8_t *qs = is_q4_0 ? ((const PairQ4_0 *)row)[p].qs : ((const PairQ4_1 *)row)[p].qs;
+            for (int half = 0; half < 2; half++) {
+                float d = fp16_to_float(scales[half]);
+                float m = is_q4_0 ? -8.0f * d : fp16_to_float(((const PairQ4_1 *)row)[p].m[half]);
+                for (int j = 0; j < QK; j++)
+                    dst[(2 * p + half) * QK + j] = (float)((qs[j] >> (4 * half)) & 0x0F) * d + m;
+            }
+        }
+    }
+}
+
+/* out[i, :] rows as float32 (out_bf16 NULL) or as bfloat16 (out NULL; each value rounded to nearest even, as
+ * torch rounds float32 to bfloat16), each row dequantized in float32 first in a buffer of its thread. */
+static int dequantize_rows_to(int type, const uint8_t *w, int64_t K, const int64_t *rows, int64_t num_rows, float *out,
+                              uint16_t *out_bf16, int num_threads) {
+    if (check_shape(type, K)) return 2;
+    int64_t row_bytes = K / weights_per_block(type) * bytes_per_block(type);
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+        float *scratch = out ? NULL : malloc((size_t)K * sizeof(float));
+        if (!out && !scratch) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < num_rows; i++) {
+            if (!out && !scratch) continue;
+            const uint8_t *row = w + (rows ? rows[i] : i) * row_bytes;
+            float *dst = out ? out + i * K : scratch;
+            dequantize_row(type, row, K, dst);
+            if (out_bf16)
+                for (int64_t k = 0; k < K; k++) {
+                    uint32_t bits;
+                    __builtin_memcpy(&bits, dst + k, sizeof bits);
+                    out_bf16[i * K + k] = (uint16_t)((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+                }
+        }
+        free(scratch);
+    }
+    return failed;
+}
+
 /* out[i, :] = the K weights of row rows[i] (or row i when rows is NULL), as float32.
  * Returns 2 for an unknown type or a K the type cannot hold. */
 int kv_gguf_dequantize(int type, const uint8_t *w, int64_t K, const int64_t *rows, int64_t num_rows, float *out,
                        int num_threads) {
-    if (check_shape(type, K)) return 2;
-    int64_t nb = K / QK, row_bytes = K / weights_per_block(type) * bytes_per_block(type);
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t i = 0; i < num_rows; i++) {
-        const uint8_t *row = w + (rows ? rows[i] : i) * row_bytes;
-        float *dst = out + i * K;
-        if (is_k_type(type)) {
-            dequantize_row_k(type, row, K, dst);
-        } else if (type == KV_Q8_0) {
-            for (int64_t b = 0; b < nb; b++) {
-                const BlockQ8_0 *block = (const BlockQ8_0 *)row + b;
-                float d = fp16_to_float(block->d);
-                for (int j = 0; j < QK; j++) dst[b * QK + j] = (float)block->qs[j] * d;
-            }
-        } else if (type == KV_Q5_0 || type == KV_Q5_1) {
-            for (int64_t b = 0; b < nb; b++) {
-                const uint8_t *block = row + b * bytes_per_block(type);
-                const uint8_t *qh = type == KV_Q5_0 ? ((const BlockQ5_0 *)block)->qh : ((const BlockQ5_1 *)block)->qh;
-                const uint8_t *qs = type == KV_Q5_0 ? ((const BlockQ5_0 *)block)->qs : ((const BlockQ5_1 *)block)->qs;
-                float d = fp16_to_float(*(const uint16_t *)block);
-                float m = type == KV_Q5_0 ? -16.0f * d : fp16_to_float(((const BlockQ5_1 *)block)->m);
-                uint32_t high = (uint32_t)qh[0] | (uint32_t)qh[1] << 8 | (uint32_t)qh[2] << 16 | (uint32_t)qh[3] << 24;
-                for (int j = 0; j < QK; j++)
-                    dst[b * QK + j] = (float)(file_nibble(qs, j) | ((high >> j) & 1) << 4) * d + m;
-            }
-        } else if (type == KV_Q4_0 || type == KV_Q4_1) {
-            for (int64_t b = 0; b < nb; b++) {
-                const uint8_t *qs = type == KV_Q4_0 ? ((const BlockQ4_0 *)row)[b].qs : ((const BlockQ4_1 *)row)[b].qs;
-                float d = fp16_to_float(type == KV_Q4_0 ? ((const BlockQ4_0 *)row)[b].d : ((const BlockQ4_1 *)row)[b].d);
-                float m = type == KV_Q4_0 ? -8.0f * d : fp16_to_float(((const BlockQ4_1 *)row)[b].m);
-                for (int j = 0; j < QK; j++) dst[b * QK + j] = (float)file_nibble(qs, j) * d + m;
-            }
-        } else {
-            for (int64_t p = 0; p < nb / 2; p++) {
-                int is_q4_0 = type == (KV_Q4_0 | KV_PAIRED);
-                const uint16_t *scales = is_q4_0 ? ((const PairQ4_0 *)row)[p].d : ((const PairQ4_1 *)row)[p].d;
-                const uint8_t *qs = is_q4_0 ? ((const PairQ4_0 *)row)[p].qs : ((const PairQ4_1 *)row)[p].qs;
-                for (int half = 0; half < 2; half++) {
-                    float d = fp16_to_float(scales[half]);
-                    float m = is_q4_0 ? -8.0f * d : fp16_to_float(((const PairQ4_1 *)row)[p].m[half]);
-                    for (int j = 0; j < QK; j++)
-                        dst[(2 * p + half) * QK + j] = (float)((qs[j] >> (4 * half)) & 0x0F) * d + m;
-                }
-            }
-        }
-    }
-    return 0;
+    return dequantize_rows_to(type, w, K, rows, num_rows, out, NULL, num_threads);
+}
+
+/* kv_gguf_dequantize into bfloat16 (the prefill tiles of --prefill-dtype bfloat16); also 1 if out of memory. */
+int kv_gguf_dequantize_bf16(int type, const uint8_t *w, int64_t K, const int64_t *rows, int64_t num_rows,
+                            uint16_t *out, int num_threads) {
+    return dequantize_rows_to(type, w, K, rows, num_rows, NULL, out, num_threads);
 }
 
 /* out = each row of x rounded to activation blocks of `block` values (32, or 256 for the K-quant types) and

@@ -21,7 +21,8 @@ llama.cpp rounds them for each type), then
 - larger ones (prefill) are compute-bound: the weight is dequantized one tile of
   rows at a time into a small float32 buffer and multiplied in BLAS with the same
   rounded activations (`gguf_linear_tiled`), so a row gets the kernel's numbers,
-  to float32 rounding, whichever path its batch took.
+  to float32 rounding, whichever path its batch took (or in bfloat16, where the CPU multiplies it
+  several times faster: `--prefill-dtype`).
 `gguf_linear_forward` picks the path. `gguf_linear_reference` is the plain
 definition both are tested against: the rounded activations times the
 dequantized weight, in torch.
@@ -243,10 +244,12 @@ def _repack_kernel():
 
 
 @functools.cache
-def _dequantize_kernel():
-    """kv_gguf_dequantize(type, blocks, inner, rows or NULL, num_rows, out, threads) -> status, or None."""
+def _dequantize_kernel(dtype: torch.dtype = torch.float32):
+    """kv_gguf_dequantize(type, blocks, inner, rows or NULL, num_rows, out, threads) -> status, or None; the
+    bfloat16 one (kv_gguf_dequantize_bf16) for dtype bfloat16."""
     argtypes = [ctypes.c_int, PTR, I64, PTR, I64, PTR, ctypes.c_int]
-    return bind("gguf_blocks", "kv_gguf_dequantize", argtypes, ctypes.c_int)
+    symbol = "kv_gguf_dequantize_bf16" if dtype == torch.bfloat16 else "kv_gguf_dequantize"
+    return bind("gguf_blocks", symbol, argtypes, ctypes.c_int)
 
 
 @functools.cache
@@ -302,20 +305,27 @@ def gguf_linear_native(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor
 
 
 def dequantize_rows(
-    weight: PackedWeight, rows: torch.Tensor | None = None, start: int = 0, stop: int | None = None
+    weight: PackedWeight,
+    rows: torch.Tensor | None = None,
+    start: int = 0,
+    stop: int | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """float32 rows of the weight: the rows named by `rows` [R] int64, else rows start..stop."""
-    kernel = _dequantize_kernel()
+    """Rows of the weight in float32 (or bfloat16, rounded to nearest even from the float32 values): the rows
+    named by `rows` [R] int64, else rows start..stop."""
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"GGUF rows dequantize to float32 or bfloat16, not {dtype}")
+    kernel = _dequantize_kernel(dtype)
     if kernel is None:  # then `pack` kept the file's layout
         picked = weight.blocks[rows] if rows is not None else weight.blocks[start:stop]
-        return dequantize_reference(BlockWeight(weight.qtype, picked, weight.in_features))
+        return dequantize_reference(BlockWeight(weight.qtype, picked, weight.in_features)).to(dtype)
     if rows is not None:
         rows = rows.to(torch.int64).contiguous()
         num_rows, source, row_pointer = rows.shape[0], weight.blocks, rows.data_ptr()
     else:
         source = weight.blocks[start:stop]
         num_rows, row_pointer = source.shape[0], None
-    out = torch.empty(num_rows, weight.in_features, dtype=torch.float32)
+    out = torch.empty(num_rows, weight.in_features, dtype=dtype)
     pointers = (source.data_ptr(), weight.in_features, row_pointer, num_rows, out.data_ptr())
     _check(kernel(weight.kernel_type, *pointers, torch.get_num_threads()), "dequantizing")
     return out
@@ -332,22 +342,29 @@ def round_activations(x: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
     return out
 
 
-def gguf_linear_tiled(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    """The kernel's numbers for large M in float32 BLAS, one dequantized tile of weight rows at a time."""
-    rounded = round_activations(x.float(), weight.activation_block)
+def gguf_linear_tiled(
+    x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """The kernel's numbers for large M, one dequantized tile of weight rows at a time: in float32 BLAS (to
+    float32 rounding), or with `dtype` bfloat16 the tile and the rounded activations cast to it and
+    multiplied by oneDNN (float32 accumulation, each output rounded once to bfloat16: ~3 significant digits,
+    several times float32's rate where the CPU has AVX-512 BF16 or AMX)."""
+    rounded = round_activations(x.float(), weight.activation_block).to(dtype)
     out = torch.empty(x.shape[0], weight.out_features, dtype=torch.float32)
     tile = max(16, TILE_BYTES // (4 * weight.in_features))
     for start in range(0, weight.out_features, tile):
         stop = min(start + tile, weight.out_features)
-        out[:, start:stop] = rounded @ dequantize_rows(weight, start=start, stop=stop).t()
+        out[:, start:stop] = rounded @ dequantize_rows(weight, start=start, stop=stop, dtype=dtype).t()
     if bias is not None:
         out += bias
     return out
 
 
-def gguf_linear_forward(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+def gguf_linear_forward(
+    x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None, prefill_dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """x [M, K] float32 -> [M, N]: the integer kernel for decode-sized batches where it loads, the tiled
-    BLAS path (the same numbers) otherwise."""
+    path in `prefill_dtype` otherwise (float32: the kernel's numbers)."""
     if x.shape[0] <= MAX_KERNEL_ROWS and available():
         return gguf_linear_native(x, weight, bias)
-    return gguf_linear_tiled(x, weight, bias)
+    return gguf_linear_tiled(x, weight, bias, prefill_dtype)

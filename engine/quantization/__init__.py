@@ -7,6 +7,9 @@ and one module per method.
   swapped in while the weights load; the other linear layers become int8 (CPU, float32).
 - auto: gguf for a GGUF file on CPU in float32, none otherwise (`resolve`).
 
+`--prefill-dtype auto` is decided here too (`resolve_prefill_dtype`): the GGUF layers' large-batch products
+run in bfloat16 where the CPU multiplies it in hardware.
+
 Each method is one QuantizationMethod (method.py): how its weights load and which layer replaces
 nn.Linear. The names a user may set, and the CPU-float32 rule, are validated with the rest of the
 config (engine/config.py QUANTIZATION_MODES, CPU_FLOAT32_QUANTIZATIONS), a layer below this package.
@@ -17,9 +20,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
 from torch import nn
 
-from engine.config import QUANTIZATION_MODES, EngineConfig
+from engine.config import QUANTIZATION_MODES, TORCH_DTYPES, EngineConfig
+from engine.ops.cpu_features import has_bf16_products
 from engine.quantization import gguf, int8, none
 from engine.quantization.method import INT8_PER_CHANNEL, KernelWeight, QuantizationMethod, kernel_weight
 
@@ -34,6 +39,8 @@ __all__ = [
     "method",
     "native_linear_ops",
     "resolve",
+    "resolve_prefill_dtype",
+    "set_prefill_dtype",
 ]
 
 # One entry per value of MODES but auto, in that order (tests/unit/test_quantization.py holds them equal).
@@ -62,6 +69,22 @@ def resolve(config: EngineConfig, checkpoint: str | Path) -> QuantizationMethod:
     if chosen.needs_gguf_file and not is_gguf:
         raise ValueError(f"quantization {chosen.name} needs a .gguf model file, not {checkpoint}")
     return chosen
+
+
+def resolve_prefill_dtype(config: EngineConfig) -> torch.dtype:
+    """The dtype `config.prefill_dtype` means on this machine: auto is bfloat16 where the CPU has AVX-512
+    BF16 or AMX (several times float32's rate), float32 elsewhere (where bfloat16 products are slower)."""
+    if config.prefill_dtype == AUTO:
+        return torch.bfloat16 if has_bf16_products() else torch.float32
+    return TORCH_DTYPES[config.prefill_dtype]
+
+
+def set_prefill_dtype(model: nn.Module, dtype: torch.dtype) -> int:
+    """Sets the large-batch product dtype of `model`'s GGUF block layers, once at load; returns their count."""
+    layers = [m for m in model.modules() if isinstance(m, gguf.GgufLinear)]
+    for layer in layers:
+        layer.prefill_dtype = dtype
+    return len(layers)
 
 
 def native_linear_ops(model: nn.Module) -> tuple[str, ...]:

@@ -49,6 +49,9 @@ class GgufLinear(_BlockBuffers):
     def __init__(self, weight: PackedWeight, bias: torch.Tensor | None = None) -> None:
         super().__init__(weight)
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
+        # The dtype of products over more rows than the integer kernel takes; set once at load
+        # (engine.quantization.set_prefill_dtype).
+        self.prefill_dtype = torch.float32
 
     @staticmethod
     def has_native_op() -> bool:
@@ -58,7 +61,7 @@ class GgufLinear(_BlockBuffers):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         leading = x.shape[:-1]
         flat = x.reshape(-1, self.in_features).float()
-        out = gguf_linear.gguf_linear_forward(flat, self.packed, self.bias)
+        out = gguf_linear.gguf_linear_forward(flat, self.packed, self.bias, self.prefill_dtype)
         return out.view(*leading, self.out_features)
 
     def kernel_weight(self) -> KernelWeight:
@@ -66,7 +69,8 @@ class GgufLinear(_BlockBuffers):
         return KernelWeight(self.kernel_type, self.blocks.data_ptr(), None, bias, self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, GGUF {self.qtype} blocks"
+        prefill = "" if self.prefill_dtype == torch.float32 else f", prefill in {str(self.prefill_dtype)[6:]}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, GGUF {self.qtype} blocks{prefill}"
 
 
 class GgufEmbedding(_BlockBuffers):

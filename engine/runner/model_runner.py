@@ -23,6 +23,8 @@ from engine.core.scheduler import ScheduledBatch
 from engine.core.sequence import Sequence
 from engine.models import registry
 from engine.models.fused_decode import FusedDecode, decode_rows, token_rows
+from engine.ops import loader
+from engine.ops.cpu_features import cpu_features
 from engine.outputs import EmittedTokens, TokenLogprob
 from engine.runner.decode_path import DecodePath, choose_decode_path
 from engine.runner.prompt_logprobs import prompt_rows, score_prompt_tokens
@@ -80,6 +82,10 @@ class ModelRunner:
         quantized = quantization.method(config.quantization).quantize_model(model)
         if quantized is not None:
             logger.info("weights: %s", quantized)
+        # What GGUF block layers multiply prefill batches in (None: the model has no such layers).
+        self.prefill_dtype: torch.dtype | None = quantization.resolve_prefill_dtype(config)
+        if not quantization.set_prefill_dtype(model, self.prefill_dtype):
+            self.prefill_dtype = None
         self.model = model.eval().requires_grad_(False)
         shape = (num_blocks, config.block_size, model_config.num_kv_heads, model_config.head_dim)
         # One (key, value) pair per slot of a block, allocated once for the whole life of the engine; each
@@ -94,9 +100,18 @@ class ModelRunner:
         self.kv_caches = [slots[slot] for slot in layout.layer_slot]  # per layer
         # The one place that decides which code runs decode-only steps (see forward).
         self.decode_plan = choose_decode_path(self.model, self.kv_caches, layout)
-        logger.info("%s", self.decode_plan.describe())
+        logger.info("%s%s", self.decode_plan.describe(), self._machine_line())
         is_fused = self.decode_plan.path is DecodePath.FUSED_NATIVE
         self.fused_decode = FusedDecode(self.model, self.kv_caches, layout.layer_group) if is_fused else None
+
+    def _machine_line(self) -> str:
+        """What the decode-path log line adds on CPU: the features the kernels were chosen by, their build,
+        and the prefill products' dtype."""
+        if self.device.type != "cpu":
+            return ""
+        build = f"; kernels built for {loader.chosen_isa()}" if self.decode_plan.native_ops else ""
+        prefill = f"; prefill products in {str(self.prefill_dtype)[6:]}" if self.prefill_dtype is not None else ""
+        return f"; CPU {' '.join(cpu_features()) or 'features unknown'}{build}{prefill}"
 
     def build_inputs(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, list[AttentionMetadata]]:
         """Flat input ids [T], positions [T] and each layer's attention metadata for one step (layers of one

@@ -7,7 +7,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from engine.config import POOLING_MODES, SPECULATIVE_METHODS, SUPPORTED_DTYPES, TOKEN_ID_INPUT_MODES
+from engine.config import POOLING_MODES, PREFILL_DTYPES, SPECULATIVE_METHODS, SUPPORTED_DTYPES, TOKEN_ID_INPUT_MODES
 from server.cli.kinds import boolean, byte_size, key_file, key_list, one_of, optional, path_text
 from server.config import LOG_LEVELS, METRICS_NAMES
 from server.http.access import PREFIX_CACHE_SCOPES
@@ -108,8 +108,17 @@ FLAGS: tuple[Flag, ...] = (
         "quantization",
         "engine",
         str,
-        "none, int8 (weight-only int8 linear layers, CPU float32), gguf (a .gguf file's own Q4_0 / Q4_1 / Q8_0 "
-        "blocks, other types int8; CPU float32) or auto (gguf for a .gguf on CPU, else none)",
+        "none, int8 (weight-only int8 linear layers, CPU float32), gguf (a .gguf file's own Q4_0 / Q4_1 / Q5_0 / "
+        "Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K blocks, other types int8; CPU float32) or auto (gguf for a .gguf on "
+        "CPU, else none)",
+    ),
+    _flag(
+        "prefill_dtype",
+        "engine",
+        one_of(*PREFILL_DTYPES),
+        "dtype of the GGUF block layers' prefill products (batches over 64 rows): float32 (the decode kernel's "
+        "numbers to float32 rounding), bfloat16 (each weight tile and the rounded activations cast to it, "
+        "float32 accumulation) or auto (bfloat16 where the CPU has AVX-512 BF16 or AMX, else float32)",
     ),
     _flag("device", "engine+embedder+reranker", str, "torch device of every model: cpu, cuda, cuda:1, ..."),
     _flag(

@@ -181,6 +181,15 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class ModelRuntime(BaseModel):
+    """What a generation model runs on, so a benchmark can say what ran."""
+
+    device: str
+    cpu_features: list[str]  # on CPU: the SIMD features its kernels were chosen by (empty elsewhere)
+    kernel_build: str | None  # the native kernels' instruction-set build (avx2, avxvnni, ...); None: torch only
+    prefill_dtype: str | None  # its GGUF block layers' prefill products (--prefill-dtype); None: no such layers
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
@@ -189,6 +198,7 @@ class ModelCard(BaseModel):
     root: str
     max_model_len: int
     task: Literal["generate", "embed", "rerank"]
+    runtime: ModelRuntime | None = None  # the generation model's
 
 
 class ModelList(BaseModel):

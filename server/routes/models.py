@@ -1,4 +1,5 @@
-"""GET /v1/models: the loaded models, each with its task ("generate", "embed" or "rerank") and context length;
+"""GET /v1/models: the loaded models, each with its task ("generate", "embed" or "rerank") and context length
+(the generation model's with its `runtime`: device, CPU features, kernel build, prefill dtype);
 GET /v1/models/{id}: one of them (404 `model_not_found` for any other name)."""
 
 from __future__ import annotations
@@ -7,7 +8,7 @@ from fastapi import APIRouter
 
 from server.errors import APIError
 from server.http.openapi import error_responses, gated_responses
-from server.protocol.common import ModelCard, ModelList
+from server.protocol.common import ModelCard, ModelList, ModelRuntime
 from server.state import SharedState
 
 router = APIRouter()
@@ -18,12 +19,20 @@ async def list_models(state: SharedState) -> ModelList:
     config = state.config
     cards = []
     if state.engine is not None:
+        info = state.engine.model_info
+        runtime = ModelRuntime(
+            device=info.device,
+            cpu_features=list(info.cpu_features),
+            kernel_build=info.kernel_build,
+            prefill_dtype=info.prefill_dtype,
+        )
         cards.append(
             ModelCard(
                 id=config.model_name,
                 root=config.engine.model,
                 max_model_len=state.engine.max_model_len,
                 task="generate",
+                runtime=runtime,
             )
         )
     for batcher, encoder_config, task in (

@@ -17,6 +17,7 @@ SERVE_FLAGS = (
     "port",
     "dtype",
     "quantization",
+    "prefill_dtype",
     "device",
     "max_model_len",
     "kv_cache_memory",

@@ -245,6 +245,12 @@ def test_models_tokenize_detokenize(server, client):
     models = client.models.list().data
     assert [m.id for m in models] == [MODEL]
     assert models[0].model_extra["max_model_len"] == 256 and models[0].model_extra["task"] == "generate"
+    from engine.ops import loader
+    from engine.ops.cpu_features import cpu_features
+
+    runtime = models[0].model_extra["runtime"]  # what ran, for a benchmark table: a folder in float32, no GGUF layers
+    assert runtime == {**runtime, "device": "cpu", "cpu_features": list(cpu_features()), "prefill_dtype": None}
+    assert runtime["kernel_build"] in (None, loader.chosen_isa())
 
     tokenized = httpx.post(f"{server.base_url}/tokenize", json={"prompt": PROMPTS[0], "return_token_strs": True}).json()
     assert tokenized["count"] == len(tokenized["tokens"]) and tokenized["max_model_len"] == 256

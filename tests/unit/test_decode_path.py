@@ -14,6 +14,8 @@ import pytest
 from engine.config import EngineConfig
 from engine.llm import LLM
 from engine.models import registry
+from engine.ops import loader
+from engine.ops.cpu_features import cpu_features
 from engine.params import SamplingParams
 from engine.runner.decode_path import DecodePath, choose_decode_path
 from engine.runner.model_runner import FUSED_ROWS_MAX_QUERY, ModelRunner
@@ -35,7 +37,10 @@ def test_int8_llama_on_cpu_runs_the_fused_decode_and_says_so(tiny_model_dirs, ca
     assert runner.decode_plan.native_ops == ("rms_norm", "decode_attention", "int8_linear")
     lines = [r.getMessage() for r in caplog.records if r.name == "engine.runner.model_runner"]
     decode_lines = [line for line in lines if line.startswith("decode path:")]
-    assert decode_lines == [runner.decode_plan.describe()]
+    assert decode_lines == [runner.decode_plan.describe() + runner._machine_line()]
+    # on CPU the line ends with what the kernels were chosen by and built for (no GGUF layers: no prefill dtype)
+    features = " ".join(cpu_features())
+    assert runner._machine_line() == f"; CPU {features}; kernels built for {loader.chosen_isa()}"
     assert "fused native decode" in decode_lines[0] and "quantized float32 LlamaForCausalLM on CPU" in decode_lines[0]
 
 
@@ -46,7 +51,7 @@ def test_float32_llama_runs_the_torch_layers(tiny_model_dirs, caplog):
     assert plan.path is DecodePath.TORCH_LAYERS and runner.fused_decode is None
     assert "neither int8 nor GGUF" in plan.reason
     assert plan.native_ops == (("rms_norm", "decode_attention") if KERNELS_EXPECTED else ())
-    assert plan.describe() in [r.getMessage() for r in caplog.records]
+    assert plan.describe() + runner._machine_line() in [r.getMessage() for r in caplog.records]
     assert "decode path: torch layers" in plan.describe()
 
 

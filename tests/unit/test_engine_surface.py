@@ -13,6 +13,8 @@ import pytest
 import engine
 from engine import LLM, AsyncEngine, EngineConfig, ModelInfo
 from engine.model_info import ATTENTION_FULL, ATTENTION_SLIDING, read_model_info
+from engine.ops import loader
+from engine.ops.cpu_features import cpu_features
 
 SURFACE = Path(engine.__file__)
 
@@ -80,6 +82,10 @@ def test_model_info_describes_the_engine_as_it_runs_the_model(tiny_llama_dir: st
         num_sink_tokens=0,
         max_model_len=64,
         vocab_size=model.vocab_size,
+        device="cpu",
+        cpu_features=cpu_features(),
+        kernel_build=loader.chosen_isa() if llm.engine.runner.decode_plan.native_ops else None,
+        prefill_dtype=None,  # a float32 folder: no GGUF block layers
     )
 
     windowed = LLM.from_config(EngineConfig(model=tiny_llama_dir, block_size=4, sliding_window=8, num_sink_tokens=2))

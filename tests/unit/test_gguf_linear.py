@@ -180,6 +180,50 @@ def test_the_layer_takes_the_kernel_for_few_rows_and_tiles_for_many(monkeypatch)
     assert torch.allclose(decoded, weight.dequantize())
 
 
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "Q4_K", "Q6_K"])
+def test_bfloat16_prefill_products_stay_within_bfloat16_rounding_of_the_reference(qtype):
+    """Each weight and rounded activation cast to bfloat16 (8 significant bits), float32 accumulation, each
+    output rounded once: the error is a few 2^-9 of the products' magnitudes, never float32's numbers."""
+    in_features = _in_features(qtype, 2 if qtype in K_QUANTS else 8)
+    weight, _ = _weight(qtype, 40, in_features)
+    x = torch.randn(gguf_linear.MAX_KERNEL_ROWS + 5, in_features)
+    expected = gguf_linear_reference(x, weight, None)
+    got = gguf_linear_tiled(x, pack(weight), None, torch.bfloat16)
+    assert got.dtype == torch.float32 and not torch.equal(got, expected)
+    magnitude = round_activations_reference(x, weight.activation_block).abs() @ weight.dequantize().abs().t()
+    assert ((got - expected).abs() <= 2**-7 * magnitude + 1e-6).all()
+    assert (got - expected).norm() / expected.norm() < 1e-2
+
+
+@pytest.mark.parametrize("qtype", list(BLOCK_TYPES))
+def test_rows_dequantize_to_bfloat16_as_torch_rounds_their_float32_values(qtype):
+    packed = pack(_weight(qtype, 21, _in_features(qtype, 2 if qtype in K_QUANTS else 6))[0])
+    float32 = dequantize_rows(packed)
+    assert torch.equal(dequantize_rows(packed, dtype=torch.bfloat16), float32.bfloat16())
+    picked = torch.tensor([20, 0, 7])
+    assert torch.equal(dequantize_rows(packed, rows=picked, dtype=torch.bfloat16), float32[picked].bfloat16())
+    assert torch.equal(dequantize_rows(packed, start=3, stop=9, dtype=torch.bfloat16), float32[3:9].bfloat16())
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        dequantize_rows(packed, dtype=torch.float16)
+
+
+def test_the_prefill_dtype_is_set_once_on_every_block_layer_and_reaches_only_many_row_products():
+    from torch import nn
+
+    from engine.quantization import set_prefill_dtype
+
+    weight, _ = _weight("Q4_0", 48, 64)
+    model = nn.Sequential(GgufLinear(pack(weight)), nn.Linear(4, 4), GgufLinear(pack(weight)))
+    many, few = torch.randn(gguf_linear.MAX_KERNEL_ROWS + 1, 64), torch.randn(3, 64)
+    float32_many, float32_few = model[0](many), model[0](few)
+    assert set_prefill_dtype(model, torch.bfloat16) == 2
+    assert model[2].prefill_dtype == torch.bfloat16 and "prefill in bfloat16" in repr(model[0])
+    assert not torch.equal(model[0](many), float32_many)
+    assert (model[0](many) - float32_many).norm() / float32_many.norm() < 1e-2
+    if gguf_linear.available():  # decode-sized batches stay on the integer kernel
+        assert torch.equal(model[0](few), float32_few)
+
+
 def test_the_embedding_looks_up_decoded_rows_and_refuses_foreign_ids():
     weight, decoded = _weight("Q8_0", 50, 64)
     table = GgufEmbedding(pack(weight))

@@ -137,6 +137,39 @@ def test_auto_means_the_gguf_blocks_for_gguf_on_cpu_float32():
         EngineConfig(model="m", quantization="int4")
 
 
+def test_prefill_dtype_auto_is_bfloat16_only_where_the_cpu_multiplies_it_in_hardware(monkeypatch):
+    from engine.ops import cpu_features
+
+    zen4 = "processor : 0\nflags\t\t: fpu sse avx2 fma avx512f avx512bw avx512vl avx512_vnni avx512_bf16\nbugs : x\n"
+    haswell = "flags : fpu avx f16c avx2 fma\n"
+    assert cpu_features.parse_cpuinfo(zen4) == (
+        "avx2",
+        "fma",
+        "avx512f",
+        "avx512bw",
+        "avx512vl",
+        "avx512_vnni",
+        "avx512_bf16",
+    )
+    assert cpu_features.has_bf16_products(cpu_features.parse_cpuinfo(zen4))
+    assert cpu_features.has_vnni(cpu_features.parse_cpuinfo(zen4))
+    assert not cpu_features.has_bf16_products(cpu_features.parse_cpuinfo(haswell))
+    assert not cpu_features.has_vnni(cpu_features.parse_cpuinfo(haswell))
+    assert cpu_features.has_vnni(("avx2", "avx_vnni")) and not cpu_features.has_vnni(("avx512_vnni",))
+    assert cpu_features.has_bf16_products(("amx_tile", "amx_bf16"))
+    assert set(cpu_features.cpu_features()) <= set(cpu_features.KNOWN)
+
+    config = EngineConfig(model="m")
+    assert config.prefill_dtype == "auto"
+    for present, expected in ((True, torch.bfloat16), (False, torch.float32)):
+        monkeypatch.setattr(quantization, "has_bf16_products", lambda present=present: present)
+        assert quantization.resolve_prefill_dtype(config) == expected
+        assert quantization.resolve_prefill_dtype(EngineConfig(model="m", prefill_dtype="float32")) == torch.float32
+        assert quantization.resolve_prefill_dtype(EngineConfig(model="m", prefill_dtype="bfloat16")) == torch.bfloat16
+    with pytest.raises(ValueError, match="prefill_dtype must be one of"):
+        EngineConfig(model="m", prefill_dtype="float16")
+
+
 def test_the_method_table_has_one_entry_per_mode_config_accepts():
     assert quantization.MODES == QUANTIZATION_MODES == ("none", "int8", "gguf", "auto")
     assert (*quantization.METHODS, quantization.AUTO) == QUANTIZATION_MODES
