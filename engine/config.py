@@ -20,9 +20,8 @@ SUPPORTED_DTYPES = tuple(TORCH_DTYPES)
 QUANTIZATION_MODES = ("none", "int8", "gguf", "auto")
 # The methods whose layers run only on CPU with float32 activations.
 CPU_FLOAT32_QUANTIZATIONS = ("int8", "gguf")
-# The values of `--prefill-dtype`: the dtype GGUF block layers multiply large batches (prefill) in;
-# engine.quantization.resolve_prefill_dtype decides auto from the CPU's features.
-PREFILL_DTYPES = ("auto", "float32", "bfloat16")
+# The values of `--prefill-dtype`: the dtype GGUF block layers multiply large batches (prefill) in.
+PREFILL_DTYPES = ("float32", "bfloat16")
 # How an embedding model turns per-token hidden states into one vector (engine/pooling/embedder.py `pool`).
 POOLING_MODES = ("mean", "cls", "last")
 
@@ -91,7 +90,8 @@ class EngineConfig:
     quantization: one of QUANTIZATION_MODES; engine/loader.py resolves auto (engine.quantization.resolve).
     prefill_dtype: one of PREFILL_DTYPES: the dtype of the GGUF block layers' products over more rows than
         their integer kernel takes (prefill): the weight tile dequantized to it and the rounded activations
-        cast to it. auto: bfloat16 where the CPU multiplies it in hardware (AVX-512 BF16, AMX), else float32.
+        cast to it. bfloat16 is several times faster where the CPU multiplies it in hardware (AVX-512 BF16,
+        AMX) and further from float32 (README: Engine); float32 gives the decode kernel's numbers.
     speculative: speculative decoding (None: off).
     tokenizer: a Hugging Face tokenizer directory used instead of the model's own tokenizer (for a GGUF
         file: instead of the one its metadata makes); its ids must fit the model's embedding table.
@@ -113,7 +113,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     num_threads: int | None = None
     quantization: str = "none"
-    prefill_dtype: str = "auto"
+    prefill_dtype: str = "float32"
     speculative: SpeculativeConfig | None = None
     tokenizer: str | None = None
     chat_template: str | None = None

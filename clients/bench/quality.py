@@ -98,7 +98,11 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--model", default="smollm2-135m-instruct", help="a GGUF file or a default-model name")
-    parser.add_argument("--modes", default="gguf,int8", help="kvserve quantization modes to compare")
+    parser.add_argument(
+        "--modes",
+        default="gguf,int8",
+        help="kvserve quantization modes to compare (gguf/float32: with a --prefill-dtype)",
+    )
     parser.add_argument("--ctx", type=int, default=512, help="tokens per scored chunk")
     parser.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp")
     args = parser.parse_args(argv)

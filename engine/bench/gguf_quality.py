@@ -6,7 +6,8 @@
 The reference is the same file dequantized to float32 (`--quantization none`, which equals transformers
 within 1e-4). A fixed text (engine/bench/quality_text.md, ~3,500 tokens) is cut into chunks of --ctx
 tokens whose second halves are scored, as llama.cpp's `llama-perplexity` scores them; for each kvserve
-quantization mode: the mean KL divergence from the reference, the mean |difference| of the actual next
+quantization mode (`gguf/float32`: with its --prefill-dtype): the mean KL divergence from the reference,
+the mean |difference| of the actual next
 token's logprob, and how often the likeliest token is the reference's. Then 8 held-out prompts get 64
 greedy tokens from the reference and from each mode (clients/bench/quality.py compares the answers,
 llama.cpp's included). With --llama-perplexity, llama.cpp's KL divergence and top-token agreement on
@@ -82,7 +83,15 @@ def _chunk_logprobs(llm: LLM, tokens: list[int]) -> torch.Tensor:
 
 
 def _engine(model: Path, mode: str, ctx: int) -> LLM:
-    return LLM.from_config(EngineConfig(model=str(model), quantization=mode, max_num_batched_tokens=max(2048, ctx)))
+    """mode: a quantization mode, or one with its prefill dtype after a slash (`gguf/float32`)."""
+    quantization, _, prefill = mode.partition("/")
+    config = EngineConfig(
+        model=str(model),
+        quantization=quantization,
+        prefill_dtype=prefill or "float32",
+        max_num_batched_tokens=max(2048, ctx),
+    )
+    return LLM.from_config(config)
 
 
 def measure(model: Path, modes: list[str], ctx: int) -> tuple[Quality, list[Quality], list[list[int]]]:
@@ -174,7 +183,11 @@ def llama_cpp_kl(binary: Path, model: Path, ctx: int) -> Quality:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=DEFAULT_GENERATION_MODEL, help="a GGUF file or a default-model name")
-    parser.add_argument("--modes", default="gguf,int8", help="kvserve quantization modes to compare")
+    parser.add_argument(
+        "--modes",
+        default="gguf,int8",
+        help="kvserve quantization modes to compare (gguf/float32: with a --prefill-dtype)",
+    )
     parser.add_argument("--ctx", type=int, default=512, help="tokens per scored chunk")
     parser.add_argument("--llama-perplexity", type=Path, default=None, help="llama.cpp's binary, to measure it too")
     parser.add_argument("--json", action="store_true", help="print JSON instead of lines")

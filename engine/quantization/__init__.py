@@ -7,8 +7,8 @@ and one module per method.
   swapped in while the weights load; the other linear layers become int8 (CPU, float32).
 - auto: gguf for a GGUF file on CPU in float32, none otherwise (`resolve`).
 
-`--prefill-dtype auto` is decided here too (`resolve_prefill_dtype`): the GGUF layers' large-batch products
-run in bfloat16 where the CPU multiplies it in hardware.
+`--prefill-dtype` is resolved here too (`resolve_prefill_dtype`): the dtype of the GGUF layers' large-batch
+products, with a warning where the CPU would emulate bfloat16.
 
 Each method is one QuantizationMethod (method.py): how its weights load and which layer replaces
 nn.Linear. The names a user may set, and the CPU-float32 rule, are validated with the rest of the
@@ -18,6 +18,7 @@ The kernels the layers call live in engine/ops.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
@@ -47,6 +48,7 @@ __all__ = [
 METHODS: dict[str, QuantizationMethod] = {m.name: m for m in (none.METHOD, int8.METHOD, gguf.METHOD)}
 AUTO = "auto"
 MODES = QUANTIZATION_MODES
+logger = logging.getLogger(__name__)
 
 
 def method(name: str) -> QuantizationMethod:
@@ -72,11 +74,12 @@ def resolve(config: EngineConfig, checkpoint: str | Path) -> QuantizationMethod:
 
 
 def resolve_prefill_dtype(config: EngineConfig) -> torch.dtype:
-    """The dtype `config.prefill_dtype` means on this machine: auto is bfloat16 where the CPU has AVX-512
-    BF16 or AMX (several times float32's rate), float32 elsewhere (where bfloat16 products are slower)."""
-    if config.prefill_dtype == AUTO:
-        return torch.bfloat16 if has_bf16_products() else torch.float32
-    return TORCH_DTYPES[config.prefill_dtype]
+    """The torch dtype of `config.prefill_dtype`. bfloat16 on a CPU without AVX-512 BF16 or AMX runs (oneDNN
+    emulates it) slower than float32: a warning says so."""
+    dtype = TORCH_DTYPES[config.prefill_dtype]
+    if dtype == torch.bfloat16 and config.device == "cpu" and not has_bf16_products():
+        logger.warning("prefill dtype bfloat16 on a CPU without AVX-512 BF16 or AMX: slower than float32 here")
+    return dtype
 
 
 def set_prefill_dtype(model: nn.Module, dtype: torch.dtype) -> int:

@@ -47,9 +47,7 @@ def mixed_gguf(tmp_path_factory):
 @pytest.fixture(scope="module")
 def engines(mixed_gguf):
     """(the file on its blocks, the file dequantized to float32): the second is the reference."""
-    # float32 prefill products: the kernel's numbers whatever the batch (bfloat16's have a test of their own)
-    config = EngineConfig(model=str(mixed_gguf), quantization="gguf", block_size=4, prefill_dtype="float32")
-    blocks = LLM.from_config(config)
+    blocks = LLM.from_config(EngineConfig(model=str(mixed_gguf), quantization="gguf", block_size=4))
     reference = LLM(
         _float_engine(blocks, EngineConfig(model=str(mixed_gguf), quantization="none", block_size=4)),
         blocks.tokenizer,

@@ -137,7 +137,7 @@ def test_auto_means_the_gguf_blocks_for_gguf_on_cpu_float32():
         EngineConfig(model="m", quantization="int4")
 
 
-def test_prefill_dtype_auto_is_bfloat16_only_where_the_cpu_multiplies_it_in_hardware(monkeypatch):
+def test_the_cpu_features_say_where_bfloat16_and_vnni_run_and_the_prefill_dtype_warns_without_them(monkeypatch, caplog):
     from engine.ops import cpu_features
 
     zen4 = "processor : 0\nflags\t\t: fpu sse avx2 fma avx512f avx512bw avx512vl avx512_vnni avx512_bf16\nbugs : x\n"
@@ -159,13 +159,14 @@ def test_prefill_dtype_auto_is_bfloat16_only_where_the_cpu_multiplies_it_in_hard
     assert cpu_features.has_bf16_products(("amx_tile", "amx_bf16"))
     assert set(cpu_features.cpu_features()) <= set(cpu_features.KNOWN)
 
-    config = EngineConfig(model="m")
-    assert config.prefill_dtype == "auto"
-    for present, expected in ((True, torch.bfloat16), (False, torch.float32)):
+    assert EngineConfig(model="m").prefill_dtype == "float32"  # the decode kernel's numbers by default
+    bf16 = EngineConfig(model="m", prefill_dtype="bfloat16")
+    for present in (True, False):
         monkeypatch.setattr(quantization, "has_bf16_products", lambda present=present: present)
-        assert quantization.resolve_prefill_dtype(config) == expected
-        assert quantization.resolve_prefill_dtype(EngineConfig(model="m", prefill_dtype="float32")) == torch.float32
-        assert quantization.resolve_prefill_dtype(EngineConfig(model="m", prefill_dtype="bfloat16")) == torch.bfloat16
+        caplog.clear()
+        assert quantization.resolve_prefill_dtype(EngineConfig(model="m")) == torch.float32
+        assert quantization.resolve_prefill_dtype(bf16) == torch.bfloat16
+        assert ("slower than float32 here" in caplog.text) is not present
     with pytest.raises(ValueError, match="prefill_dtype must be one of"):
         EngineConfig(model="m", prefill_dtype="float16")
 
