@@ -76,8 +76,11 @@ def _make_app(async_reranker, *, served: bool = True) -> FastAPI:
         max_client_batch_size=MAX_CLIENT_BATCH_SIZE,
     )
     state = ServerState(config=config, is_ready=True)
-    # only its name and context length are read here
-    state.engine = types.SimpleNamespace(model_name=GENERATION_MODEL, max_model_len=128, is_healthy=True)
+    # only its name, context length and what it runs on are read here
+    runtime = types.SimpleNamespace(device="cpu", cpu_features=("avx2",), kernel_build="avx2", prefill_dtype=None)
+    state.engine = types.SimpleNamespace(
+        model_name=GENERATION_MODEL, max_model_len=128, is_healthy=True, model_info=runtime
+    )
     state.reranker = async_reranker if served else None
     state.metrics = _RecordingMetrics()
     attach_state(app, state)
