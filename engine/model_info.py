@@ -65,5 +65,5 @@ def read_model_info(llm_engine: LLMEngine) -> ModelInfo:
         device=str(runner.device),
         cpu_features=cpu_features() if on_cpu else (),
         kernel_build=loader.chosen_isa() if on_cpu and runner.decode_plan.native_ops else None,
-        prefill_dtype=str(runner.prefill_dtype).removeprefix("torch.") if runner.prefill_dtype is not None else None,
+        prefill_dtype=runner.prefill_dtype,
     )

@@ -7,8 +7,8 @@ path (`gguf_linear_tiled`, in float32 and in bfloat16: `--prefill-dtype`), float
 weight (the baseline) and the per-channel int8 kernel (up to its 48 rows), best of --repeats, with GMAC/s and
 the speed-up over float32. The default shape is a 1.1B LLaMA's fused gate/up projection (TinyLlama's FFN 5632
 x 2, hidden 2048). Weights are random normal, quantized by the `gguf` package (K-quants: random blocks of the
-type). Ratios, not absolute times, are the
-point: this machine's speed varies. The CPU's features are printed above the table.
+type). Ratios, not absolute times, are the point: this machine's speed varies. The CPU's features are printed
+above the table.
 """
 
 from __future__ import annotations

@@ -58,10 +58,3 @@ def has_bf16_products(features: tuple[str, ...] | None = None) -> bool:
     """Whether bfloat16 matrix products run in hardware (AVX-512 BF16 or AMX), several times float32's rate."""
     present = cpu_features() if features is None else features
     return "avx512_bf16" in present or "amx_bf16" in present
-
-
-def has_vnni(features: tuple[str, ...] | None = None) -> bool:
-    """Whether 256-bit int8 dot products have one-instruction multiply-accumulate (VNNI), in AVX-512's
-    encoding (with VL) or the AVX one."""
-    present = cpu_features() if features is None else features
-    return ("avx512_vnni" in present and "avx512vl" in present) or "avx_vnni" in present

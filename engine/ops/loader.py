@@ -92,10 +92,11 @@ def library_path(name: str, isa: str | None = None) -> Path:
     """Where the `isa` build (default: `chosen_isa()`) of `engine/ops/<name>.c` is cached: keyed by the
     sources and flags. Every .c file counts, because a kernel may #include another.
     """
-    flags = build_flags(isa or chosen_isa())
+    isa = isa or chosen_isa()
+    flags = build_flags(isa)
     sources = [SOURCE_DIR / f"{name}.c", *sorted(SOURCE_DIR.glob("*.c"))]
     digest = hashlib.sha256(b"".join(p.read_bytes() for p in sources) + " ".join(flags).encode()).hexdigest()[:16]
-    suffix = "" if flags == CFLAGS else f"-{isa or chosen_isa()}"
+    suffix = "" if flags == CFLAGS else f"-{isa}"
     return kvserve_home() / "kernels" / f"{name}{suffix}-{digest}.so"
 
 
@@ -115,10 +116,17 @@ def _build(source: Path, target: Path, flags: tuple[str, ...]) -> None:
     logger.info("built native kernel %s", target)
 
 
-def _load_build(name: str, isa: str) -> ctypes.CDLL:
+def _built(name: str, isa: str) -> Path:
+    """The `isa` build of `engine/ops/<name>.c`, compiled unless cached (a cached build needs no compiler,
+    e.g. in a slim runtime image)."""
     target = library_path(name, isa)
-    if not target.exists():  # a cached build needs no compiler (e.g. a slim runtime image)
+    if not target.exists():
         _build(SOURCE_DIR / f"{name}.c", target, build_flags(isa))
+    return target
+
+
+def _load_build(name: str, isa: str) -> ctypes.CDLL:
+    target = _built(name, isa)
     try:
         return ctypes.CDLL(str(target))
     except OSError as error:
@@ -149,11 +157,8 @@ def prebuild(name: str) -> list[Path]:
     runs (an image's kernels stage: the machine that runs the image picks its own); returns the files."""
     built = []
     for isa in ISA_BUILDS:
-        target = library_path(name, isa)
         try:
-            if not target.exists():
-                _build(SOURCE_DIR / f"{name}.c", target, build_flags(isa))
-            built.append(target)
+            built.append(_built(name, isa))
         except KernelUnavailable as error:
             logger.warning("native kernel %s: no %s build: %s", name, isa, error)
     return built

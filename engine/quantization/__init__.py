@@ -7,7 +7,7 @@ and one module per method.
   swapped in while the weights load; the other linear layers become int8 (CPU, float32).
 - auto: gguf for a GGUF file on CPU in float32, none otherwise (`resolve`).
 
-`--prefill-dtype` is resolved here too (`resolve_prefill_dtype`): the dtype of the GGUF layers' large-batch
+`--prefill-dtype` is applied here too (`apply_prefill_dtype`): the dtype of the GGUF layers' large-batch
 products, with a warning where the CPU would emulate bfloat16.
 
 Each method is one QuantizationMethod (method.py): how its weights load and which layer replaces
@@ -40,8 +40,7 @@ __all__ = [
     "method",
     "native_linear_ops",
     "resolve",
-    "resolve_prefill_dtype",
-    "set_prefill_dtype",
+    "apply_prefill_dtype",
 ]
 
 # One entry per value of MODES but auto, in that order (tests/unit/test_quantization.py holds them equal).
@@ -73,21 +72,19 @@ def resolve(config: EngineConfig, checkpoint: str | Path) -> QuantizationMethod:
     return chosen
 
 
-def resolve_prefill_dtype(config: EngineConfig) -> torch.dtype:
-    """The torch dtype of `config.prefill_dtype`. bfloat16 on a CPU without AVX-512 BF16 or AMX runs (oneDNN
-    emulates it) slower than float32: a warning says so."""
+def apply_prefill_dtype(model: nn.Module, config: EngineConfig) -> str | None:
+    """Sets `config.prefill_dtype` as the large-batch product dtype of `model`'s GGUF block layers, once at
+    load; returns it, or None when the model has no such layers. bfloat16 on a CPU without AVX-512 BF16 or
+    AMX runs (oneDNN emulates it) slower than float32: a warning says so."""
+    layers = [m for m in model.modules() if isinstance(m, gguf.GgufLinear)]
+    if not layers:
+        return None
     dtype = TORCH_DTYPES[config.prefill_dtype]
     if dtype == torch.bfloat16 and config.device == "cpu" and not has_bf16_products():
         logger.warning("prefill dtype bfloat16 on a CPU without AVX-512 BF16 or AMX: slower than float32 here")
-    return dtype
-
-
-def set_prefill_dtype(model: nn.Module, dtype: torch.dtype) -> int:
-    """Sets the large-batch product dtype of `model`'s GGUF block layers, once at load; returns their count."""
-    layers = [m for m in model.modules() if isinstance(m, gguf.GgufLinear)]
     for layer in layers:
         layer.prefill_dtype = dtype
-    return len(layers)
+    return config.prefill_dtype
 
 
 def native_linear_ops(model: nn.Module) -> tuple[str, ...]:

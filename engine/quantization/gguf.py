@@ -50,7 +50,7 @@ class GgufLinear(_BlockBuffers):
         super().__init__(weight)
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
         # The dtype of products over more rows than the integer kernel takes; set once at load
-        # (engine.quantization.set_prefill_dtype).
+        # (engine.quantization.apply_prefill_dtype).
         self.prefill_dtype = torch.float32
 
     @staticmethod
@@ -69,7 +69,8 @@ class GgufLinear(_BlockBuffers):
         return KernelWeight(self.kernel_type, self.blocks.data_ptr(), None, bias, self.out_features)
 
     def extra_repr(self) -> str:
-        prefill = "" if self.prefill_dtype == torch.float32 else f", prefill in {str(self.prefill_dtype)[6:]}"
+        dtype = str(self.prefill_dtype).removeprefix("torch.")
+        prefill = "" if self.prefill_dtype == torch.float32 else f", prefill in {dtype}"
         return f"in_features={self.in_features}, out_features={self.out_features}, GGUF {self.qtype} blocks{prefill}"
 
 

@@ -83,9 +83,7 @@ class ModelRunner:
         if quantized is not None:
             logger.info("weights: %s", quantized)
         # What GGUF block layers multiply prefill batches in (None: the model has no such layers).
-        self.prefill_dtype: torch.dtype | None = quantization.resolve_prefill_dtype(config)
-        if not quantization.set_prefill_dtype(model, self.prefill_dtype):
-            self.prefill_dtype = None
+        self.prefill_dtype = quantization.apply_prefill_dtype(model, config)
         self.model = model.eval().requires_grad_(False)
         shape = (num_blocks, config.block_size, model_config.num_kv_heads, model_config.head_dim)
         # One (key, value) pair per slot of a block, allocated once for the whole life of the engine; each
@@ -110,7 +108,7 @@ class ModelRunner:
         if self.device.type != "cpu":
             return ""
         build = f"; kernels built for {loader.chosen_isa()}" if self.decode_plan.native_ops else ""
-        prefill = f"; prefill products in {str(self.prefill_dtype)[6:]}" if self.prefill_dtype is not None else ""
+        prefill = f"; prefill products in {self.prefill_dtype}" if self.prefill_dtype is not None else ""
         return f"; CPU {' '.join(cpu_features()) or 'features unknown'}{build}{prefill}"
 
     def build_inputs(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, list[AttentionMetadata]]:

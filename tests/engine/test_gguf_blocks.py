@@ -121,7 +121,8 @@ def test_bfloat16_prefill_products_stay_close_to_the_float32_ones(engines, mixed
     with caplog.at_level(logging.INFO, logger="engine.runner.model_runner"):
         bf16 = LLM(_float_engine(blocks, config, keep_blocks=True), blocks.tokenizer)
     assert "prefill products in bfloat16" in caplog.text
-    assert bf16.engine.runner.prefill_dtype == torch.bfloat16
+    assert bf16.engine.runner.prefill_dtype == "bfloat16"
+    assert bf16.engine.runner.model.lm_head.prefill_dtype == torch.bfloat16
     prompt = _prompts(blocks, 1, extra=60)[0]
     params = SamplingParams(max_tokens=8, temperature=0, prompt_logprobs=0, ignore_eos=True)
     ours, theirs = bf16.generate([prompt], params)[0][0], blocks.generate([prompt], params)[0][0]

@@ -27,6 +27,7 @@ from engine.ops.gguf_linear import (
 from engine.ops.loader import unavailable_reason
 from engine.quantization import kernel_weight
 from engine.quantization.gguf import GgufEmbedding, GgufLinear
+from tests.support.gguf_weights import block_weight
 
 needs_kernel = pytest.mark.skipif(
     not gguf_linear.available(), reason=f"GGUF block kernel unavailable: {unavailable_reason('gguf_blocks')}"
@@ -34,19 +35,6 @@ needs_kernel = pytest.mark.skipif(
 
 
 K_QUANTS = list(K_QUANT_FALLBACK)
-
-
-def _weight(qtype: str, out_features: int, in_features: int, seed: int = 0) -> tuple[BlockWeight, torch.Tensor]:
-    """Blocks quantized by the gguf package (the format llama.cpp writes), or random K-quant blocks (which it
-    cannot write), and their values as the package decodes them."""
-    kind = gguf.GGMLQuantizationType[qtype]
-    if qtype in K_QUANTS:
-        raw = random_k_quant_blocks(np.random.default_rng(seed), qtype, out_features, in_features, 1.0)
-    else:
-        generator = torch.Generator().manual_seed(seed)
-        raw = gguf.quants.quantize(torch.randn(out_features, in_features, generator=generator).numpy(), kind)
-    decoded = torch.from_numpy(gguf.quants.dequantize(raw, kind).copy())
-    return BlockWeight(qtype, torch.from_numpy(raw.copy()), in_features), decoded
 
 
 def _in_features(qtype: str, blocks: int) -> int:
@@ -57,7 +45,7 @@ def _in_features(qtype: str, blocks: int) -> int:
 @pytest.mark.parametrize("blocks", [3, 4])  # 3 blocks a row stay in the file's layout, 4 are paired (4-bit)
 def test_blocks_decode_as_the_gguf_package_decodes_them(qtype, blocks):
     in_features = _in_features(qtype, blocks)
-    weight, decoded = _weight(qtype, 41, in_features)
+    weight, decoded = block_weight(qtype, 41, in_features)
     assert torch.equal(dequantize_reference(weight), decoded)
     packed = pack(weight)
     paired = gguf_linear.available() and qtype in ("Q4_0", "Q4_1") and blocks == 4
@@ -147,7 +135,7 @@ def test_activation_rounding_is_per_block_and_within_half_a_step(block):
 @pytest.mark.parametrize("blocks", [5, 6])  # an odd and an even number of blocks a row
 def test_the_kernel_matches_the_reference(qtype, rows, blocks):
     in_features = _in_features(qtype, blocks)
-    weight, _ = _weight(qtype, 70, in_features)
+    weight, _ = block_weight(qtype, 70, in_features)
     x = torch.randn(rows, in_features)
     bias = torch.randn(70)
     expected = gguf_linear_reference(x, weight, bias)
@@ -160,7 +148,7 @@ def test_the_kernel_matches_the_reference(qtype, rows, blocks):
 @pytest.mark.parametrize("qtype", list(BLOCK_TYPES))
 def test_a_rows_result_does_not_depend_on_its_batch(qtype):
     """Rows go through the kernel in groups of up to 4; each is summed in the same order in any group."""
-    packed = pack(_weight(qtype, 33, 512, seed=1)[0])
+    packed = pack(block_weight(qtype, 33, 512, seed=1)[0])
     x = torch.randn(11, 512)
     batched = gguf_linear_native(x, packed, None)
     one_by_one = torch.cat([gguf_linear_native(x[i : i + 1], packed, None) for i in range(11)])
@@ -168,7 +156,7 @@ def test_a_rows_result_does_not_depend_on_its_batch(qtype):
 
 
 def test_the_layer_takes_the_kernel_for_few_rows_and_tiles_for_many(monkeypatch):
-    weight, decoded = _weight("Q4_1", 300, 64)
+    weight, decoded = block_weight("Q4_1", 300, 64)
     layer = GgufLinear(pack(weight))
     monkeypatch.setattr(gguf_linear, "TILE_BYTES", 64 * 4 * 50)  # 50-row tiles: several tiles and a ragged end
     many = torch.randn(gguf_linear.MAX_KERNEL_ROWS + 3, 64)
@@ -185,7 +173,7 @@ def test_bfloat16_prefill_products_stay_within_bfloat16_rounding_of_the_referenc
     """Each weight and rounded activation cast to bfloat16 (8 significant bits), float32 accumulation, each
     output rounded once: the error is a few 2^-9 of the products' magnitudes, never float32's numbers."""
     in_features = _in_features(qtype, 2 if qtype in K_QUANTS else 8)
-    weight, _ = _weight(qtype, 40, in_features)
+    weight, _ = block_weight(qtype, 40, in_features)
     x = torch.randn(gguf_linear.MAX_KERNEL_ROWS + 5, in_features)
     expected = gguf_linear_reference(x, weight, None)
     got = gguf_linear_tiled(x, pack(weight), None, torch.bfloat16)
@@ -197,7 +185,7 @@ def test_bfloat16_prefill_products_stay_within_bfloat16_rounding_of_the_referenc
 
 @pytest.mark.parametrize("qtype", list(BLOCK_TYPES))
 def test_rows_dequantize_to_bfloat16_as_torch_rounds_their_float32_values(qtype):
-    packed = pack(_weight(qtype, 21, _in_features(qtype, 2 if qtype in K_QUANTS else 6))[0])
+    packed = pack(block_weight(qtype, 21, _in_features(qtype, 2 if qtype in K_QUANTS else 6))[0])
     float32 = dequantize_rows(packed)
     assert torch.equal(dequantize_rows(packed, dtype=torch.bfloat16), float32.bfloat16())
     picked = torch.tensor([20, 0, 7])
@@ -207,17 +195,28 @@ def test_rows_dequantize_to_bfloat16_as_torch_rounds_their_float32_values(qtype)
         dequantize_rows(packed, dtype=torch.float16)
 
 
-def test_the_prefill_dtype_is_set_once_on_every_block_layer_and_reaches_only_many_row_products():
+def test_the_prefill_dtype_is_set_once_on_every_block_layer_and_reaches_only_many_row_products(monkeypatch, caplog):
     from torch import nn
 
-    from engine.quantization import set_prefill_dtype
+    from engine import quantization
+    from engine.config import EngineConfig
 
-    weight, _ = _weight("Q4_0", 48, 64)
+    weight, _ = block_weight("Q4_0", 48, 64)
     model = nn.Sequential(GgufLinear(pack(weight)), nn.Linear(4, 4), GgufLinear(pack(weight)))
     many, few = torch.randn(gguf_linear.MAX_KERNEL_ROWS + 1, 64), torch.randn(3, 64)
     float32_many, float32_few = model[0](many), model[0](few)
-    assert set_prefill_dtype(model, torch.bfloat16) == 2
-    assert model[2].prefill_dtype == torch.bfloat16 and "prefill in bfloat16" in repr(model[0])
+    bf16 = EngineConfig(model="m", prefill_dtype="bfloat16")
+    assert quantization.apply_prefill_dtype(nn.Sequential(nn.Linear(4, 4)), bf16) is None  # no GGUF layers
+    for present in (False, True):  # a warning only where the CPU would emulate bfloat16
+        monkeypatch.setattr(quantization, "has_bf16_products", lambda present=present: present)
+        caplog.clear()
+        assert quantization.apply_prefill_dtype(model, EngineConfig(model="m")) == "float32"
+        assert model[0].prefill_dtype == model[2].prefill_dtype == torch.float32
+        assert quantization.apply_prefill_dtype(model, bf16) == "bfloat16"
+        assert ("slower than float32 here" in caplog.text) is not present
+    assert model[0].prefill_dtype == model[2].prefill_dtype == torch.bfloat16 and "prefill in bfloat16" in repr(
+        model[0]
+    )
     assert not torch.equal(model[0](many), float32_many)
     assert (model[0](many) - float32_many).norm() / float32_many.norm() < 1e-2
     if gguf_linear.available():  # decode-sized batches stay on the integer kernel
@@ -225,7 +224,7 @@ def test_the_prefill_dtype_is_set_once_on_every_block_layer_and_reaches_only_man
 
 
 def test_the_embedding_looks_up_decoded_rows_and_refuses_foreign_ids():
-    weight, decoded = _weight("Q8_0", 50, 64)
+    weight, decoded = block_weight("Q8_0", 50, 64)
     table = GgufEmbedding(pack(weight))
     ids = torch.tensor([[3, 49], [0, 3]])
     assert torch.equal(table(ids), decoded[ids])
@@ -234,7 +233,7 @@ def test_the_embedding_looks_up_decoded_rows_and_refuses_foreign_ids():
 
 
 def test_the_layer_tells_the_fused_kernel_its_blocks_and_type():
-    weight, _ = _weight("Q4_0", 8, 128)
+    weight, _ = block_weight("Q4_0", 8, 128)
     bias = torch.randn(8)
     layer = GgufLinear(pack(weight), bias)
     read = kernel_weight(layer)
@@ -246,9 +245,9 @@ def test_the_layer_tells_the_fused_kernel_its_blocks_and_type():
 
 
 def test_fused_projections_stay_blocks_only_when_their_types_match():
-    q, _ = _weight("Q4_0", 8, 64)
-    k, _ = _weight("Q4_0", 4, 64, seed=2)
-    v, _ = _weight("Q8_0", 4, 64, seed=3)
+    q, _ = block_weight("Q4_0", 8, 64)
+    k, _ = block_weight("Q4_0", 4, 64, seed=2)
+    v, _ = block_weight("Q8_0", 4, 64, seed=3)
     fused = cat_weights([q, k])
     assert fused is not None and fused.shape == (12, 64) and torch.equal(fused.dequantize()[8:], k.dequantize())
     assert cat_weights([q, k, v]) is None

@@ -7,13 +7,12 @@ from __future__ import annotations
 import ctypes
 import logging
 
-import numpy as np
 import pytest
 import torch
 
-from engine.bench.random_gguf import random_k_quant_blocks
-from engine.ops import gguf_linear, loader
-from engine.ops.gguf_linear import BLOCK_TYPES, BlockWeight, pack
+from engine.ops import cpu_features, gguf_linear, loader
+from engine.ops.gguf_linear import BLOCK_TYPES, pack
+from tests.support.gguf_weights import block_weight
 from tests.support.native_kernels import needs_kernels
 
 VNNI_BUILDS = [isa for isa in loader.ISA_BUILDS if isa != loader.BASELINE_ISA]
@@ -45,6 +44,9 @@ def test_the_best_build_the_cpu_runs_is_chosen_and_an_asked_one_it_cannot_run_is
     assert features(*avx2, "avx512f", "avx512vl", "avx512_vnni", "avx_vnni") == "avxvnni"
     assert features(*avx2, "avx512f", "avx512vl", "avx512_vnni", "avx_vnni", asked="avx2") == "avx2"
     assert features(*avx2, "avx512f", "avx512vl", "avx512_vnni", asked="avx512vnni") == "avx512vnni"
+    zen4 = "flags\t\t: fpu sse avx2 fma f16c avx512f avx512bw avx512vl avx512_vnni avx512_bf16\n"
+    assert features(*cpu_features.parse_cpuinfo(zen4)) == "avx512vnni"
+    assert features(*cpu_features.parse_cpuinfo("flags : fpu avx f16c avx2 fma\n")) == "avx2"
     with caplog.at_level(logging.WARNING, logger=loader.__name__):
         assert features(*avx2, asked="avxvnni") == "avx2"
         assert features(*avx2, "avx_vnni", asked="sse2") == "avxvnni"
@@ -66,17 +68,6 @@ def _gemm(build: ctypes.CDLL):
     return function
 
 
-def _weight(qtype: str, rows: int, in_features: int) -> BlockWeight:
-    if BLOCK_TYPES[qtype][2] == 256:
-        raw = random_k_quant_blocks(np.random.default_rng(1), qtype, rows, in_features, 1.0)
-    else:
-        import gguf
-
-        dense = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(1)).numpy()
-        raw = gguf.quants.quantize(dense, gguf.GGMLQuantizationType[qtype])
-    return BlockWeight(qtype, torch.from_numpy(raw.copy()), in_features)
-
-
 @needs_kernels
 @pytest.mark.parametrize("isa", VNNI_BUILDS)
 def test_a_vnni_build_gives_the_avx2_builds_numbers_bit_for_bit(isa):
@@ -90,7 +81,7 @@ def test_a_vnni_build_gives_the_avx2_builds_numbers_bit_for_bit(isa):
     for qtype in BLOCK_TYPES:
         in_features = 512 if BLOCK_TYPES[qtype][2] == 256 else 32 * 7  # 7 blocks: the file layout; 8: paired
         for width in (in_features, 512):
-            packed = pack(_weight(qtype, 37, width))
+            packed = pack(block_weight(qtype, 37, width, seed=1)[0])
             x = torch.randn(9, width) * 3
             bias = torch.randn(37)
             outputs = []

@@ -137,7 +137,7 @@ def test_auto_means_the_gguf_blocks_for_gguf_on_cpu_float32():
         EngineConfig(model="m", quantization="int4")
 
 
-def test_the_cpu_features_say_where_bfloat16_and_vnni_run_and_the_prefill_dtype_warns_without_them(monkeypatch, caplog):
+def test_the_cpu_features_say_where_bfloat16_runs_and_the_prefill_dtype_is_float32_by_default():
     from engine.ops import cpu_features
 
     zen4 = "processor : 0\nflags\t\t: fpu sse avx2 fma avx512f avx512bw avx512vl avx512_vnni avx512_bf16\nbugs : x\n"
@@ -152,21 +152,13 @@ def test_the_cpu_features_say_where_bfloat16_and_vnni_run_and_the_prefill_dtype_
         "avx512_bf16",
     )
     assert cpu_features.has_bf16_products(cpu_features.parse_cpuinfo(zen4))
-    assert cpu_features.has_vnni(cpu_features.parse_cpuinfo(zen4))
     assert not cpu_features.has_bf16_products(cpu_features.parse_cpuinfo(haswell))
-    assert not cpu_features.has_vnni(cpu_features.parse_cpuinfo(haswell))
-    assert cpu_features.has_vnni(("avx2", "avx_vnni")) and not cpu_features.has_vnni(("avx512_vnni",))
     assert cpu_features.has_bf16_products(("amx_tile", "amx_bf16"))
+    # which of them VNNI builds need: tests/unit/test_kernel_builds.py (the loader's ISA_BUILDS)
     assert set(cpu_features.cpu_features()) <= set(cpu_features.KNOWN)
 
     assert EngineConfig(model="m").prefill_dtype == "float32"  # the decode kernel's numbers by default
-    bf16 = EngineConfig(model="m", prefill_dtype="bfloat16")
-    for present in (True, False):
-        monkeypatch.setattr(quantization, "has_bf16_products", lambda present=present: present)
-        caplog.clear()
-        assert quantization.resolve_prefill_dtype(EngineConfig(model="m")) == torch.float32
-        assert quantization.resolve_prefill_dtype(bf16) == torch.bfloat16
-        assert ("slower than float32 here" in caplog.text) is not present
+    # applied to a model's GGUF layers, with its warning: tests/unit/test_gguf_linear.py
     with pytest.raises(ValueError, match="prefill_dtype must be one of"):
         EngineConfig(model="m", prefill_dtype="float16")
 
