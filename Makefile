@@ -8,44 +8,71 @@ VENV ?= .venv
 # an unpinned torch would pull a multi-GB CUDA build. The Dockerfile overrides these two.
 TORCH_SPEC ?= torch==2.13.0
 TORCH_PIP_ARGS ?=
-EXTRAS ?= dev
-# The runtime dependencies pinned (pip-compile from pyproject.toml; `make lock` refreshes it): `make install`
+# Optional run-time extras: `ray` (Ray Serve, `kvserve serve --replicas`) installs $(RAY_LOCK) instead of
+# $(LOCK); `gpu` adds triton (the CUDA attention kernels).
+EXTRAS ?=
+# The runtime dependencies pinned (pip-compile from pyproject.toml; `make lock` refreshes it): `make serve`
 # and the image both install exactly these versions, so the image runs what the tests ran.
 LOCK := deploy/requirements.lock
 # The same plus the `ray` extra (Ray Serve), held to the versions above.
 RAY_LOCK := deploy/requirements-ray.lock
+# The test bench (the `dev` extra: pytest, ruff, the reference libraries, mkdocs), held to both locks above.
+DEV_LOCK := deploy/requirements-dev.lock
 WHEELHOUSE ?= deploy/wheelhouse
 # What `make wheelhouse` fetches: $(RAY_LOCK) instead for an `EXTRAS=ray` image built with no network.
 WHEELHOUSE_LOCK ?= $(LOCK)
 DEFAULT_MODELS ?= smollm2-135m-instruct all-minilm-l6-v2
 ARGS ?=
 PYTEST_ARGS ?=
+DOCS_ADDR ?= 127.0.0.1:8001
 
+comma := ,
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.kvserve-installed$(if $(EXTRAS),-$(EXTRAS))
+PIP := $(BIN)/python -m pip install --disable-pip-version-check
+RUNTIME_STAMP := $(VENV)/.kvserve-runtime$(if $(EXTRAS),-$(subst $(comma),-,$(EXTRAS)))
+DEV_STAMP := $(VENV)/.kvserve-dev
+RUNTIME_REQUIREMENTS := -r $(if $(filter ray,$(subst $(comma), ,$(EXTRAS))),$(RAY_LOCK),$(LOCK))
 
 .DEFAULT_GOAL := help
-.PHONY: help install models serve test bench soak lint clean lock wheelhouse image test-image
+.PHONY: help install install-dev models serve chat test test-fast bench soak lint docs docs-build reference \
+	clean lock wheelhouse image test-image
 
 help:
-	@echo "make serve   install, pull the default models, run the server (ARGS='--port 8001 ...')"
-	@echo "make test    install, pull the default models, run the test suite (PYTEST_ARGS='-k ...')"
-	@echo "make install create $(VENV) with torch ($(TORCH_SPEC)) and kvserve[$(EXTRAS)]"
-	@echo "make models  pull the default models into the cache (\$$KVSERVE_HOME or ~/.cache/kvserve)"
-	@echo "make bench   run the benchmark suite against a server it starts"
-	@echo "make soak    a mixed load against a server it starts, then a leak check (ARGS='--requests 300 ...')"
-	@echo "make lint    ruff check"
-	@echo "make lock    re-pin the runtime dependencies into $(LOCK) and $(RAY_LOCK) (pip-compile)"
-	@echo "make wheelhouse  every wheel the image needs, into $(WHEELHOUSE), for a build with no network"
-	@echo "make image   docker build -t kvserve . (ARGS='--build-arg WHEELHOUSE=1 ...')"
-	@echo "make test-image  build the image and check it in containers (scripts/test_image.sh; needs root)"
+	@echo "make serve      install the runtime, pull the default models, run the server (ARGS='--port 8001 ...')"
+	@echo "make test       install the runtime and the test bench, pull the default models, run every test"
+	@echo "make test-fast  the tests not marked slow (no servers, subprocesses, real models, Ray or browser)"
+	@echo "make install    create $(VENV) with torch ($(TORCH_SPEC)) and the locked runtime ($(LOCK))"
+	@echo "make install-dev  the same plus the locked test bench ($(DEV_LOCK))"
+	@echo "make models     pull the default models into the cache (\$$KVSERVE_HOME or ~/.cache/kvserve)"
+	@echo "make chat       a terminal chat with a running server (ARGS='--base-url ...')"
+	@echo "make bench      run the benchmark suite against a server it starts"
+	@echo "make soak       a mixed load against a server it starts, then a leak check (ARGS='--requests 300 ...')"
+	@echo "make docs       serve the documentation site on http://$(DOCS_ADDR) (make docs-build: build it, strict)"
+	@echo "make reference  regenerate the generated documentation pages (the flag table)"
+	@echo "make lint       ruff check"
+	@echo "make lock       re-pin the dependencies into $(LOCK), $(RAY_LOCK) and $(DEV_LOCK) (pip-compile)"
+	@echo "make wheelhouse every wheel the image needs, into $(WHEELHOUSE), for a build with no network"
+	@echo "make image      docker build -t kvserve . (ARGS='--build-arg WHEELHOUSE=1 ...')"
+	@echo "make test-image build the image and check it in containers (scripts/test_image.sh; needs root)"
 
-install: $(STAMP)
+install: $(RUNTIME_STAMP)
 
-$(STAMP): pyproject.toml $(LOCK) $(RAY_LOCK)
+install-dev: $(DEV_STAMP)
+
+# The runtime: torch, then exactly the lock, then kvserve itself (editable, no dependency of its own left to
+# resolve). Re-runs only when pyproject.toml or a lock changed.
+$(RUNTIME_STAMP): pyproject.toml $(LOCK) $(RAY_LOCK)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --disable-pip-version-check $(TORCH_PIP_ARGS) '$(TORCH_SPEC)'
-	$(BIN)/python -m pip install --disable-pip-version-check -c $(LOCK) -c $(RAY_LOCK) -e '.$(if $(EXTRAS),[$(EXTRAS)])'
+	$(PIP) $(TORCH_PIP_ARGS) '$(TORCH_SPEC)'
+	$(PIP) $(RUNTIME_REQUIREMENTS)
+	$(PIP) --no-deps -e '.$(if $(EXTRAS),[$(EXTRAS)])'
+	$(if $(filter gpu,$(subst $(comma), ,$(EXTRAS))),$(PIP) -c $(LOCK) -e '.[gpu]')
+	touch $@
+
+# The test bench on top of the runtime, from its own lock.
+$(DEV_STAMP): $(RUNTIME_STAMP) $(DEV_LOCK)
+	$(PIP) -r $(DEV_LOCK)
+	$(PIP) --no-deps -e '.[dev]'
 	touch $@
 
 models: install
@@ -54,8 +81,14 @@ models: install
 serve: install models
 	$(BIN)/kvserve serve $(ARGS)
 
-test: install models
+chat: install
+	$(BIN)/kvserve chat $(ARGS)
+
+test: install-dev models
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+test-fast: install-dev
+	$(BIN)/python -m pytest -m 'not slow and not gpu' $(PYTEST_ARGS)
 
 bench: install models
 	$(BIN)/python -m clients.bench.suite $(ARGS)
@@ -63,20 +96,31 @@ bench: install models
 soak: install models
 	$(BIN)/python -m clients.bench.soak $(ARGS)
 
-lint: install
+lint: install-dev
 	$(BIN)/ruff check .
 
+docs: install-dev
+	$(BIN)/mkdocs serve --dev-addr $(DOCS_ADDR)
+
+docs-build: install-dev
+	$(BIN)/mkdocs build --strict
+
+reference: install
+	$(BIN)/python -m server.cli.reference --write
+
 # pip-compile runs in its own throwaway venv: pip-tools pins the pip it runs with.
+# LOCK_UPGRADE= (empty) keeps every existing pin and only adds what pyproject.toml gained.
 LOCK_VENV := build/lock-venv
+LOCK_UPGRADE ?= --upgrade
+PIP_COMPILE := $(LOCK_VENV)/bin/pip-compile --quiet $(LOCK_UPGRADE) --strip-extras --no-emit-index-url \
+	--no-emit-find-links --constraint build/torch-constraint.txt --unsafe-package torch
 lock:
 	test -x $(LOCK_VENV)/bin/pip-compile || ($(PYTHON) -m venv $(LOCK_VENV) && $(LOCK_VENV)/bin/pip install -q 'pip-tools>=7.4,<8')
 	mkdir -p build && echo '$(TORCH_SPEC)' > build/torch-constraint.txt
-	$(LOCK_VENV)/bin/pip-compile --quiet --upgrade --strip-extras --no-emit-index-url --no-emit-find-links \
-	  --constraint build/torch-constraint.txt --unsafe-package torch --output-file $(LOCK) \
+	$(PIP_COMPILE) --output-file $(LOCK) pyproject.toml deploy/build-requirements.in
+	$(PIP_COMPILE) --constraint $(LOCK) --extra ray --output-file $(RAY_LOCK) pyproject.toml deploy/build-requirements.in
+	$(PIP_COMPILE) --constraint $(LOCK) --constraint $(RAY_LOCK) --extra dev --output-file $(DEV_LOCK) \
 	  pyproject.toml deploy/build-requirements.in
-	$(LOCK_VENV)/bin/pip-compile --quiet --upgrade --strip-extras --no-emit-index-url --no-emit-find-links \
-	  --constraint build/torch-constraint.txt --constraint $(LOCK) --unsafe-package torch --extra ray \
-	  --output-file $(RAY_LOCK) pyproject.toml deploy/build-requirements.in
 
 # Every wheel a `docker build --build-arg WHEELHOUSE=1` installs: torch, the lock, the build tools and the
 # default models' wheels. For the machine's own Python and CPU architecture (the image's, on x86_64).
@@ -90,7 +134,7 @@ wheelhouse: install
 image:
 	docker build -t kvserve $(ARGS) .
 
-test-image: install
+test-image: install-dev
 	PYTHON=$(BIN)/python bash scripts/test_image.sh $(ARGS)
 
 clean:

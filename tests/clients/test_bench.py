@@ -25,6 +25,8 @@ from clients.bench.results import (
 from clients.bench.workload import Workload, build_requests, draw_lengths, fit_prompt
 from tests.support.server_harness import free_port
 
+pytestmark = pytest.mark.slow
+
 
 def fake_count(text: str) -> int:
     """A stand-in tokenizer: one token per word, two for words longer than six letters."""

@@ -5,10 +5,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 
+import pytest
+
 from clients.bench.fairness import Probe, format_table, run
 from server.app import create_app
 from tests.support.server_harness import ServerThread, make_server_config
 from tests.support.tiny_models import make_tiny_llama
+
+pytestmark = pytest.mark.slow
 
 
 def test_the_health_probes_run_against_a_live_server_and_print_ratios(tmp_path):

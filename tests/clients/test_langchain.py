@@ -12,6 +12,8 @@ from server.app import create_app
 from tests.support.server_harness import ServerThread, make_server_config
 from tests.support.tiny_models import make_tiny_llama
 
+pytestmark = pytest.mark.slow
+
 langchain_openai = pytest.importorskip("langchain_openai")
 
 MODEL = "tiny-llama"

@@ -5,7 +5,7 @@ logprobs=1, max_tokens=1) and tokenizes through the server (`/tokenizer_info`, `
 task is the local multiple-choice file in tests/data/lm_eval (no dataset download). Every
 loglikelihood is checked against transformers on the same float32 model, and so is the accuracy.
 The model is a tiny random llama with a real tokenizer: transformers loads it in well under a
-second, where dequantizing the default GGUF takes it half a minute (the README gives the command
+second, where dequantizing the default GGUF takes it half a minute (docs/api/logprobs-and-lm-eval.md gives the command
 and the numbers for the default model).
 """
 
@@ -20,6 +20,8 @@ from engine.text.tokenizer import Tokenizer
 from server.app import create_app
 from tests.support.server_harness import ServerThread, make_server_config
 from tests.support.tiny_models import load_reference, make_tiny_llama
+
+pytestmark = pytest.mark.slow
 
 lm_eval = pytest.importorskip("lm_eval")
 

@@ -14,6 +14,8 @@ from engine.bench import gguf_quality
 from engine.bench.gguf_quality import parse_kl_divergence, scored_chunks, write_float32_gguf
 from engine.bench.random_gguf import LlamaShape, write_random_gguf
 
+pytestmark = pytest.mark.slow
+
 TINY = LlamaShape(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=128)
 
 

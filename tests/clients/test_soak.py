@@ -19,6 +19,8 @@ from clients.bench.soak import (
 from clients.bench.soak_plan import GENERATION_KINDS, SoakPlan, build_plan
 from tests.support.tiny_models import make_tiny_llama
 
+pytestmark = pytest.mark.slow
+
 
 def test_the_plan_is_seeded_and_mixes_every_kind() -> None:
     plan = SoakPlan(num_requests=400, seed=3)

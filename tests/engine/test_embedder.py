@@ -18,6 +18,8 @@ from engine.pooling.embedder import Embedder
 from engine.serving.async_encoder import AsyncEncoder
 from engine.serving.torch_worker import EMBEDDING_TURN, GENERATION_TURN, RequestLimits, TorchWorker
 
+pytestmark = pytest.mark.slow
+
 MODEL_NAME = DEFAULT_EMBEDDING_MODEL
 
 # Varied on purpose: ASCII, accents, CJK, emoji, one word, punctuation, digits, whitespace, long.

@@ -20,6 +20,8 @@ from engine.quantization.int8 import Int8Linear
 from engine.runner.decode_path import DecodePath, DecodePlan
 from tests.support.native_kernels import needs_kernels
 
+pytestmark = pytest.mark.slow
+
 SHAPE = LlamaShape(num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=2, intermediate_size=256)
 # Every type with a block kernel, as real files mix them; layer 1's v differs from its q and k.
 TYPES = {

@@ -3,8 +3,12 @@ every layer full, and llama.cpp's cache sizes read from its log."""
 
 from __future__ import annotations
 
+import pytest
+
 from engine.bench.kv_memory import kvserve_measures, markdown, parse_llama_cpp_kv
 from engine.bench.random_gguf import Gemma3Shape, write_random_gguf
+
+pytestmark = pytest.mark.slow
 
 # A llama-server start-up log of a Gemma 3 model at -c 4096, one slot (the lines the parser reads, as
 # llama.cpp prints them, and one it must skip).

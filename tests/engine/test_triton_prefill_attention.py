@@ -23,6 +23,8 @@ from engine.attention.paged import paged_attention_torch, write_kv
 from engine.attention.reference import dense_reference_attention
 from engine.config import cdiv
 
+pytestmark = pytest.mark.slow
+
 prefill = importlib.import_module("engine.attention.triton_prefill")
 if not prefill._interpreted():  # imported earlier in this process without the interpreter: decorate again
     prefill = importlib.reload(prefill)

@@ -26,6 +26,8 @@ import pytest
 
 from engine.hub import models_hub
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -1,5 +1,6 @@
 """deploy/requirements.lock (and requirements-ray.lock, the same plus the `ray` extra): the pinned runtime
-dependencies that `make install` and the image both install.
+dependencies that `make install` and the image both install; requirements-dev.lock: the same plus the test
+bench (the `dev` extra), which `make test` installs.
 
 The lock is made by `make lock` (pip-compile); these tests keep it true without a network: every
 dependency pyproject.toml declares is pinned inside its range, torch is left to the Makefile's and
@@ -22,6 +23,7 @@ from packaging.version import Version
 ROOT = Path(__file__).resolve().parents[2]
 LOCK = ROOT / "deploy" / "requirements.lock"
 RAY_LOCK = ROOT / "deploy" / "requirements-ray.lock"
+DEV_LOCK = ROOT / "deploy" / "requirements-dev.lock"
 # Pinned for the image's offline install of kvserve itself; a developer venv keeps whatever `venv` gave it.
 BUILD_TOOLS = frozenset({"setuptools", "wheel", "pip"})
 
@@ -80,10 +82,22 @@ def test_the_ray_lock_adds_the_ray_extra_to_the_same_versions(pins, pyproject) -
     assert "torch" not in ray_pins
 
 
+def test_the_dev_lock_adds_the_dev_extra_to_the_same_versions(pins, pyproject) -> None:
+    ray_pins = read_lock(RAY_LOCK)
+    dev_pins = read_lock(DEV_LOCK)
+    assert {name: dev_pins.get(name) for name in ray_pins} == ray_pins  # both locks above were its constraints
+    for text in pyproject["project"]["optional-dependencies"]["dev"]:
+        requirement = Requirement(text)
+        name = canonicalize_name(requirement.name)
+        assert name in dev_pins, f"{name} is a dev dependency but not in the dev lock: run `make lock`"
+        assert requirement.specifier.contains(dev_pins[name], prereleases=True), name
+    assert "torch" not in dev_pins
+
+
 def test_the_tests_run_on_the_locked_versions(pins) -> None:
-    """`make install` installs with the locks as constraints: what passes here is what the image runs."""
+    """`make test` installs exactly the locks: what passes here is what the image runs."""
     differ = {}
-    for name, version in {**read_lock(RAY_LOCK), **pins}.items():
+    for name, version in {**read_lock(DEV_LOCK), **read_lock(RAY_LOCK), **pins}.items():
         if name in BUILD_TOOLS:
             continue
         try:
@@ -93,7 +107,7 @@ def test_the_tests_run_on_the_locked_versions(pins) -> None:
             continue
         if installed != version:
             differ[name] = (str(version), str(installed))
-    assert not differ, f"installed versions differ from deploy/requirements.lock (locked, installed): {differ}"
+    assert not differ, f"installed versions differ from the locks (locked, installed): {differ}"
 
 
 def test_read_lock_reads_pins_and_skips_comments(tmp_path) -> None:

@@ -15,6 +15,8 @@ import pytest
 
 from tests.support.server_harness import ServerProcess
 
+pytestmark = pytest.mark.slow
+
 VIEWS = ("chat", "attention", "kv", "embeddings", "metrics")
 WAIT_MS = 60_000  # generous: two cores run the server, its models and the browser together
 

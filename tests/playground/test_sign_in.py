@@ -4,8 +4,12 @@ every call it makes carries it (a tiny llama serves it, so no default model is n
 
 from __future__ import annotations
 
+import pytest
+
 from server.app import create_app
 from tests.support.server_harness import ServerThread, make_server_config
+
+pytestmark = pytest.mark.slow
 
 KEY = "sekret/key with spaces"
 

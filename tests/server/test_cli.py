@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+pytestmark = pytest.mark.slow
+
 # Every `kvserve serve` flag; each keeps its name (and KVSERVE_<NAME>) whichever config it feeds.
 SERVE_FLAGS = (
     "model",

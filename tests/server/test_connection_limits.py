@@ -23,6 +23,8 @@ from server.http.request_cap import cap_requests_in_progress
 from tests.support.server_harness import ServerProcess, parse_sse
 from tests.support.tiny_models import make_tiny_llama
 
+pytestmark = pytest.mark.slow
+
 KEEP_ALIVE_S = 1.0
 LIMIT = 4
 HEAD_LIMIT = 4096

@@ -16,6 +16,8 @@ from server.openai.params import logprob_entries
 from tests.support.server_harness import ServerProcess
 from tests.support.tiny_models import make_tiny_llama
 
+pytestmark = pytest.mark.slow
+
 MODEL = "tiny-llama"
 MAX_MODEL_LEN = 256
 MAX_LOGPROBS = 20_000

@@ -31,6 +31,8 @@ from server.state import state_of
 from tests.support.server_harness import ServerThread, make_server_config
 from tests.support.tiny_models import make_tiny_llama
 
+pytestmark = pytest.mark.slow
+
 EMBEDDING_MODEL = "all-minilm-l6-v2"
 ERROR_BODY = {"$ref": "#/components/schemas/ErrorResponse"}
 PLAIN_TEXT = {"schema": {"type": "string"}}

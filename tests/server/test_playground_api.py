@@ -20,6 +20,8 @@ from server.state import state_of
 from tests.support.server_harness import ServerThread, make_server_config
 from tests.support.tiny_models import make_tiny_model
 
+pytestmark = pytest.mark.slow
+
 PROMPT = "The quick brown fox jumps over the lazy dog. A paged KV cache stores keys and values."
 
 

@@ -24,7 +24,7 @@ from engine.hub.models_hub import kvserve_home
 from tests.support.server_harness import ServerProcess, parse_sse
 from tests.support.tiny_models import make_tiny_llama
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 MAX_NUM_SEQS = 2
 MAX_QUEUED = 2

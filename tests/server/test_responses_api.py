@@ -21,6 +21,8 @@ from tests.support.flaky_engine import flaky_factory
 from tests.support.server_harness import ServerThread, make_server_config, send_and_hang_up, smollm2_server
 from tests.support.tiny_models import make_tiny_llama
 
+pytestmark = pytest.mark.slow
+
 MODEL = "tiny-llama"
 GREEDY = {"model": MODEL, "temperature": 0, "max_output_tokens": 12}
 ITEM = {

@@ -15,6 +15,8 @@ from server.state import state_of
 from tests.support.server_harness import ServerThread, make_server_config, parse_sse, smollm2_server
 from tests.support.tiny_models import make_tiny_llama, tokenizer_vocab_size
 
+pytestmark = pytest.mark.slow
+
 MODEL = "tiny-llama"
 PROMPTS = ["Hello world", "The quick brown fox", "A paged KV cache", "Continuous batching lets"]
 

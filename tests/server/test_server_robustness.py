@@ -26,6 +26,8 @@ from tests.support.flaky_engine import flaky_factory
 from tests.support.server_harness import ServerProcess, ServerThread, make_server_config, parse_sse, send_and_hang_up
 from tests.support.tiny_models import make_tiny_llama
 
+pytestmark = pytest.mark.slow
+
 MODEL = "tiny-llama"
 API_KEY = "sekret-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}

@@ -20,6 +20,8 @@ from tests.support.server_harness import ServerProcess, parse_sse
 from tests.support.slow_serve import APP_DELAY_MARKER
 from tests.support.tiny_models import make_tiny_llama
 
+pytestmark = pytest.mark.slow
+
 SLOW_SERVE = ("-m", "tests.support.slow_serve")
 STREAM = {"prompt": "Hello", "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
 

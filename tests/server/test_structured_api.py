@@ -16,6 +16,8 @@ from server.app import create_app
 from tests.support.server_harness import ServerThread, make_server_config, parse_sse, smollm2_server
 from tests.support.tiny_models import make_tiny_llama
 
+pytestmark = pytest.mark.slow
+
 MODEL = "tiny-llama"
 ITEM = {
     "type": "object",

@@ -19,6 +19,8 @@ from server.state import state_of
 from tests.support.server_harness import ServerThread, make_server_config, parse_sse
 from tests.support.tiny_models import make_tiny_llama
 
+pytestmark = pytest.mark.slow
+
 MODEL = "tiny-llama"
 NUM_EACH = 100  # requests of each of the three kinds
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
