@@ -91,7 +91,7 @@ class EngineConfig:
     prefill_dtype: one of PREFILL_DTYPES: the dtype of the GGUF block layers' products over more rows than
         their integer kernel takes (prefill): the weight tile dequantized to it and the rounded activations
         cast to it. bfloat16 is several times faster where the CPU multiplies it in hardware (AVX-512 BF16,
-        AMX) and further from float32 (README: Engine); float32 gives the decode kernel's numbers.
+        AMX) and further from float32 (docs/engine/kernels.md); float32 gives the decode kernel's numbers.
     speculative: speculative decoding (None: off).
     tokenizer: a Hugging Face tokenizer directory used instead of the model's own tokenizer (for a GGUF
         file: instead of the one its metadata makes); its ids must fit the model's embedding table.

@@ -28,8 +28,8 @@ from engine.errors import (
 logger = logging.getLogger(__name__)
 
 
-# Every `error.code` the server answers with: snake_case, stable, one meaning each. The README's
-# error table lists the same codes (a test keeps the two and the code that raises them in step).
+# Every `error.code` the server answers with: snake_case, stable, one meaning each. The error table of
+# docs/api/errors.md lists the same codes (a test keeps the two and the code that raises them in step).
 ERROR_CODES: dict[str, str] = {
     "invalid_request": "400: a field is missing, mistyped, out of range or contradicts another",
     "context_length_exceeded": "400: the prompt plus max_tokens does not fit the model's context",

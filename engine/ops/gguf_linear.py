@@ -27,7 +27,7 @@ llama.cpp rounds them for each type), then
 definition both are tested against: the rounded activations times the
 dequantized weight, in torch.
 
-Accuracy (README, tests/unit/test_gguf_linear.py): the weights are exactly the
+Accuracy (docs/engine/kernels.md, tests/unit/test_gguf_linear.py): the weights are exactly the
 file's; activation rounding adds at most d / 2 = max|x over the block| / 254 per
 element, as llama.cpp's CPU backend does for these types.
 """

@@ -13,7 +13,7 @@ sampling stays batch-invariant. The price is memory: float32 + int8 weights.
 torch path also runs when the kernel cannot be built. `int8_linear_forward`
 picks the path; the layer that holds the weights is engine/quantization/int8.py.
 
-Accuracy (README, tests/unit/test_quantization.py): weight rounding is at most
+Accuracy (docs/engine/kernels.md, tests/unit/test_quantization.py): weight rounding is at most
 scale/2 per weight; the kernel also rounds each activation row to int16 with
 its own scale, which keeps rows independent of each other and adds an error of
 at most max|x_m| / 65534 per element.

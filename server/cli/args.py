@@ -39,7 +39,7 @@ def _speculative_defaults() -> SimpleNamespace:
     return SimpleNamespace(**{**defaults, "method": None})
 
 
-def _defaults() -> dict[str, Any]:
+def flag_defaults() -> dict[str, Any]:
     """flag name -> the default `kvserve serve` uses when neither the flag nor its variable is set."""
     server = ServerConfig()
     configs = {"server": server, "engine": default_engine_config(), "embedder": default_embedder_config()}
@@ -66,7 +66,7 @@ def _default_text(value: Any) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add every serve flag; a flag's default comes from KVSERVE_<NAME> when that is set."""
     group = parser.add_argument_group("serve options (each also read from the environment variable shown)")
-    defaults = _defaults()
+    defaults = flag_defaults()
     for flag in FLAGS:
         default = defaults[flag.name]
         env = env_name(flag.name)
@@ -107,7 +107,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
 
     Raises ValueError (from the configs' own checks) on a value or combination that cannot work.
     """
-    defaults = _defaults()
+    defaults = flag_defaults()
     values: dict[str, dict[str, Any]] = {"server": {}, "engine": {}, "embedder": {}, "reranker": {}, "speculative": {}}
     for flag in FLAGS:
         for config_name, field_name in flag.targets:
@@ -123,6 +123,6 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
 
 def scale_out_from_args(args: argparse.Namespace) -> ScaleOut:
     """The ScaleOut from parsed flags (a flag `args` lacks takes its default). Raises ValueError."""
-    defaults = _defaults()
+    defaults = flag_defaults()
     values = {f.scale_out: getattr(args, f.name, defaults[f.name]) for f in FLAGS if f.scale_out is not None}
     return ScaleOut(**values)

@@ -1,5 +1,5 @@
 """Who sent a request: which of the server's API keys it carries, whether that key is an admin's, and
-the prefix-cache namespace its requests get (README: "Isolation between clients").
+the prefix-cache namespace its requests get (docs/serving/reliability.md, "Isolation between clients").
 
 The middleware (server/http/middleware.py) checks the bearer token against every key in constant time and
 puts the request's `Caller` in its scope state; routes read it with `caller_of(request)`.

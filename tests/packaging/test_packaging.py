@@ -69,15 +69,47 @@ def test_gpu_tests_are_deselected_by_default() -> None:
     assert any(m.startswith("gpu:") for m in options["markers"])
 
 
-def test_make_test_installs_pulls_then_runs_pytest() -> None:
-    proc = subprocess.run(["make", "-n", "-B", "-C", str(ROOT), "test"], capture_output=True, text=True, check=False)
+def _make_dry_run(target: str) -> list[str]:
+    proc = subprocess.run(
+        ["make", "--no-print-directory", "-n", "-B", "-C", str(ROOT), target],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr
-    lines = proc.stdout.splitlines()
+    return proc.stdout.splitlines()
+
+
+def test_make_test_installs_the_locks_pulls_then_runs_pytest() -> None:
+    lines = _make_dry_run("test")
     torch_at = next(i for i, line in enumerate(lines) if "pip install" in line and "'torch==2.13.0'" in line)
+    runtime_at = next(
+        i for i, line in enumerate(lines) if "pip install" in line and "-r deploy/requirements.lock" in line
+    )
+    dev_at = next(
+        i for i, line in enumerate(lines) if "pip install" in line and "-r deploy/requirements-dev.lock" in line
+    )
     package_at = next(i for i, line in enumerate(lines) if "pip install" in line and "-e '.[dev]'" in line)
     pull_at = next(i for i, line in enumerate(lines) if "kvserve pull" in line)
     pytest_at = next(i for i, line in enumerate(lines) if re.search(r"python -m pytest", line))
-    assert torch_at < package_at < pull_at < pytest_at  # torch first: the CPU wheel, never a CUDA build
+    # torch first: the CPU wheel, never a CUDA build
+    assert torch_at < runtime_at < dev_at < package_at < pull_at < pytest_at
+
+
+def test_make_serve_installs_the_runtime_lock_only() -> None:
+    lines = _make_dry_run("serve")
+    installs = [line for line in lines if "pip install" in line]
+    assert any("-r deploy/requirements.lock" in line for line in installs)
+    assert not any("requirements-dev.lock" in line or "[dev]" in line for line in installs), installs
+    assert any("--no-deps -e '.'" in line for line in installs)  # kvserve itself, nothing left to resolve
+    assert "kvserve serve" in lines[-1]
+
+
+def test_make_test_fast_deselects_the_slow_tests() -> None:
+    pytest_line = next(line for line in _make_dry_run("test-fast") if "python -m pytest" in line)
+    assert "-m 'not slow and not gpu'" in pytest_line
+    markers = PYPROJECT["tool"]["pytest"]["ini_options"]["markers"]
+    assert any(marker.startswith("slow:") for marker in markers)
 
 
 def test_ci_runs_make_test() -> None:
@@ -95,7 +127,7 @@ def test_python_m_server_is_the_cli() -> None:
         assert command in proc.stdout
 
 
-def test_readme_starts_with_the_two_commands_and_lists_every_serve_flag() -> None:
+def test_readme_starts_with_the_two_commands_and_the_configuration_page_lists_every_serve_flag() -> None:
     import argparse
 
     from server import cli
@@ -103,13 +135,14 @@ def test_readme_starts_with_the_two_commands_and_lists_every_serve_flag() -> Non
     readme = (ROOT / "README.md").read_text()
     first_block = readme.split("```bash", 1)[1].split("```", 1)[0]
     assert [line.split()[0:2] for line in first_block.strip().splitlines()] == [["make", "serve"], ["make", "test"]]
+    page = (ROOT / "docs" / "serving" / "configuration.md").read_text()
     parser = argparse.ArgumentParser(add_help=False)
     cli.add_arguments(parser)
     flags = [(opt, action.dest) for action in parser._actions for opt in action.option_strings if opt.startswith("--")]
     assert len(flags) > 20
     for flag, dest in flags:
         if flag[2:].replace("-", "_") != dest:  # a shorthand for another flag (--no-playground): no variable of its own
-            assert f"| `{flag}` | |" in readme, f"README's flag table lacks {flag}"
+            assert f"| `{flag}` | |" in page, f"the configuration page's flag table lacks {flag}"
             continue
         env = "KVSERVE_" + flag[2:].replace("-", "_").upper()
-        assert f"| `{flag}` | `{env}` |" in readme, f"README's flag table lacks {flag}"
+        assert f"| `{flag}` | `{env}` |" in page, f"the configuration page's flag table lacks {flag}"

@@ -126,7 +126,7 @@ def test_langchain_openai_embeddings_sending_text(server):
         model=EMBEDDING_MODEL,
         base_url=f"{server.base_url}/v1",
         api_key="unused",
-        check_embedding_ctx_length=False,  # send the text, not tiktoken's ids (see the README)
+        check_embedding_ctx_length=False,  # send the text, not tiktoken's ids (docs/api/embeddings-and-reranking.md)
     )
     vectors = embeddings.embed_documents(SENTENCES)
     expected = httpx.post(f"{server.base_url}/v1/embeddings", json={"input": SENTENCES}).json()["data"]

@@ -1,5 +1,5 @@
 """One vocabulary of error codes: every code the server raises is in ERROR_CODES, snake_case, and the
-README's error table lists exactly those codes."""
+error table of docs/api/errors.md lists exactly those codes."""
 
 from __future__ import annotations
 
@@ -33,9 +33,9 @@ def test_every_code_raised_in_the_source_is_in_the_vocabulary():
     assert all(SNAKE_CASE.fullmatch(code) for code in ERROR_CODES)
 
 
-def test_the_readme_error_table_lists_the_vocabulary():
-    readme = REPO.joinpath("README.md").read_text()
-    table = readme.split("### Errors", 1)[1].split("\n#", 1)[0]
+def test_the_errors_page_lists_the_vocabulary():
+    page = REPO.joinpath("docs", "api", "errors.md").read_text()
+    table = page.split("## Request limits", 1)[0]
     listed = set(re.findall(r"^\| `([a-z_]+)` \|", table, flags=re.MULTILINE))
     assert listed == set(ERROR_CODES)
 
