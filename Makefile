@@ -24,6 +24,9 @@ WHEELHOUSE_LOCK ?= $(LOCK)
 DEFAULT_MODELS ?= smollm2-135m-instruct all-minilm-l6-v2
 ARGS ?=
 PYTEST_ARGS ?=
+# pytest-xdist workers for `make test-fast`, one torch thread each (the full suite runs in one process:
+# its servers time things)
+TEST_WORKERS ?= 2
 DOCS_ADDR ?= 127.0.0.1:8001
 
 comma := ,
@@ -88,7 +91,7 @@ test: install-dev models
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 test-fast: install-dev
-	$(BIN)/python -m pytest -m 'not slow and not gpu' $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -m 'not slow and not gpu' -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 bench: install models
 	$(BIN)/python -m clients.bench.suite $(ARGS)

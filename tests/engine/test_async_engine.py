@@ -527,6 +527,7 @@ def test_failures_the_model_does_not_make_alone_never_kill_the_engine():
     assert scripted.num_probes == 5
 
 
+@pytest.mark.slow
 def test_real_engine_matches_offline_generate(tmp_path):
     from engine.config import EngineConfig
     from engine.llm import LLM

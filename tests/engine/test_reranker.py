@@ -288,6 +288,7 @@ def test_not_a_cross_encoder_is_refused(tmp_path, minilm_dir):  # noqa: F811
         Reranker(RerankerConfig(model=str(tmp_path)))
 
 
+@pytest.mark.slow
 def test_activation_follows_the_models_sentence_transformers_settings(tmp_path, minilm_dir, cross_encoder_dirs):  # noqa: F811
     """activate(logit) is what sentence-transformers' CrossEncoder.predict answers for the pair."""
     from sentence_transformers import CrossEncoder

@@ -251,6 +251,7 @@ def smollm2() -> Tokenizer:
     return Tokenizer.from_path(path)
 
 
+@pytest.mark.slow
 def test_the_default_models_template(smollm2):
     for end in range(1, len(CONVERSATION) + 1):
         expected = smollm2.apply_chat_template(CONVERSATION[:end], allow_special_tokens_in_content=True)

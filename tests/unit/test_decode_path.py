@@ -73,6 +73,7 @@ def test_the_fused_decode_runs_only_where_the_registry_entry_says_so(tiny_model_
     assert plan.reason == "LlamaForCausalLM has no fused decode kernel"
 
 
+@pytest.mark.slow
 def test_native_kernels_off_runs_the_torch_layers_with_torch_ops(tiny_model_dirs):
     # The switch is read when a library first loads, so it needs a fresh process.
     script = (

@@ -52,6 +52,7 @@ def test_an_unknown_name_is_an_attribute_error() -> None:
         engine.NoSuchName  # noqa: B018
 
 
+@pytest.mark.slow
 def test_the_light_names_import_without_torch() -> None:
     """`kvserve pull` and `kvserve models` import these: the surface must not pull torch in behind them."""
     code = (

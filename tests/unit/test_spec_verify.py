@@ -46,6 +46,7 @@ def _draw_from(probs: torch.Tensor, generator: torch.Generator) -> int:
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("proposal", ["distribution", "point_mass"])
 def test_rejection_sampling_emits_the_target_distribution(proposal):
     """Over many seeded draws the first emitted token follows p_0 and, after an accepted first draft,
@@ -172,6 +173,7 @@ def test_random_verification_never_emits_a_token_outside_top_k():
             assert token_id in allowed[position].tolist()
 
 
+@pytest.mark.slow
 def test_verification_follows_the_rejection_rule():
     """The coupled verification (sample the target's token, keep a draft while it matches) against the
     reference rule with a point-mass q: the same distribution over what a step emits."""
