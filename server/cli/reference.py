@@ -147,19 +147,19 @@ def render_endpoint_tables(document: dict[str, Any] | None = None) -> str:
         "| method | path | request body | answers | statuses |",
         "| --- | --- | --- | --- | --- |",
     ]
+    schemas = document["components"]["schemas"]
     bodies: dict[str, dict[str, Any]] = {}
     for path, operations in document["paths"].items():
         for method, operation in operations.items():
             body = operation.get("requestBody", {}).get("content", {}).get("application/json", {})
             body_name = _schema_name(body.get("schema", {}))
             if body_name:
-                bodies[body_name] = document["components"]["schemas"][body_name]
+                bodies[body_name] = schemas[body_name]
             answers = ", ".join(f"`{kind}`" for kind in operation["responses"].get("200", {}).get("content", {}))
             statuses = ", ".join(sorted(operation["responses"]))
             body_cell = f"[{body_name}](#{body_name.lower()})" if body_name else ""
             cells = (method.upper(), f"`{path}`", body_cell, answers, statuses)
             lines.append("| " + " | ".join(cells) + " |")
-    schemas = document["components"]["schemas"]
     pending = list(bodies)
     while pending:  # the bodies' own parts (messages, tools, stream options...), each once
         for name in _referenced(schemas[pending.pop()]) - set(bodies):
@@ -173,7 +173,7 @@ def render_endpoint_tables(document: dict[str, Any] | None = None) -> str:
             continue
         required = set(schema.get("required", ()))
         lines += ["", f"### {name}", "", "| field | type | default |", "| --- | --- | --- |"]
-        for field, field_schema in schema.get("properties", {}).items():
+        for field, field_schema in schema["properties"].items():
             cells = (f"`{field}`", _cell(_type_text(field_schema)), _default_text(field_schema, field in required))
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
