@@ -95,10 +95,21 @@ def reference_distribution(
     return _apply_min_p(probs, min_p)
 
 
+def _row_totals(probs: torch.Tensor) -> torch.Tensor:
+    """Each row's sum [R, 1], added in the same order whatever the batch (a cumsum's last entry): torch's sum over
+    a row splits it between threads by the number of rows, which moved a seeded draw at a CDF boundary when the
+    same row ran beside others."""
+    return probs.cumsum(dim=-1)[:, -1:]
+
+
 def _apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Zero the tokens under min_p times each row's top probability, renormalised; rows as they are when no row
+    has a min_p."""
+    if not bool((min_p > 0).any()):
+        return probs
     threshold = min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
     probs = probs.masked_fill(probs < threshold, 0.0)
-    return probs / probs.sum(dim=-1, keepdim=True)
+    return probs / _row_totals(probs)
 
 
 def candidate_distribution(
@@ -122,12 +133,13 @@ def candidate_distribution(
     # True probabilities: normalised over the top-k survivors when they are all candidates, else the vocabulary.
     log_norm = torch.where(k_inside, values.logsumexp(-1), logits.logsumexp(-1))
     probs = (values - log_norm.unsqueeze(1)).exp()
-    mass_before = probs.cumsum(dim=-1) - probs
-    nucleus_inside = probs.sum(-1) >= top_p
+    cumulative = probs.cumsum(dim=-1)
+    mass_before = cumulative - probs
+    nucleus_inside = cumulative[:, -1] >= top_p
     min_p_inside = (min_p > 0) & (probs[:, -1] < min_p * probs[:, 0])
     decided = k_inside | nucleus_inside | min_p_inside
     probs = probs.masked_fill(mass_before >= top_p.unsqueeze(1), 0.0)
-    probs = probs / probs.sum(dim=-1, keepdim=True)
+    probs = probs / _row_totals(probs)
     return _apply_min_p(probs, min_p), token_ids, decided
 
 
