@@ -22,6 +22,9 @@ QUANTIZATION_MODES = ("none", "int8", "gguf", "auto")
 CPU_FLOAT32_QUANTIZATIONS = ("int8", "gguf")
 # The values of `--prefill-dtype`: the dtype GGUF block layers multiply large batches (prefill) in.
 PREFILL_DTYPES = ("float32", "bfloat16")
+# The values of `--kv-cache-dtype`: how the KV cache stores keys and values (engine/ops/kv_format.py);
+# auto is decided there (resolve_kv_cache_dtype) from the device, the dtype and the quantization.
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8")
 # How an embedding model turns per-token hidden states into one vector (engine/pooling/embedder.py `pool`).
 POOLING_MODES = ("mean", "cls", "last")
 
@@ -92,6 +95,10 @@ class EngineConfig:
         their integer kernel takes (prefill): the weight tile dequantized to it and the rounded activations
         cast to it. bfloat16 is several times faster where the CPU multiplies it in hardware (AVX-512 BF16,
         AMX) and further from float32 (docs/engine/kernels.md); float32 gives the decode kernel's numbers.
+    kv_cache_dtype: one of KV_CACHE_DTYPES: the KV cache's format. float16 / bfloat16 halve a float32
+        cache, int8 (a float32 scale per token and head) about quarters it; auto is the model's dtype on
+        CUDA and on unquantized CPU models (float32 there: its tokens equal transformers'), float16 on CPU
+        models with quantized weights.
     speculative: speculative decoding (None: off).
     tokenizer: a Hugging Face tokenizer directory used instead of the model's own tokenizer (for a GGUF
         file: instead of the one its metadata makes); its ids must fit the model's embedding table.
@@ -114,6 +121,7 @@ class EngineConfig:
     num_threads: int | None = None
     quantization: str = "none"
     prefill_dtype: str = "float32"
+    kv_cache_dtype: str = "auto"
     speculative: SpeculativeConfig | None = None
     tokenizer: str | None = None
     chat_template: str | None = None
@@ -132,6 +140,8 @@ class EngineConfig:
             raise ValueError(f"quantization {self.quantization} runs on CPU with dtype float32; use bfloat16 on GPUs")
         if self.prefill_dtype not in PREFILL_DTYPES:
             raise ValueError(f"prefill_dtype must be one of {PREFILL_DTYPES}, got {self.prefill_dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.max_num_seqs < 1:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention.probe import AttentionWeights, attention_weights
-from engine.config import TORCH_DTYPES, EngineConfig, ModelConfig
+from engine.config import EngineConfig, ModelConfig
 from engine.core.block_pool import BlockPool
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.kv_layout import plan_kv_layout
@@ -32,6 +32,7 @@ from engine.core.scheduler import Scheduler, StepCounters
 from engine.core.sequence import Sequence
 from engine.errors import InvalidRequestError, PromptTooLongError
 from engine.models import registry
+from engine.ops import kv_format
 from engine.outputs import (
     FINISH_ABORT,
     FINISH_ERROR,
@@ -43,7 +44,7 @@ from engine.outputs import (
 )
 from engine.params import SamplingParams
 from engine.runner.isolation import BatchRunner, IsolatingRunner
-from engine.runner.model_runner import ModelRunner, kv_bytes_per_block
+from engine.runner.model_runner import ModelRunner, kv_bytes_per_block, kv_bytes_per_token
 from engine.spec.speculative_runner import build_speculative_runner
 from engine.structured.grammar import GrammarCompiler
 
@@ -109,23 +110,30 @@ class LLMEngine:
         # between are ones the model itself can emit, so the detokenizer already handles them.
         self.vocab_size = model_config.vocab_size
 
-        per_block = kv_bytes_per_block(model_config, self.layout, config.block_size, TORCH_DTYPES[config.dtype])
+        self.kv_cache_dtype = kv_format.kv_cache_dtype_of(config)
+        per_block = kv_bytes_per_block(model_config, self.layout, config.block_size, self.kv_cache_dtype)
+        self.kv_bytes_per_token = kv_bytes_per_token(model_config, self.kv_cache_dtype)
         blocks_per_seq = self.layout.max_blocks_per_seq(
             self.max_model_len, config.block_size, config.max_num_batched_tokens
         )
         useful = config.max_num_seqs * blocks_per_seq + 1  # more than this is never used at once
         num_blocks = config.num_blocks or max(2, min(config.kv_cache_memory_bytes // per_block, useful))
         logger.info(
-            "KV cache: %d blocks of %d tokens (%.1f MiB), max_model_len %d, attention %s",
+            "KV cache: %d blocks of %d tokens (%.1f MiB), %s, %d bytes per token, max_model_len %d, attention %s",
             num_blocks,
             config.block_size,
             num_blocks * per_block / 2**20,
+            self.kv_cache_dtype,
+            self.kv_bytes_per_token,
             self.max_model_len,
             self.layout.describe(),
         )
         self.runner = ModelRunner(model_config, state_dict, config, num_blocks, self.layout, eos_token_ids)
         self.pool = BlockPool(num_blocks, config.enable_prefix_caching)
-        self.kv_manager = KVCacheManager(self.pool, config.block_size, self.layout.groups)
+        # The format is part of every block's hash: the same tokens' K/V differ between formats.
+        self.kv_manager = KVCacheManager(
+            self.pool, config.block_size, self.layout.groups, extra_key=(self.kv_cache_dtype,)
+        )
         isolating = IsolatingRunner(self.runner)
         self.speculative = build_speculative_runner(isolating, config, self.max_model_len, self.vocab_size, draft_model)
         self.step_runner: BatchRunner = self.speculative or isolating  # what step() runs each batch with
@@ -390,6 +398,7 @@ class LLMEngine:
             block_size=self.config.block_size,
             dtype=runner.dtype,
             device=runner.device,
+            kv_cache_dtype=self.kv_cache_dtype,
             sliding_window=sliding_window,
             num_sink_tokens=num_sink_tokens if sliding_window is not None or layer_windows else 0,
             layer_windows=layer_windows,
@@ -401,6 +410,8 @@ class LLMEngine:
             num_waiting=len(self.scheduler.waiting),
             num_used_blocks=self.pool.num_used_blocks,
             num_total_blocks=self.pool.num_blocks - 1,
+            kv_cache_dtype=self.kv_cache_dtype,
+            kv_bytes_per_token=self.kv_bytes_per_token,
             **dataclasses.asdict(self.scheduler.counters),
             **(self.speculative.stats_fields() if self.speculative is not None else {}),
         )

@@ -35,6 +35,8 @@ class ModelInfo:
     cpu_features: tuple[str, ...]  # on CPU the SIMD features kernels are chosen by (engine/ops/cpu_features.py)
     kernel_build: str | None  # the native kernels' instruction-set build (engine/ops/loader.py); None: torch only
     prefill_dtype: str | None  # the GGUF block layers' prefill products (--prefill-dtype); None: no such layers
+    kv_cache_dtype: str  # the KV cache's format (--kv-cache-dtype, auto resolved)
+    kv_bytes_per_token: int  # one token's keys and values over every layer, in that format
 
 
 def read_model_info(llm_engine: LLMEngine) -> ModelInfo:
@@ -66,4 +68,6 @@ def read_model_info(llm_engine: LLMEngine) -> ModelInfo:
         cpu_features=cpu_features() if on_cpu else (),
         kernel_build=loader.chosen_isa() if on_cpu and runner.decode_plan.native_ops else None,
         prefill_dtype=runner.prefill_dtype,
+        kv_cache_dtype=llm_engine.kv_cache_dtype,
+        kv_bytes_per_token=llm_engine.kv_bytes_per_token,
     )

@@ -114,6 +114,9 @@ class EngineStats:
     num_spec_draft_tokens: int = 0
     num_spec_accepted_tokens: int = 0
     spec_accepted_per_position: tuple[int, ...] = ()
+    # The KV cache's format (a KV_CACHE_DTYPES name, auto resolved) and one token's bytes in it over every layer.
+    kv_cache_dtype: str = "float32"
+    kv_bytes_per_token: int = 0
 
     @property
     def kv_cache_usage(self) -> float:

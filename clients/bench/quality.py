@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--modes",
         default="gguf,int8",
-        help="kvserve quantization modes to compare (gguf/float32: with a --prefill-dtype)",
+        help="kvserve modes to compare: QUANTIZATION[/PREFILL_DTYPE][@KV_CACHE_DTYPE] (gguf/bfloat16, gguf@int8)",
     )
     parser.add_argument("--ctx", type=int, default=512, help="tokens per scored chunk")
     parser.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp")

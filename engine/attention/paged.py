@@ -13,7 +13,7 @@ import logging
 import torch
 
 from engine.attention.metadata import AttentionMetadata
-from engine.ops.decode_attention import decode_attention, gather_blocks
+from engine.ops.decode_attention import decode_attention, gather_kv, store_rows
 from engine.ops.sdpa import sdpa
 
 logger = logging.getLogger(__name__)
@@ -26,10 +26,10 @@ def write_kv(
     value: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Store new keys/values [T, H_kv, D] into their cache slots."""
-    num_kv_heads, head_dim = key.shape[1], key.shape[2]
-    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
-    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+    """Store new keys/values [T, H_kv, D] into their cache slots, in the caches' format
+    (engine/ops/kv_format.py)."""
+    store_rows(key_cache, key, slot_mapping)
+    store_rows(value_cache, value, slot_mapping)
 
 
 def paged_attention(
@@ -106,8 +106,8 @@ def paged_attention_torch(
 ) -> torch.Tensor:
     """paged_attention for any step in torch ops only, so the same code runs on CPU and CUDA."""
     num_tokens, num_heads, head_dim = query.shape
-    keys = gather_blocks(key_cache, meta.key_blocks)  # [B, H_kv, K, D]
-    values = gather_blocks(value_cache, meta.key_blocks)
+    keys = gather_kv(key_cache, meta.key_blocks, query.dtype)  # [B, H_kv, K, D]
+    values = gather_kv(value_cache, meta.key_blocks, query.dtype)
     # One scratch row at index T receives the padding queries.
     scratch = torch.cat([query, query.new_zeros(1, num_heads, head_dim)])
     padded_query = scratch[meta.query_index]  # [B, Q, H_q, D]

@@ -23,6 +23,7 @@ from torch import nn
 from engine.attention.metadata import AttentionMetadata, build_attention_metadata
 from engine.attention.reference import reference_attention_probs, weighted_values
 from engine.config import cdiv
+from engine.ops import kv_format
 
 
 @dataclass(frozen=True)
@@ -60,11 +61,12 @@ class _RecordingAttention:
         scale: float,
         softcap: float | None = None,
     ) -> torch.Tensor:
-        num_tokens, _, head_dim = query.shape
-        num_kv_heads = key_cache.shape[2]
-        # The layer has just written the prompt's K/V to these slots, position p at slot_mapping[p].
-        keys = key_cache.view(-1, num_kv_heads, head_dim)[meta.slot_mapping]  # [T, H_kv, D]
-        values = value_cache.view(-1, num_kv_heads, head_dim)[meta.slot_mapping]
+        num_tokens = query.shape[0]
+        num_kv_heads, row = key_cache.shape[2], key_cache.shape[3]
+        # The layer has just written the prompt's K/V to these slots, position p at slot_mapping[p], in the
+        # cache's format: read back, they are what the serving path attends over.
+        keys = kv_format.read(key_cache.view(-1, num_kv_heads, row)[meta.slot_mapping], query.dtype)  # [T, H_kv, D]
+        values = kv_format.read(value_cache.view(-1, num_kv_heads, row)[meta.slot_mapping], query.dtype)
         positions = torch.arange(num_tokens, device=query.device)
         probs = reference_attention_probs(
             query, keys, positions, positions, scale, meta.sliding_window, meta.num_sink_tokens, softcap=softcap
@@ -84,21 +86,24 @@ def attention_weights(
     block_size: int,
     dtype: torch.dtype,
     device: torch.device,
+    kv_cache_dtype: str | None = None,
     sliding_window: int | None,
     num_sink_tokens: int,
     layer_windows: Sequence[int | None] | None = None,
 ) -> AttentionWeights:
     """Run `model` (an engine model: forward(input_ids, positions, kv_caches, metas)) over token_ids
     and return every layer's and head's attention weights under the given window and sinks, or under
-    each layer's own window (layer_windows, None entries full; sinks apply to the sliding ones)."""
+    each layer's own window (layer_windows, None entries full; sinks apply to the sliding ones).
+    kv_cache_dtype: the cache format the keys and values go through (None: the model's dtype)."""
     if not token_ids:
         raise ValueError("attention weights need at least one token")
     num_tokens = len(token_ids)
     num_blocks = cdiv(num_tokens, block_size)
     # Block 0 is the null block in every cache; the probe's own blocks are 1..num_blocks.
     shape = (num_blocks + 1, block_size, num_kv_heads, head_dim)
+    cache_format = kv_cache_dtype or kv_format.format_of_dtype(dtype)
     kv_caches = [
-        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        (kv_format.allocate(cache_format, *shape, device), kv_format.allocate(cache_format, *shape, device))
         for _ in range(num_layers)
     ]
     recorder = _RecordingAttention()

@@ -20,7 +20,9 @@ a second kernel, one program per (sequence, query head), combines the splits wit
 Scores: broadcast-multiply-sum for G_PAD < 16 (tl.dot needs every dimension >= 16, and decode groups are
 usually 1-8 heads); tl.dot with input_precision="ieee" (exact float32, no TF32) when G_PAD >= 16 and
 block_size >= 16. Limits: head_dim a power of 2 in [16, 256] (tested at 32, 64, 128), block_size a
-power of 2, caches float16 / bfloat16 / float32; the output takes the query's dtype.
+power of 2, caches float16 / bfloat16 / float32, or int8 rows with a float32 scale each (engine/ops/
+kv_format.py: the values and the scales are passed as two strided views of the one cache, QUANTIZED);
+the output takes the query's dtype.
 
 triton is a dev / CUDA dependency, not a CPU runtime one: it is imported under a guard and available()
 says whether the kernels can run here (a CUDA device, or Triton's interpreter: TRITON_INTERPRET=1 set
@@ -35,6 +37,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine.ops import kv_format
+
 if TYPE_CHECKING:  # the runner imports this module when it dispatches to it
     from engine.attention.metadata import AttentionMetadata
 
@@ -46,6 +50,7 @@ except ImportError:  # a CPU install without the dev extras: available() is Fals
     tl = None
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_CACHE_DTYPES = (*_DTYPES, torch.int8)
 # Scores are kept in base 2 (scaled by log2(e)) so the softmax uses exp2, the GPU's native exponential.
 _LOG2E = math.log2(math.e)
 # Split-K heuristic: a split reads at least this many blocks (below that the reduction kernel costs more
@@ -101,6 +106,8 @@ if triton is not None:
         query_ptr,  # [B, H_q, D]
         key_cache_ptr,  # [num_blocks, block_size, H_kv, D]
         value_cache_ptr,  # [num_blocks, block_size, H_kv, D]
+        key_scale_ptr,  # float32 [num_blocks, block_size, H_kv]: each int8 key row's scale (QUANTIZED only)
+        value_scale_ptr,  # float32 [num_blocks, block_size, H_kv] (QUANTIZED only)
         key_blocks_ptr,  # int64 [B, N] physical block of each entry
         key_logical_ptr,  # int32 [B, N] logical block of each entry, -1 for padding
         num_entries_ptr,  # int32 [B] entries to visit (last non-padding entry + 1)
@@ -125,6 +132,9 @@ if triton is not None:
         stride_vs,
         stride_vh,
         stride_vd,
+        stride_zb,  # the scales' strides (block, slot, head), the same for keys and values
+        stride_zs,
+        stride_zh,
         stride_tb,
         stride_tn,
         stride_lb,
@@ -141,6 +151,7 @@ if triton is not None:
         USE_DOT: tl.constexpr,
         COUNT_VISITS: tl.constexpr,
         SOFTCAP: tl.constexpr,  # scores s -> softcap * tanh(s / softcap)
+        QUANTIZED: tl.constexpr,  # int8 cache rows, each times its scale
     ):
         seq = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -191,6 +202,9 @@ if triton is not None:
                 )
                 # Masked loads: slots not yet written (or stale) never reach the sums, even as NaN.
                 k = tl.load(k_ptrs, mask=visible[:, None], other=0.0).to(tl.float32)  # [BLOCK_SIZE, D]
+                if QUANTIZED:
+                    z_offsets = block * stride_zb + offs_j * stride_zs + kv_head * stride_zh  # [BLOCK_SIZE]
+                    k = k * tl.load(key_scale_ptr + z_offsets, mask=visible, other=0.0)[:, None]
                 if USE_DOT:
                     scores = tl.dot(q, tl.trans(k), input_precision="ieee")  # [G_PAD, BLOCK_SIZE]
                 else:
@@ -210,6 +224,8 @@ if triton is not None:
                     + offs_d[None, :] * stride_vd
                 )
                 v = tl.load(v_ptrs, mask=visible[:, None], other=0.0).to(tl.float32)  # [BLOCK_SIZE, D]
+                if QUANTIZED:
+                    v = v * tl.load(value_scale_ptr + z_offsets, mask=visible, other=0.0)[:, None]
                 if USE_DOT:
                     pv = tl.dot(p, v, input_precision="ieee")  # [G_PAD, D]
                 else:
@@ -305,10 +321,11 @@ def _paged_decode(
     if not meta.is_decode_only:
         raise ValueError("triton_paged_decode computes decode-only steps (one new token per sequence)")
     num_seqs, num_heads, head_dim = query.shape
-    _, block_size, num_kv_heads, cache_head_dim = key_cache.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    cache_head_dim = kv_format.head_dim_of(key_cache)
     if value_cache.shape != key_cache.shape or value_cache.dtype != key_cache.dtype:
         raise ValueError("key_cache and value_cache must have the same shape and dtype")
-    if key_cache.dtype not in _DTYPES or query.dtype not in _DTYPES:
+    if key_cache.dtype not in _CACHE_DTYPES or query.dtype not in _DTYPES:
         raise ValueError(f"unsupported dtypes: query {query.dtype}, cache {key_cache.dtype}")
     if cache_head_dim != head_dim or num_heads % num_kv_heads != 0:
         raise ValueError(f"query [{num_heads}, {head_dim}] does not fit cache heads [{num_kv_heads}, {cache_head_dim}]")
@@ -347,10 +364,14 @@ def _paged_decode(
         visits = num_entries  # never touched: COUNT_VISITS is off
     elif visits.shape != (num_seqs, num_kv_heads, num_splits) or visits.dtype != torch.int32:
         raise ValueError(f"visits must be int32 [{num_seqs}, {num_kv_heads}, {num_splits}]")
+    keys, key_scales = kv_format.kernel_views(key_cache)
+    values, value_scales = kv_format.kernel_views(value_cache)
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         query,
-        key_cache,
-        value_cache,
+        keys,
+        values,
+        key_scales,
+        value_scales,
         meta.key_blocks,
         logical,
         num_entries,
@@ -365,8 +386,9 @@ def _paged_decode(
         window if window is not None else 0,
         meta.num_sink_tokens,
         *query.stride(),
-        *key_cache.stride(),
-        *value_cache.stride(),
+        *keys.stride(),
+        *values.stride(),
+        *key_scales.stride()[:3],
         *meta.key_blocks.stride(),
         *logical.stride(),
         *out.stride(),
@@ -379,6 +401,7 @@ def _paged_decode(
         USE_DOT=group_pad >= 16 and block_size >= 16,
         COUNT_VISITS=count_visits,
         SOFTCAP=softcap is not None,
+        QUANTIZED=key_cache.dtype == torch.int8,
     )
     if num_splits > 1:
         _combine_splits_kernel[(num_seqs, num_heads)](

@@ -20,7 +20,9 @@ the same `AttentionMetadata`, without gathering the blocks and without building 
 
 Limits: BLOCK_M = 16 (tl.dot needs every dimension >= 16); block_size and head_dim powers of two in
 [16, 256] (tl.arange needs powers of two, tl.dot >= 16; above 256 the tiles outgrow the registers);
-query and caches of one dtype among float16, bfloat16, float32; output in the query's dtype. The dots
+a query in float16, bfloat16 or float32 and caches in any of those or int8 rows with a float32 scale each
+(engine/ops/kv_format.py: values and scales passed as two strided views of the one cache, QUANTIZED),
+read into the query's dtype; output in the query's dtype. The dots
 ask for IEEE precision: 16-bit inputs run on the tensor cores regardless, float32 inputs multiply exactly
 (not in TF32, which would cost ~1e-3) so the result matches the torch path to ~1e-5.
 
@@ -36,6 +38,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine.ops import kv_format
+
 if TYPE_CHECKING:  # the runner imports this module when it dispatches to it
     from engine.attention.metadata import AttentionMetadata
 
@@ -48,6 +52,7 @@ except ImportError:  # CPU-only installs: the torch path serves every step there
 # Queries per program. 16 is tl.dot's smallest tile.
 BLOCK_M = 16
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_CACHE_DTYPES = (*_DTYPES, torch.int8)
 _LOG2E = 1.4426950408889634
 
 
@@ -66,6 +71,8 @@ if triton is not None:
         query_ptr,  # [T, H_q, D]
         key_cache_ptr,  # [num_blocks, BLOCK_SIZE, H_kv, D]
         value_cache_ptr,  # [num_blocks, BLOCK_SIZE, H_kv, D]
+        key_scale_ptr,  # float32 [num_blocks, BLOCK_SIZE, H_kv]: each int8 key row's scale (QUANTIZED only)
+        value_scale_ptr,  # float32 [num_blocks, BLOCK_SIZE, H_kv] (QUANTIZED only)
         out_ptr,  # [T, H_q, D]
         key_blocks_ptr,  # int64 [B, N]: physical block of each entry
         key_logical_ptr,  # int32 [B, N]: logical block of each entry, -1 for padding
@@ -88,6 +95,9 @@ if triton is not None:
         stride_vb,
         stride_vs,
         stride_vh,
+        stride_zb,  # the scales' strides (block, slot, head), the same for keys and values
+        stride_zs,
+        stride_zh,
         stride_kbl,  # row stride of key_blocks
         stride_lbl,  # row stride of key_block_logical
         GROUP: tl.constexpr,  # H_q // H_kv
@@ -97,6 +107,7 @@ if triton is not None:
         HAS_WINDOW: tl.constexpr,
         COUNT_VISITS: tl.constexpr,
         SOFTCAP: tl.constexpr,  # scores s -> softcap * tanh(s / softcap)
+        QUANTIZED: tl.constexpr,  # int8 cache rows, each times its scale
     ):
         seq = tl.program_id(0)
         tile = tl.program_id(1)
@@ -150,6 +161,12 @@ if triton is not None:
                     + kv_head * stride_vh
                     + dims[None, :]
                 )  # [BLOCK_SIZE, D]
+                if QUANTIZED:
+                    z_offsets = block * stride_zb + slots * stride_zs + kv_head * stride_zh  # [BLOCK_SIZE]
+                    k = k.to(tl.float32) * tl.load(key_scale_ptr + z_offsets)[:, None]
+                    v = v.to(tl.float32) * tl.load(value_scale_ptr + z_offsets)[:, None]
+                k = k.to(q.dtype)  # a cache of another format is read into the query's dtype
+                v = v.to(q.dtype)
                 scores = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale  # [BLOCK_M, BLOCK_SIZE]
                 if SOFTCAP:  # scores are s / softcap here: tanh, then back to the softcap range in base 2
                     scores = _tanh(scores) * softcap_log2
@@ -207,10 +224,12 @@ def available() -> bool:
 
 def unsupported_reason(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> str | None:
     """Why the kernel cannot take these tensors (limits in the module docstring), or None when it can."""
-    block_size, num_kv_heads, head_dim = key_cache.shape[1:]
+    block_size, num_kv_heads = key_cache.shape[1:3]
+    head_dim = kv_format.head_dim_of(key_cache)
     num_heads = query.shape[1]
-    if not query.dtype == key_cache.dtype == value_cache.dtype or query.dtype not in _DTYPES:
-        return f"dtypes {query.dtype}/{key_cache.dtype}/{value_cache.dtype}: needs one of float16, bfloat16, float32"
+    if query.dtype not in _DTYPES or key_cache.dtype != value_cache.dtype or key_cache.dtype not in _CACHE_DTYPES:
+        dtypes = f"{query.dtype}/{key_cache.dtype}/{value_cache.dtype}"
+        return f"dtypes {dtypes}: needs a float16, bfloat16 or float32 query and caches of one KV format"
     if query.shape[2] != head_dim or value_cache.shape != key_cache.shape:
         return f"query {tuple(query.shape)} and caches {tuple(key_cache.shape)}/{tuple(value_cache.shape)} disagree"
     for name, size in (("head_dim", head_dim), ("block_size", block_size)):
@@ -254,10 +273,14 @@ def _launch(
     if visits is None:
         visits = query_lens  # never touched: COUNT_VISITS is off
     has_window = meta.sliding_window is not None
+    keys, key_scales = kv_format.kernel_views(key_cache)
+    values, value_scales = kv_format.kernel_views(value_cache)
     _paged_prefill_kernel[(num_seqs, num_tiles, num_heads)](
         query,
-        key_cache,
-        value_cache,
+        keys,
+        values,
+        key_scales,
+        value_scales,
         out,
         key_blocks,
         key_logical,
@@ -280,6 +303,7 @@ def _launch(
         value_cache.stride(0),
         value_cache.stride(1),
         value_cache.stride(2),
+        *key_scales.stride()[:3],
         key_blocks.stride(0),
         key_logical.stride(0),
         GROUP=num_heads // num_kv_heads,
@@ -289,6 +313,7 @@ def _launch(
         HAS_WINDOW=has_window,
         COUNT_VISITS=count_visits,
         SOFTCAP=softcap is not None,
+        QUANTIZED=key_cache.dtype == torch.int8,
     )
     return out
 

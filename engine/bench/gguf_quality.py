@@ -6,7 +6,8 @@
 The reference is the same file dequantized to float32 (`--quantization none`, which equals transformers
 within 1e-4). A fixed text (engine/bench/quality_text.md, ~3,500 tokens) is cut into chunks of --ctx
 tokens whose second halves are scored, as llama.cpp's `llama-perplexity` scores them; for each kvserve
-quantization mode (`gguf/float32`: with its --prefill-dtype): the mean KL divergence from the reference,
+mode (`gguf/float32`: with its --prefill-dtype; `gguf@int8`: with its --kv-cache-dtype): the mean KL
+divergence from the reference,
 the mean |difference| of the actual next
 token's logprob, and how often the likeliest token is the reference's. Then 8 held-out prompts get 64
 greedy tokens from the reference and from each mode (clients/bench/quality.py compares the answers,
@@ -83,12 +84,15 @@ def _chunk_logprobs(llm: LLM, tokens: list[int]) -> torch.Tensor:
 
 
 def _engine(model: Path, mode: str, ctx: int) -> LLM:
-    """mode: a quantization mode, or one with its prefill dtype after a slash (`gguf/float32`)."""
+    """mode: QUANTIZATION[/PREFILL_DTYPE][@KV_CACHE_DTYPE], e.g. `gguf`, `gguf/bfloat16`, `none@float16`,
+    `gguf@int8` (an omitted prefill dtype is float32, an omitted KV cache dtype auto)."""
+    mode, _, kv_cache_dtype = mode.partition("@")
     quantization, _, prefill = mode.partition("/")
     config = EngineConfig(
         model=str(model),
         quantization=quantization,
         prefill_dtype=prefill or "float32",
+        kv_cache_dtype=kv_cache_dtype or "auto",
         max_num_batched_tokens=max(2048, ctx),
     )
     return LLM.from_config(config)
@@ -96,7 +100,7 @@ def _engine(model: Path, mode: str, ctx: int) -> LLM:
 
 def measure(model: Path, modes: list[str], ctx: int) -> tuple[Quality, list[Quality], list[list[int]]]:
     """(the reference with its answers, one Quality per mode, the prompts' token ids)."""
-    reference = _engine(model, "none", ctx)
+    reference = _engine(model, "none@float32", ctx)
     tokens = reference.tokenizer.encode(TEXT.read_text())
     chunks = scored_chunks(tokens, ctx)
     if not chunks:
@@ -186,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--modes",
         default="gguf,int8",
-        help="kvserve quantization modes to compare (gguf/float32: with a --prefill-dtype)",
+        help="kvserve modes to compare: QUANTIZATION[/PREFILL_DTYPE][@KV_CACHE_DTYPE] (gguf/bfloat16: with that "
+        "--prefill-dtype; none@int8: float32 weights over an int8 KV cache; the KV cache dtype is auto if omitted)",
     )
     parser.add_argument("--ctx", type=int, default=512, help="tokens per scored chunk")
     parser.add_argument("--llama-perplexity", type=Path, default=None, help="llama.cpp's binary, to measure it too")

@@ -25,6 +25,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from engine.config import KV_CACHE_DTYPES
+
 logger = logging.getLogger(__name__)
 
 MiB = 2**20
@@ -36,7 +38,8 @@ class KVServeMeasure:
     held_bytes: int  # used blocks * bytes per block, read after its first decode step
     peak_bytes: int  # the most over the sequence's steps
     all_full_bytes: int  # the same tokens with every layer full
-    element_size: int  # bytes per cached value (float32: 4)
+    element_size: float  # bytes per cached value (float32: 4; int8: (D + 4) / D with its scale)
+    kv_cache_dtype: str  # the cache's format (auto resolved)
     bytes_per_block: int
     block_size: int
     layout: str  # the start-up log's description
@@ -50,7 +53,9 @@ class LlamaCppMeasure:
     element_size: int  # f16: 2
 
 
-def kvserve_measures(path: Path, contexts: list[int], seed: int = 0) -> list[KVServeMeasure]:
+def kvserve_measures(
+    path: Path, contexts: list[int], seed: int = 0, kv_cache_dtype: str = "auto"
+) -> list[KVServeMeasure]:
     """One sequence per context through kvserve's engine, prefix caching off so that each starts empty.
 
     A sliding group gives blocks back when the sequence is next scheduled, and a sequence that ends gives all
@@ -60,22 +65,28 @@ def kvserve_measures(path: Path, contexts: list[int], seed: int = 0) -> list[KVS
     multiple of the block size)."""
     import numpy as np
 
-    from engine.config import TORCH_DTYPES, EngineConfig, cdiv
+    from engine.config import EngineConfig, cdiv
     from engine.core.kv_layout import plan_kv_layout
     from engine.llm import LLM
+    from engine.ops import kv_format
     from engine.params import SamplingParams
     from engine.runner.model_runner import kv_bytes_per_block
 
     config = EngineConfig(
-        model=str(path), quantization="auto", max_model_len=max(contexts), max_num_seqs=1, enable_prefix_caching=False
+        model=str(path),
+        quantization="auto",
+        max_model_len=max(contexts),
+        max_num_seqs=1,
+        enable_prefix_caching=False,
+        kv_cache_dtype=kv_cache_dtype,
     )
     engine = LLM.from_config(config).engine
     model_config, layout = engine.model_config, engine.layout
-    dtype = TORCH_DTYPES[config.dtype]
-    per_block = kv_bytes_per_block(model_config, layout, config.block_size, dtype)
+    kv_cache_dtype = engine.kv_cache_dtype
+    per_block = kv_bytes_per_block(model_config, layout, config.block_size, kv_cache_dtype)
     all_full = plan_kv_layout([None] * model_config.num_layers, 0)
-    all_full_per_block = kv_bytes_per_block(model_config, all_full, config.block_size, dtype)
-    element = dtype.itemsize
+    all_full_per_block = kv_bytes_per_block(model_config, all_full, config.block_size, kv_cache_dtype)
+    element = kv_format.row_bytes(kv_cache_dtype, model_config.head_dim) / model_config.head_dim
     rng = np.random.default_rng(seed)
     results = []
     for context in contexts:
@@ -99,6 +110,7 @@ def kvserve_measures(path: Path, contexts: list[int], seed: int = 0) -> list[KVS
                 peak_bytes=peak * per_block,
                 all_full_bytes=cdiv(tokens, config.block_size) * all_full_per_block,
                 element_size=element,
+                kv_cache_dtype=kv_cache_dtype,
                 bytes_per_block=per_block,
                 block_size=config.block_size,
                 layout=layout.describe(),
@@ -159,8 +171,9 @@ def llama_cpp_measure(binary: Path, path: Path, context: int, timeout_s: float =
 def markdown(kvserve: list[KVServeMeasure], llama: list[LlamaCppMeasure]) -> str:
     """Bytes and elements held per context, with kvserve / llama.cpp ratios."""
     by_context = {m.context: m for m in llama}
+    fmt = kvserve[0].kv_cache_dtype if kvserve else ""
     rows = [
-        "| context | kvserve held (f32) | kvserve peak | every layer full (f32) | llama.cpp (f16) | "
+        f"| context | kvserve held ({fmt}) | kvserve peak | every layer full ({fmt}) | llama.cpp (f16) | "
         "kvserve / llama.cpp bytes | kvserve / llama.cpp elements | every-full / kvserve |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
@@ -187,12 +200,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("gguf", type=Path)
     parser.add_argument("--contexts", default="4096,8192", help="comma-separated context lengths")
     parser.add_argument("--llama-server", type=Path, default=None, help="llama-server binary (default: none)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help="kvserve's cache format")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the Markdown table")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     contexts = [int(c) for c in args.contexts.split(",") if c.strip()]
     llama = [llama_cpp_measure(args.llama_server, args.gguf, c) for c in contexts] if args.llama_server else []
-    kvserve = kvserve_measures(args.gguf, contexts)
+    kvserve = kvserve_measures(args.gguf, contexts, kv_cache_dtype=args.kv_cache_dtype)
     report: dict[str, Any] = {"kvserve": [asdict(m) for m in kvserve], "llamacpp": [asdict(m) for m in llama]}
     if args.json:
         print(json.dumps(report, indent=2))

@@ -45,6 +45,7 @@ class KVCacheManager:
         self.pool = pool
         self.block_size = block_size
         self.groups = groups
+        self.extra_key = extra_key
         self._key = repr((block_size, *extra_key)).encode()
         self._root_hash = block_pool.root_block_hash(self._key)
         # Appended to a block's chained digest when it is published, so each group's blocks are its own.

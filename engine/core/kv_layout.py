@@ -75,9 +75,9 @@ class KVLayout:
     def window_of_layer(self, layer: int) -> int | None:
         return self.groups[self.layer_group[layer]].sliding_window
 
-    def bytes_per_block(self, block_size: int, num_kv_heads: int, head_dim: int, element_size: int) -> int:
-        """Keys and values of P layers for block_size tokens."""
-        return 2 * self.layers_per_group * block_size * num_kv_heads * head_dim * element_size
+    def bytes_per_block(self, block_size: int, num_kv_heads: int, row_bytes: int) -> int:
+        """Keys and values of P layers for block_size tokens; row_bytes: one token's key for one head."""
+        return 2 * self.layers_per_group * block_size * num_kv_heads * row_bytes
 
     def max_blocks_per_seq(self, max_model_len: int, block_size: int, max_chunk_tokens: int) -> int:
         """The most blocks one sequence holds at once, over all its groups."""

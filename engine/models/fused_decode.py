@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from engine.attention.metadata import AttentionMetadata, per_token_rows
+from engine.ops.kv_format import NATIVE_FORMAT_IDS
 from engine.ops.loader import I64, PTR, bind, unavailable_reason
 from engine.quantization import KernelWeight, kernel_weight
 
@@ -149,6 +150,7 @@ class _DecodeStep(ctypes.Structure):
         ("eps", ctypes.c_float),
         ("scale", ctypes.c_float),
         ("activation", ctypes.c_int),
+        ("kv_format", ctypes.c_int),
         ("groups", ctypes.POINTER(_GroupStep)),
         ("ropes", ctypes.POINTER(_RopeStep)),
         ("num_threads", ctypes.c_int),
@@ -190,8 +192,8 @@ def unsupported_reason(model: nn.Module, kv_caches: list[tuple[torch.Tensor, tor
     if any(kernel_weight(projection) is None for projection in projections):
         return "its linear layers are neither int8 nor GGUF blocks (the fused kernel reads only those)"
     cache = kv_caches[0][0]
-    if cache.dtype != torch.float32 or cache.device.type != "cpu" or not cache.is_contiguous():
-        return f"the KV cache is {cache.dtype} on {cache.device.type} (the kernel needs contiguous float32 on CPU)"
+    if cache.dtype not in NATIVE_FORMAT_IDS or cache.device.type != "cpu" or not cache.is_contiguous():
+        return f"the KV cache is {cache.dtype} on {cache.device.type} (the kernel needs a contiguous CPU cache)"
     if any(norm.dtype != torch.float32 for layer in recipe.layers for norm in layer.norms()):
         return "its RMSNorm weights are not float32"
     reason = unavailable_reason("fused_decode")
@@ -260,6 +262,7 @@ class FusedDecode:
         )
         self.num_groups = max(layer_group) + 1
         self.block_size = kv_caches[0][0].shape[1]
+        self.kv_format = NATIVE_FORMAT_IDS[kv_caches[0][0].dtype]
         self.rotary_dim = recipe.rotaries[0].rotary_dim
         # The model and caches own the tensors behind the pointers above; they must outlive this object.
         self.model = model
@@ -314,6 +317,7 @@ class FusedDecode:
             recipe.eps,
             recipe.scale,
             ACTIVATIONS[recipe.activation],
+            self.kv_format,
             (_GroupStep * len(group_steps))(*group_steps),
             (_RopeStep * len(rope_steps))(*rope_steps),
             torch.get_num_threads(),

@@ -43,8 +43,8 @@ typedef struct {
     const float *ffn_out_norm;  /* [hidden] on the MLP's output, before the residual add */
     const float *q_norm, *k_norm; /* [D] each, over every query / key head */
     Int8Weight qkv, o, gate_up, down;
-    float *key_cache;   /* [num_blocks, block_size, Hkv, D] */
-    float *value_cache; /* same */
+    void *key_cache;   /* [num_blocks, block_size, Hkv, row] in DecodeStep.kv_format (decode_attention.c) */
+    void *value_cache; /* same */
     int64_t group;      /* index into DecodeStep.groups: the block tables, mask and slots this layer uses */
     int64_t rope;       /* index into DecodeStep.ropes */
     float softcap;      /* > 0: attention scores capped to softcap * tanh(s / softcap); 0: off */
@@ -69,6 +69,7 @@ typedef struct {
     int64_t block_size;
     float eps, scale;
     int activation; /* ACT_*: the gate's activation */
+    int kv_format;  /* KV_*: how every layer's cache stores its rows */
     const GroupStep *groups;
     const RopeStep *ropes;
     int num_threads;
@@ -123,7 +124,7 @@ static void add_residual(float *hidden, float *delta, const float *norm, int64_t
 int kv_fused_decode_layers(const DecoderLayer *layers, int64_t num_layers, const DecodeStep *step, float *hidden) {
     const int64_t B = step->num_seqs, H = step->hidden_size, I = step->intermediate_size, D = step->head_dim;
     const int64_t q_size = step->num_heads * D, kv_size = step->num_kv_heads * D, qkv_size = q_size + 2 * kv_size;
-    const int64_t R = step->rotary_dim, half = R / 2;
+    const int64_t R = step->rotary_dim, half = R / 2, row_bytes = kv_row_bytes(step->kv_format, D);
     const int threads = step->num_threads;
     /* normed [B, H] | qkv [B, qkv] | attn [B, q] | gate_up [B, 2I] | act [B, I] | delta [B, H] */
     float *normed = malloc((size_t)B * (H + qkv_size + q_size + 3 * I + H) * sizeof(float));
@@ -153,15 +154,16 @@ int kv_fused_decode_layers(const DecoderLayer *layers, int64_t num_layers, const
                 }
             }
             int64_t slot = group->slot_mapping[b];
-            for (int64_t i = 0; i < kv_size; i++) {
-                layer->key_cache[slot * kv_size + i] = row[q_size + i];
-                layer->value_cache[slot * kv_size + i] = row[q_size + kv_size + i];
+            for (int64_t head = 0; head < step->num_kv_heads; head++) {
+                int64_t offset = (slot * step->num_kv_heads + head) * row_bytes;
+                kv_store_row((char *)layer->key_cache + offset, row + q_size + head * D, step->kv_format, D);
+                kv_store_row((char *)layer->value_cache + offset, row + q_size + kv_size + head * D, step->kv_format, D);
             }
         }
         failed |= decode_attention_capped(qkv, qkv_size, layer->key_cache, layer->value_cache, group->blocks,
                                           group->mask, attn, B, step->num_heads, step->num_kv_heads, D,
                                           step->block_size, group->num_blocks_per_seq, step->scale, layer->softcap,
-                                          threads);
+                                          step->kv_format, threads);
         failed |= linear(attn, &layer->o, B, q_size, delta, threads);
         add_residual(hidden, delta, layer->attn_out_norm, B, H, step->eps);
         kv_rms_norm(hidden, layer->ffn_norm, normed, B, H, step->eps);

@@ -42,9 +42,11 @@ class DecodePlan:
 
 
 def native_ops(model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[str, ...]:
-    """The engine/ops kernels that `model`'s torch layers call natively: float32 CPU tensors only."""
+    """The engine/ops kernels that `model`'s torch layers call natively: float32 CPU models only (their
+    caches in any format)."""
     cache = kv_caches[0][0]
-    if cache.device.type != "cpu" or cache.dtype != torch.float32:
+    weight = next(model.parameters(), None)
+    if cache.device.type != "cpu" or weight is None or weight.dtype != torch.float32:
         return ()
     modules = list(model.modules())
     used = {

@@ -23,7 +23,7 @@ from engine.core.scheduler import ScheduledBatch
 from engine.core.sequence import Sequence
 from engine.models import registry
 from engine.models.fused_decode import FusedDecode, decode_rows, token_rows
-from engine.ops import loader
+from engine.ops import kv_format, loader
 from engine.ops.cpu_features import cpu_features
 from engine.outputs import EmittedTokens, TokenLogprob
 from engine.runner.decode_path import DecodePath, choose_decode_path
@@ -52,9 +52,18 @@ class StepResult:
         return self.sampled, self.prompt_logprobs
 
 
-def kv_bytes_per_block(model_config: ModelConfig, layout: KVLayout, block_size: int, dtype: torch.dtype) -> int:
-    element = torch.empty((), dtype=dtype).element_size()
-    return layout.bytes_per_block(block_size, model_config.num_kv_heads, model_config.head_dim, element)
+def kv_bytes_per_block(model_config: ModelConfig, layout: KVLayout, block_size: int, kv_cache_dtype: str) -> int:
+    """The bytes one block id holds over every layer, in a cache of format `kv_cache_dtype` (a KV_CACHE_DTYPES
+    name other than auto)."""
+    row = kv_format.row_bytes(kv_cache_dtype, model_config.head_dim)
+    return layout.bytes_per_block(block_size, model_config.num_kv_heads, row)
+
+
+def kv_bytes_per_token(model_config: ModelConfig, kv_cache_dtype: str) -> int:
+    """One token's keys and values over every layer (a sliding layer's too: what a token costs while it is in
+    the cache)."""
+    row = kv_format.row_bytes(kv_cache_dtype, model_config.head_dim)
+    return 2 * model_config.num_layers * model_config.num_kv_heads * row
 
 
 class ModelRunner:
@@ -85,13 +94,14 @@ class ModelRunner:
         # What GGUF block layers multiply prefill batches in (None: the model has no such layers).
         self.prefill_dtype = quantization.apply_prefill_dtype(model, config)
         self.model = model.eval().requires_grad_(False)
+        self.kv_cache_dtype = kv_format.kv_cache_dtype_of(config)
         shape = (num_blocks, config.block_size, model_config.num_kv_heads, model_config.head_dim)
         # One (key, value) pair per slot of a block, allocated once for the whole life of the engine; each
         # layer reads and writes its slot's pair through its group's block tables (engine/core/kv_layout.py).
         slots = [
             (
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                kv_format.allocate(self.kv_cache_dtype, *shape, device=self.device),
+                kv_format.allocate(self.kv_cache_dtype, *shape, device=self.device),
             )
             for _ in range(layout.layers_per_group)
         ]

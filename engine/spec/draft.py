@@ -14,12 +14,13 @@ import logging
 
 import torch
 
-from engine.config import TORCH_DTYPES, EngineConfig, ModelConfig, cdiv
+from engine.config import EngineConfig, ModelConfig, cdiv
 from engine.core.block_pool import BlockPool
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.kv_layout import plan_kv_layout
 from engine.core.scheduler import ScheduledBatch
 from engine.core.sequence import Sequence
+from engine.ops import kv_format
 from engine.params import SamplingParams
 from engine.runner.model_runner import ModelRunner, kv_bytes_per_block
 
@@ -50,7 +51,7 @@ class DraftModelProposer:
         self.model_config = model_config
         self.max_model_len = model_config.max_position_embeddings
         layout = plan_kv_layout(model_config.windows(), 0)
-        per_block = kv_bytes_per_block(model_config, layout, config.block_size, TORCH_DTYPES[config.dtype])
+        per_block = kv_bytes_per_block(model_config, layout, config.block_size, kv_format.kv_cache_dtype_of(config))
         # Every running sequence's whole context plus its drafts, or the memory budget, whichever is less.
         useful = (
             max_num_seqs

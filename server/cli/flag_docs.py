@@ -82,6 +82,15 @@ FLAG_DOCS: dict[str, FlagDoc] = {
             "1.2x; see [Kernels](../engine/kernels.md))"
         ),
     ),
+    "kv_cache_dtype": FlagDoc(
+        (
+            "how the KV cache stores keys and values: `float32`, `float16`, `bfloat16`, or `int8` (each token's "
+            "key and value per head as int8 with a float32 scale: 0.53x the bytes of a 16-bit cache at head size "
+            "64); `auto`: the model's dtype on CUDA and for unquantized CPU models (so float32 stays exact), "
+            "`float16` on CPU for int8 or GGUF weights. Every attention path reads every format; see "
+            "[KV cache](../engine/kv-cache.md#cache-formats)"
+        ),
+    ),
     "device": FlagDoc(
         "`cpu`, `cuda`, `cuda:1`, ...",
     ),

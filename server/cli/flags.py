@@ -7,7 +7,14 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from engine.config import POOLING_MODES, PREFILL_DTYPES, SPECULATIVE_METHODS, SUPPORTED_DTYPES, TOKEN_ID_INPUT_MODES
+from engine.config import (
+    KV_CACHE_DTYPES,
+    POOLING_MODES,
+    PREFILL_DTYPES,
+    SPECULATIVE_METHODS,
+    SUPPORTED_DTYPES,
+    TOKEN_ID_INPUT_MODES,
+)
 from server.cli.kinds import boolean, byte_size, key_file, key_list, one_of, optional, path_text
 from server.config import LOG_LEVELS, METRICS_NAMES
 from server.http.access import PREFIX_CACHE_SCOPES
@@ -119,6 +126,14 @@ FLAGS: tuple[Flag, ...] = (
         "dtype of the GGUF block layers' prefill products (batches over 64 rows): float32 (the decode kernel's "
         "numbers to float32 rounding) or bfloat16 (each weight tile and the rounded activations cast to it, "
         "float32 accumulation: 2.4-3.3x faster prefill on AVX-512 BF16, further from float32)",
+    ),
+    _flag(
+        "kv_cache_dtype",
+        "engine",
+        one_of(*KV_CACHE_DTYPES),
+        "how the KV cache stores keys and values: float32, float16, bfloat16, int8 (a float32 scale per token "
+        "and head) or auto (the model's dtype on CUDA and for unquantized CPU models, float16 on CPU for "
+        "quantized weights)",
     ),
     _flag("device", "engine+embedder+reranker", str, "torch device of every model: cpu, cuda, cuda:1, ..."),
     _flag(

@@ -22,7 +22,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from engine.outputs import EngineStats
-from server.metrics.names import Naming
+from server.metrics.names import KVSERVE_LABELS, KVSERVE_PREFIX, Naming
 
 
 def _prefix_cache_hit_rate(stats: EngineStats) -> float:
@@ -145,6 +145,8 @@ ENGINE_SERIES = (
 # Its one sample per draft position j (label `position`, from 0) counts the verifications that accepted
 # draft token j+1; exported with the counters above.
 SPEC_ACCEPTED_PER_POSITION = "spec_decode_num_accepted_tokens_per_pos"
+# One token's KV bytes, labelled kv_cache_dtype (the format).
+KV_BYTES_PER_TOKEN = "kv_cache_bytes_per_token"
 # vLLM's split of prompt tokens by source: its local_cache_hit part is prompt_tokens_cached.
 PROMPT_TOKENS_BY_SOURCE = "prompt_tokens_by_source"
 
@@ -184,6 +186,18 @@ class EngineStatsCollector(Collector):
                 yield family
         yield from self._prompt_tokens_by_source(stats)
         yield from self._spec_accepted_per_position(stats)
+        yield from self._kv_bytes_per_token(stats)
+
+    def _kv_bytes_per_token(self, stats: EngineStats) -> Iterator[Metric]:
+        """What one token costs in the KV cache, labelled with the cache's format: vLLM has no such series, so
+        always kvserve's name."""
+        family = GaugeMetricFamily(
+            KVSERVE_PREFIX + KV_BYTES_PER_TOKEN,
+            "Bytes one token's keys and values take in the KV cache over every layer, in its format.",
+            labels=(*KVSERVE_LABELS, "kv_cache_dtype"),
+        )
+        family.add_metric((self._naming.model_name, stats.kv_cache_dtype), stats.kv_bytes_per_token)
+        yield family
 
     def _prompt_tokens_by_source(self, stats: EngineStats) -> Iterator[Metric]:
         """vLLM's split of the prompt-token counter: computed here, or found in the local prefix cache."""

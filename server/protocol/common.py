@@ -188,6 +188,8 @@ class ModelRuntime(BaseModel):
     cpu_features: list[str]  # on CPU: the SIMD features its kernels were chosen by (empty elsewhere)
     kernel_build: str | None  # the native kernels' instruction-set build (avx2, avxvnni, ...); None: torch only
     prefill_dtype: str | None  # its GGUF block layers' prefill products (--prefill-dtype); None: no such layers
+    kv_cache_dtype: str  # its KV cache's format (--kv-cache-dtype, auto resolved): float32, float16, bfloat16, int8
+    kv_bytes_per_token: int  # one token's keys and values over every layer, in that format
 
 
 class ModelCard(BaseModel):

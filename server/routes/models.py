@@ -1,5 +1,6 @@
 """GET /v1/models: the loaded models, each with its task ("generate", "embed" or "rerank") and context length
-(the generation model's with its `runtime`: device, CPU features, kernel build, prefill dtype);
+(the generation model's with its `runtime`: device, CPU features, kernel build, prefill dtype, KV cache format
+and bytes per token);
 GET /v1/models/{id}: one of them (404 `model_not_found` for any other name)."""
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ async def list_models(state: SharedState) -> ModelList:
             cpu_features=list(info.cpu_features),
             kernel_build=info.kernel_build,
             prefill_dtype=info.prefill_dtype,
+            kv_cache_dtype=info.kv_cache_dtype,
+            kv_bytes_per_token=info.kv_bytes_per_token,
         )
         cards.append(
             ModelCard(

@@ -22,7 +22,9 @@ FUSED_ARCHS = [entry.model_type for entry in registry.entries() if entry.fused_d
 
 
 def _engine(model_dir: str, **overrides) -> LLM:
-    return LLM.from_config(EngineConfig(model=model_dir, block_size=4, quantization="int8", **overrides))
+    """An int8 engine over a float32 cache (unless overridden), whose rows both paths write bit for bit."""
+    settings = {"block_size": 4, "quantization": "int8", "kv_cache_dtype": "float32", **overrides}
+    return LLM.from_config(EngineConfig(model=model_dir, **settings))
 
 
 def _prompts(engine: LLM, count: int) -> list[list[int]]:
@@ -59,6 +61,23 @@ def test_fused_step_equals_torch_layers(tiny_model_dirs, arch):
     reference = runner.model(input_ids, positions, runner.kv_caches, metas)  # the torch layers
     # The kernel's GELU and torch's differ in the last bit, which can move one int8 activation rounding of
     # a row (gemma: ~2e-5 of the largest value); a wrong norm, RoPE or mask is off by orders of magnitude more.
+    assert (fused - reference).abs().max() <= 1e-4 * reference.abs().max()
+
+
+@needs_kernels
+@pytest.mark.parametrize("kv_cache_dtype", ["float16", "bfloat16", "int8"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_fused_step_equals_torch_layers_over_every_cache_format(tiny_model_dirs, arch, kv_cache_dtype):
+    """The fused kernel writes the step's keys and values in the cache's format and reads every earlier row
+    in it, as the torch layers do."""
+    engine = _engine(tiny_model_dirs[arch], kv_cache_dtype=kv_cache_dtype)
+    runner = engine.engine.runner
+    assert runner.decode_plan.path is DecodePath.FUSED_NATIVE, runner.decode_plan.reason
+    assert runner.kv_caches[0][0].dtype == getattr(torch, kv_cache_dtype)
+    input_ids, positions, metas = _decode_metadata(engine, _prompts(engine, 5))
+    fused = runner.forward(input_ids, positions, metas)
+    reference = runner.model(input_ids, positions, runner.kv_caches, metas)
+
     assert (fused - reference).abs().max() <= 1e-4 * reference.abs().max()
 
 

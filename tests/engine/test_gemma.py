@@ -76,7 +76,14 @@ def test_a_q8_0_gguf_runs_on_its_blocks_and_follows_the_same_file_in_float32(che
     arch, folder, _ = checkpoints
     gguf_file = write_gemma_gguf(folder, tmp_path / f"tiny-{arch}-Q8_0.gguf", matrix_type="Q8_0")
     # The file carries no tokenizer: the folder's serves it (--tokenizer).
-    config = EngineConfig(model=str(gguf_file), tokenizer=str(folder), quantization="gguf", block_size=4, num_blocks=96)
+    config = EngineConfig(
+        model=str(gguf_file),
+        tokenizer=str(folder),
+        quantization="gguf",
+        block_size=4,
+        num_blocks=96,
+        kv_cache_dtype="float32",  # only the weights' blocks differ from the float32 run
+    )
     blocks = LLM.from_config(config)
     model = blocks.engine.runner.model
     assert isinstance(model.embed_tokens, GgufEmbedding) and model.embed_tokens.qtype == "Q8_0"

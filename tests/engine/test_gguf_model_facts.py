@@ -97,7 +97,14 @@ def test_a_qwen3_gguf_runs_on_its_blocks_through_the_fused_decode(tmp_path):
     assert state["model.layers.0.self_attn.q_proj.weight"].qtype == "Q8_0"
     assert state["model.layers.0.self_attn.q_norm.weight"].dtype == torch.float32
     # The file carries no tokenizer: the folder's serves it (--tokenizer).
-    config = EngineConfig(model=str(gguf_file), tokenizer=str(folder), quantization="gguf", block_size=4, num_blocks=64)
+    config = EngineConfig(
+        model=str(gguf_file),
+        tokenizer=str(folder),
+        quantization="gguf",
+        block_size=4,
+        num_blocks=64,
+        kv_cache_dtype="float32",  # only the weights' blocks differ from the float32 run
+    )
     blocks = LLM.from_config(config)
     runner = blocks.engine.runner
     assert runner.decode_plan.path is DecodePath.FUSED_NATIVE

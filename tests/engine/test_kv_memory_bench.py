@@ -38,8 +38,10 @@ def test_a_sliding_model_holds_its_full_layers_and_windows(tmp_path):
     path = write_random_gguf(tmp_path / "gemma3.gguf", "Q8_0", shape)
     (measure,) = kvserve_measures(path, [64])
     assert measure.layout == "sliding 8: 5 layers in 5 groups; full: 1 layers in 1 groups; 1 layers per block"
-    per_block = 2 * 16 * 1 * 32 * 4  # K and V, 16 tokens, one KV head of 32, float32, one layer per block
-    assert measure.bytes_per_block == per_block and measure.element_size == 4
+    # K and V, 16 tokens, one KV head of 32, float16 (auto for GGUF blocks on CPU), one layer per block
+    per_block = 2 * 16 * 1 * 32 * 2
+    assert measure.bytes_per_block == per_block and measure.element_size == 2
+    assert measure.kv_cache_dtype == "float16"
     assert measure.held_bytes == (4 + 5 * 1) * per_block
     assert measure.all_full_bytes == 6 * 4 * per_block
     assert measure.peak_bytes == 6 * 4 * per_block  # the prompt's one prefill chunk reaches past every window

@@ -347,8 +347,8 @@ def test_availability_and_rejected_inputs():
     assert prefill.available() and prefill.unavailable_reason() is None
     step = make_step([0], [4])
     args = (step.key_cache, step.value_cache, step.meta, step.scale)
-    with pytest.raises(ValueError, match="dtypes"):
-        prefill.triton_paged_prefill(step.query.half(), *args)
+    with pytest.raises(ValueError, match="dtypes"):  # keys and values in two formats
+        prefill.triton_paged_prefill(step.query, step.key_cache, step.value_cache.half(), *args[2:])
     with pytest.raises(ValueError, match="head_dim 24"):
         prefill.triton_paged_prefill(
             step.query[..., :24], step.key_cache[..., :24], step.value_cache[..., :24], *args[2:]

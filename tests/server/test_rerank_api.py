@@ -77,7 +77,14 @@ def _make_app(async_reranker, *, served: bool = True) -> FastAPI:
     )
     state = ServerState(config=config, is_ready=True)
     # only its name, context length and what it runs on are read here
-    runtime = types.SimpleNamespace(device="cpu", cpu_features=("avx2",), kernel_build="avx2", prefill_dtype=None)
+    runtime = types.SimpleNamespace(
+        device="cpu",
+        cpu_features=("avx2",),
+        kernel_build="avx2",
+        prefill_dtype=None,
+        kv_cache_dtype="float16",
+        kv_bytes_per_token=23040,
+    )
     state.engine = types.SimpleNamespace(
         model_name=GENERATION_MODEL, max_model_len=128, is_healthy=True, model_info=runtime
     )

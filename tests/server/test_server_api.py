@@ -253,6 +253,10 @@ def test_models_tokenize_detokenize(server, client):
     runtime = models[0].model_extra["runtime"]  # what ran, for a benchmark table: a folder in float32, no GGUF layers
     assert runtime == {**runtime, "device": "cpu", "cpu_features": list(cpu_features()), "prefill_dtype": None}
     assert runtime["kernel_build"] in (None, loader.chosen_isa())
+    assert runtime["kv_cache_dtype"] == "float32"  # auto, for float32 weights
+    metrics = httpx.get(f"{server.base_url}/metrics").text
+    bytes_line = f'kvserve:kv_cache_bytes_per_token{{kv_cache_dtype="float32",model_name="{MODEL}"}}'
+    assert f"{bytes_line} {float(runtime['kv_bytes_per_token'])}" in metrics.splitlines()
 
     tokenized = httpx.post(f"{server.base_url}/tokenize", json={"prompt": PROMPTS[0], "return_token_strs": True}).json()
     assert tokenized["count"] == len(tokenized["tokens"]) and tokenized["max_model_len"] == 256

@@ -87,6 +87,8 @@ def test_model_info_describes_the_engine_as_it_runs_the_model(tiny_llama_dir: st
         cpu_features=cpu_features(),
         kernel_build=loader.chosen_isa() if llm.engine.runner.decode_plan.native_ops else None,
         prefill_dtype=None,  # a float32 folder: no GGUF block layers
+        kv_cache_dtype="float32",  # auto, unquantized float32: the exact mode keeps a float32 cache
+        kv_bytes_per_token=2 * model.num_layers * model.num_kv_heads * model.head_dim * 4,
     )
 
     windowed = LLM.from_config(EngineConfig(model=tiny_llama_dir, block_size=4, sliding_window=8, num_sink_tokens=2))

@@ -69,10 +69,10 @@ def test_alternating_layers_make_two_groups_and_a_uniform_model_one():
 def test_a_block_holds_its_groups_layers_only():
     mixed = plan_kv_layout([None if (i + 1) % 6 == 0 else 1024 for i in range(24)], 0)  # 20 and 4
     full = plan_kv_layout([None] * 24, 0)
-    assert mixed.bytes_per_block(16, 2, 64, 4) * 6 == full.bytes_per_block(16, 2, 64, 4)
+    assert mixed.bytes_per_block(16, 2, 64 * 4) * 6 == full.bytes_per_block(16, 2, 64 * 4)
     # Decoding at 8k tokens (block 16): the full groups hold the context, the sliding ones the window.
-    mixed_bytes = mixed.max_blocks_per_seq(8192, 16, 1) * mixed.bytes_per_block(16, 2, 64, 4)
-    full_bytes = full.max_blocks_per_seq(8192, 16, 1) * full.bytes_per_block(16, 2, 64, 4)
+    mixed_bytes = mixed.max_blocks_per_seq(8192, 16, 1) * mixed.bytes_per_block(16, 2, 64 * 4)
+    full_bytes = full.max_blocks_per_seq(8192, 16, 1) * full.bytes_per_block(16, 2, 64 * 4)
     assert 3.5 < full_bytes / mixed_bytes < 3.7
 
 
