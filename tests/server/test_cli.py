@@ -23,6 +23,7 @@ SERVE_FLAGS = (
     "device",
     "max_model_len",
     "kv_cache_memory",
+    "kv_cache_dtype",
     "block_size",
     "max_num_seqs",
     "max_num_batched_tokens",
