@@ -50,9 +50,7 @@ def kv_cache_dtype_of(config: EngineConfig) -> str:
 
 def row_bytes(kv_cache_dtype: str, head_dim: int) -> int:
     """Bytes of one token's key (or value) for one KV head."""
-    if kv_cache_dtype == "int8":
-        return head_dim + INT8_SCALE_BYTES
-    return head_dim * KV_TORCH_DTYPES[kv_cache_dtype].itemsize
+    return row_length(kv_cache_dtype, head_dim) * KV_TORCH_DTYPES[kv_cache_dtype].itemsize
 
 
 def row_length(kv_cache_dtype: str, head_dim: int) -> int:
