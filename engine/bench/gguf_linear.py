@@ -6,9 +6,9 @@ For each block type and row count: the integer kernel (`gguf_linear_native`), th
 path (`gguf_linear_tiled`, in float32 and in bfloat16: `--prefill-dtype`), float32 BLAS on the dequantized
 weight (the baseline) and the per-channel int8 kernel (up to its 48 rows), best of --repeats, with GMAC/s and
 the speed-up over float32. The default shape is a 1.1B LLaMA's fused gate/up projection (TinyLlama's FFN 5632
-x 2, hidden 2048). Weights are random normal, quantized by the `gguf` package (K-quants: random blocks of the
-type). Ratios, not absolute times, are the point: this machine's speed varies. The CPU's features are printed
-above the table.
+x 2, hidden 2048). Weights are random normal, quantized by the `gguf` package (K-quants and IQ4: random blocks
+of the type). Ratios, not absolute times, are the point: this machine's speed varies. The CPU's features are
+printed above the table.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from engine.bench.random_gguf import K_QUANT_FALLBACK, random_k_quant_blocks
+from engine.bench.random_gguf import RANDOM_BLOCK_TYPES, random_blocks
 from engine.ops import gguf_linear, int8_linear
 from engine.ops.cpu_features import cpu_features
 from engine.ops.gguf_linear import BlockWeight, pack
@@ -69,8 +69,8 @@ def measure(
     quantized, scale = int8_linear.quantize_int8(dense)
     results = []
     for qtype in qtypes:
-        if qtype in K_QUANT_FALLBACK:  # the gguf package cannot write K-quants: random blocks of the type
-            raw = random_k_quant_blocks(np.random.default_rng(0), qtype, out_features, in_features, 1.0)
+        if qtype in RANDOM_BLOCK_TYPES:  # types the gguf package cannot write: random blocks of the type
+            raw = random_blocks(np.random.default_rng(0), qtype, out_features, in_features, 1.0)
         else:
             raw = gguf.quants.quantize(dense.numpy(), gguf.GGMLQuantizationType[qtype])
         weight = pack(BlockWeight(qtype, torch.from_numpy(raw.copy()), in_features))

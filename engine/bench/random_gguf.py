@@ -2,7 +2,7 @@
 
     python -m engine.bench.random_gguf OUT.gguf [--arch llama|qwen3|gemma3] [--type TYPE] [--layers 22 ...]
 
-TYPE: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K or F32 (default Q4_0).
+TYPE: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS or F32 (default Q4_0).
 
 Each `--arch` has its family's shape by default, with the default model's 49,152-token vocabulary:
 - llama: TinyLlama-1.1B's (22 layers, hidden 2048, 32 query / 4 KV heads, FFN 5632), about 1.1 billion
@@ -21,9 +21,9 @@ The tokenizer (its vocabulary, merges, special tokens and chat template) is copi
 default generation model's by default, so the file serves like any other; the weights are random normal
 (standard deviation 0.02, norms 1 as stored), so the text it writes is noise: it is for speed and memory,
 and for comparing servers on the same quantized blocks. Weight matrices are quantized to `--type` with the
-`gguf` package's own quantizer (the format llama.cpp reads); the K-quant types, which it cannot write, are
-random blocks of that type with scales for the same spread (and, as llama.cpp does, Q5_0 / Q5_1 / Q8_0 where
-a row is not a multiple of 256); norms stay float32. Nothing is downloaded;
+`gguf` package's own quantizer (the format llama.cpp reads); the K-quant and IQ4 types, which it cannot
+write, are random blocks of that type with scales for the same spread (and, as llama.cpp does, Q5_0 / Q5_1 /
+Q8_0 / IQ4_NL where a row is not a multiple of 256); norms stay float32. Nothing is downloaded;
 ~1.1 GB of memory per billion parameters in Q8_0 while writing. The file is large: make it, do not commit it.
 """
 
@@ -42,12 +42,14 @@ from engine.hub.models_hub import DEFAULT_GENERATION_MODEL
 
 logger = logging.getLogger(__name__)
 
-WEIGHT_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "F32")
-# A K-quant type -> the type llama.cpp writes instead for a matrix whose rows are not a multiple of 256.
-K_QUANT_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
-# The standard deviation of a K-quant block's values when its fp16 scale d is 1 and its other bits are
-# uniformly random (with Q4_K's / Q5_K's dmin at the value that centres them).
-_K_QUANT_UNIT_STD = {"Q4_K": 258.0, "Q5_K": 527.0, "Q6_K": 1370.0}
+WEIGHT_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "F32")
+# A type of 256-weight blocks -> the type llama.cpp writes instead for a matrix whose rows are not a multiple of 256.
+ROW_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0", "IQ4_XS": "IQ4_NL"}
+# The standard deviation of a block's values when its fp16 scale d is 1 and its other bits are uniformly
+# random (with Q4_K's / Q5_K's dmin at the value that centres them), for the types the `gguf` package
+# cannot quantize to, which are written as random blocks.
+_RANDOM_BLOCK_UNIT_STD = {"Q4_K": 258.0, "Q5_K": 527.0, "Q6_K": 1370.0, "IQ4_NL": 67.4, "IQ4_XS": 1246.0}
+RANDOM_BLOCK_TYPES = tuple(_RANDOM_BLOCK_UNIT_STD)
 ARCHITECTURES = ("llama", "qwen3", "gemma3")
 _INIT_STD = 0.02
 
@@ -214,18 +216,24 @@ def _copy_tokenizer(reader, writer, extra_tokens: tuple[str, ...] = ()) -> int:
     return len(tokens) + len(missing)
 
 
-def random_k_quant_blocks(rng: np.random.Generator, qtype: str, rows: int, cols: int, std: float) -> np.ndarray:
-    """uint8 [rows, cols / 256 * block bytes]: K-quant blocks of uniformly random bits (every bit pattern is a
-    valid block), their fp16 scales set so the weights have about `std` as standard deviation and mean 0.
-    The `gguf` package cannot quantize to these types; llama.cpp's llama-quantize can, for real mixtures."""
-    if cols % 256:
-        raise ValueError(f"{qtype} rows hold a multiple of 256 weights, not {cols}")
+def random_blocks(rng: np.random.Generator, qtype: str, rows: int, cols: int, std: float) -> np.ndarray:
+    """uint8 [rows, cols / block * block bytes]: blocks of `qtype` (one of RANDOM_BLOCK_TYPES) of uniformly
+    random bits (every bit pattern is a valid block), their fp16 scales set so the weights have about `std`
+    as standard deviation and mean 0 (the IQ4 types, whose grid is not centred, through a random sign of each
+    scale). The `gguf` package cannot quantize to these types; llama.cpp's llama-quantize can, for real
+    mixtures."""
     from engine.ops.gguf_linear import BLOCK_TYPES
 
-    block_bytes, unit_std = BLOCK_TYPES[qtype][1], _K_QUANT_UNIT_STD[qtype]
-    blocks = rng.integers(0, 256, size=(rows, cols // 256, block_bytes), dtype=np.uint8)
-    d = (std / unit_std * rng.uniform(0.5, 1.5, size=(rows, cols // 256))).astype(np.float16)
-    if qtype == "Q6_K":
+    _, block_bytes, block = BLOCK_TYPES[qtype]
+    if cols % block:
+        raise ValueError(f"{qtype} rows hold a multiple of {block} weights, not {cols}")
+    unit_std, nb = _RANDOM_BLOCK_UNIT_STD[qtype], cols // block
+    blocks = rng.integers(0, 256, size=(rows, nb, block_bytes), dtype=np.uint8)
+    d = (std / unit_std * rng.uniform(0.5, 1.5, size=(rows, nb))).astype(np.float16)
+    if qtype in ("IQ4_NL", "IQ4_XS"):
+        d = np.where(rng.integers(0, 2, size=d.shape) == 1, d, -d).astype(np.float16)
+        blocks[..., 0:2] = d.view(np.uint8).reshape(rows, nb, 2)
+    elif qtype == "Q6_K":
         blocks[..., 208:210] = d.view(np.uint8).reshape(rows, cols // 256, 2)
     else:  # d, then dmin = d times the mean 4-bit (7.5) or 5-bit (15.5) value, so the weights centre on 0
         dmin = (d.astype(np.float32) * (7.5 if qtype == "Q4_K" else 15.5)).astype(np.float16)
@@ -282,13 +290,13 @@ def write_random_gguf(
             continue
         weight = rng.normal(0.0, weight_std, size=numpy_shape).astype(np.float32)
         kind = tensor_types.get(name, tensor_types.get(name.split(".", 2)[-1], weight_type))
-        if kind in K_QUANT_FALLBACK and numpy_shape[-1] % 256:
-            kind = K_QUANT_FALLBACK[kind]
+        if kind in ROW_FALLBACK and numpy_shape[-1] % 256:
+            kind = ROW_FALLBACK[kind]
         quant_type = gguf.GGMLQuantizationType[kind]
         if quant_type == gguf.GGMLQuantizationType.F32:
             writer.add_tensor(name, weight)
-        elif kind in K_QUANT_FALLBACK:
-            blocks = random_k_quant_blocks(rng, kind, *numpy_shape, weight_std)
+        elif kind in RANDOM_BLOCK_TYPES:
+            blocks = random_blocks(rng, kind, *numpy_shape, weight_std)
             writer.add_tensor(name, blocks, raw_shape=blocks.shape, raw_dtype=quant_type)
         else:
             writer.add_tensor(name, gguf.quants.quantize(weight, quant_type), raw_dtype=quant_type)

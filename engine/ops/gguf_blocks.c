@@ -25,11 +25,15 @@
  * shuffling per weight, and the kernel is bound by instructions, not memory
  * bandwidth, at one row (on 2 AVX2 cores an [11264, 2048] Q4_0 row product went from 23 to 42 GMAC/s).
  *
+ * IQ4_NL holds Q4_0's nibbles as indices into a fixed grid of 16 int8 values (IQ4_VALUES); the kernel looks the
+ * 32 values up with one byte shuffle and multiplies them as Q8_0's.
+ *
  * Also here: dequantizing rows of blocks to float32 (prefill multiplies those in
  * BLAS, an embedding table looks its rows up), and rounding activation rows to the
  * same blocks in float (what the BLAS path multiplies, so both paths agree).
  *
- * The K-quant types (blocks of 256 with sub-block scales) are in gguf_kquants.c, included below.
+ * The types of 256-weight blocks with sub-block scales (the K-quants, IQ4_XS) are in gguf_kquants.c, included
+ * below.
  *
  * Built at first use by engine/ops/loader.py; engine/ops/gguf_linear.py holds the
  * torch reference these are tested against.
@@ -41,7 +45,7 @@
 #include <stdlib.h>
 
 /* GGML's type ids, as written in GGUF files; PAIRED marks the repacked 4-bit layout. */
-enum { KV_Q4_0 = 2, KV_Q4_1 = 3, KV_Q5_0 = 6, KV_Q5_1 = 7, KV_Q8_0 = 8, KV_PAIRED = 0x100 };
+enum { KV_Q4_0 = 2, KV_Q4_1 = 3, KV_Q5_0 = 6, KV_Q5_1 = 7, KV_Q8_0 = 8, KV_IQ4_NL = 20, KV_PAIRED = 0x100 };
 
 #define QK 32 /* weights per block */
 #define ROWS_PER_SLAB 16
@@ -78,6 +82,15 @@ typedef struct {
     uint16_t d;
     int8_t qs[32]; /* value q * d */
 } BlockQ8_0;
+
+/* IQ4_NL (and IQ4_XS, gguf_kquants.c): each weight a 4-bit index into IQ4_VALUES, a grid denser near zero than
+ * Q4_0's, laid out as Q4_0's nibbles; value IQ4_VALUES[q] * d. */
+static const int8_t IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+typedef struct {
+    uint16_t d;
+    uint8_t qs[16]; /* indices: weight j in the low nibble of qs[j], weight j + 16 in its high nibble */
+} BlockIQ4_NL;
 
 /* Two 4-bit blocks repacked: weight i of the first block in the low nibble of qs[i], of the second in the
  * high nibble. Q4_0: value (q - 8) * d; Q4_1: q * d + m. */
@@ -128,6 +141,16 @@ static inline float hsum_ps(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+/* IQ4_VALUES in both 128-bit lanes, for iq4_lookup. */
+static inline __m256i iq4_grid(void) { return _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_VALUES)); }
+
+/* 16 bytes of IQ4 indices (weight j in the low nibble of byte j, j + 16 in its high one) -> the 32 int8 values. */
+static inline __m256i iq4_lookup(__m256i grid, const uint8_t *qs) {
+    __m128i raw = _mm_loadu_si128((const __m128i *)qs);
+    __m256i index = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0x0F));
+    return _mm256_shuffle_epi8(grid, index);
+}
+
 /* One block of n floats -> int8 values, returning its scale (d = max|x| / 127; an all-zero block gets d = 0)
  * and setting *sum to the values' sum. */
 static inline float round_block(const float *v, int64_t n, int8_t *q, int *sum) {
@@ -154,12 +177,14 @@ static int64_t bytes_per_block(int type) {
     switch (type) {
     case KV_Q4_K:
     case KV_Q5_K:
-    case KV_Q6_K: return bytes_per_k_block(type);
+    case KV_Q6_K:
+    case KV_IQ4_XS: return bytes_per_k_block(type);
     case KV_Q4_0: return sizeof(BlockQ4_0);
     case KV_Q4_1: return sizeof(BlockQ4_1);
     case KV_Q5_0: return sizeof(BlockQ5_0);
     case KV_Q5_1: return sizeof(BlockQ5_1);
     case KV_Q8_0: return sizeof(BlockQ8_0);
+    case KV_IQ4_NL: return sizeof(BlockIQ4_NL);
     case KV_Q4_0 | KV_PAIRED: return sizeof(PairQ4_0) / 2;
     case KV_Q4_1 | KV_PAIRED: return sizeof(PairQ4_1) / 2;
     default: return 0;
@@ -241,12 +266,15 @@ static inline __attribute__((always_inline)) void dot_row(int type, const uint8_
         offset[r] = _mm_setzero_ps();
     }
     const __m256i low4 = _mm256_set1_epi8(0x0F);
-    if (type == KV_Q8_0) {
-        const BlockQ8_0 *blocks = (const BlockQ8_0 *)w;
+    if (type == KV_Q8_0 || type == KV_IQ4_NL) {
+        /* signed 8-bit weights: Q8_0's as stored, IQ4_NL's looked up from their indices; the fp16 scale first */
+        const int64_t stride = bytes_per_block(type);
+        const __m256i grid = iq4_grid();
         for (int64_t b = 0; b < nb; b++) {
-            __builtin_prefetch((const char *)(blocks + b) + PREFETCH_BYTES);
-            float dw = fp16_to_float(blocks[b].d);
-            __m256i wv = _mm256_loadu_si256((const __m256i *)blocks[b].qs);
+            const uint8_t *block = w + b * stride;
+            __builtin_prefetch(block + PREFETCH_BYTES);
+            float dw = fp16_to_float(*(const uint16_t *)block);
+            __m256i wv = type == KV_Q8_0 ? _mm256_loadu_si256((const __m256i *)(block + 2)) : iq4_lookup(grid, block + 2);
             __m256i wabs = _mm256_sign_epi8(wv, wv); /* dot4 takes one unsigned operand: |w| . x*sign(w) */
             for (int r = 0; r < R; r++) {
                 int64_t i = act_first[r] + b;
@@ -429,6 +457,17 @@ static void dequantize_row(int type, const uint8_t *row, int64_t K, float *dst) 
             const BlockQ8_0 *block = (const BlockQ8_0 *)row + b;
             float d = fp16_to_float(block->d);
             for (int j = 0; j < QK; j++) dst[b * QK + j] = (float)block->qs[j] * d;
+        }
+    } else if (type == KV_IQ4_NL) {
+        for (int64_t b = 0; b < nb; b++) {
+            const BlockIQ4_NL *block = (const BlockIQ4_NL *)row + b;
+            float d = fp16_to_float(block->d);
+            __m256i values = iq4_lookup(iq4_grid(), block->qs);
+            for (int e = 0; e < 4; e++) { /* 8 values at a time, each d * value as the reference rounds it */
+                __m128i eight = _mm_srli_si128(e < 2 ? _mm256_castsi256_si128(values) : _mm256_extracti128_si256(values, 1), 8 * (e % 2));
+                __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(eight)), _mm256_set1_ps(d));
+                _mm256_storeu_ps(dst + b * QK + 8 * e, v);
+            }
         }
     } else if (type == KV_Q5_0 || type == KV_Q5_1) {
         for (int64_t b = 0; b < nb; b++) {

@@ -6,8 +6,9 @@ the file stores it: each row of K weights is K / 32 blocks, one fp16 scale (and 
 Q4_1 / Q5_1 an fp16 offset) per 32 weights, so a 4-bit model takes 4.5 or 5 bits per
 weight, a 5-bit one 5.5 or 6, and nothing else (no float32 copy). The K-quant types
 Q4_K, Q5_K and Q6_K (4.5, 5.5 and 6.5625 bits) hold blocks of 256 weights with 6- or
-8-bit scales per sub-block of 32 or 16 (engine/ops/gguf_kquants.c). The model runs the
-file's numbers, not a re-quantization of them.
+8-bit scales per sub-block of 32 or 16 (engine/ops/gguf_kquants.c). IQ4_NL (4.5 bits, blocks of 32)
+and IQ4_XS (4.25 bits, blocks of 256 with 6-bit scales per 32) hold 4-bit indices into a fixed grid of
+16 values (IQ4_VALUES). The model runs the file's numbers, not a re-quantization of them.
 
 At load, 4-bit blocks are repacked in pairs (`pack`: the same bytes and numbers,
 arranged so the kernel unpacks 64 weights with two masks); Q8_0 stays as is.
@@ -53,9 +54,13 @@ BLOCK_TYPES = {
     "Q4_K": (12, 144, 256),
     "Q5_K": (13, 176, 256),
     "Q6_K": (14, 210, 256),
+    "IQ4_NL": (20, 18, 32),
+    "IQ4_XS": (23, 136, 256),
 }
+# The 16 values an IQ4_NL / IQ4_XS weight's 4-bit index picks (times its block's scale): denser near zero.
+IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 BLOCK = 32
-K_QUANT_BLOCK = 256
+SUPER_BLOCK = 256  # weights per block of the K-quants and IQ4_XS
 # The kernel's flag for 4-bit blocks repacked in pairs (gguf_blocks.c KV_PAIRED).
 PAIRED = 0x100
 # Up to this many rows the integer kernel beats dequantize-and-BLAS: on 2 AVX2 cores, an
@@ -150,8 +155,22 @@ def _k_scales_and_mins(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return scales.float().unsqueeze(-1), mins.float().unsqueeze(-1)
 
 
+def _iq4_values(indices: torch.Tensor) -> torch.Tensor:
+    """[..., 16] uint8 indices, weight j in the low nibble of byte j and j + 16 in its high one -> float32
+    [..., 32] grid values."""
+    q = torch.cat([indices & 0x0F, indices >> 4], dim=-1).long()
+    return torch.tensor(IQ4_VALUES, dtype=torch.float32)[q]
+
+
 def _dequantize_k_reference(qtype: str, blocks: torch.Tensor) -> torch.Tensor:
     """[..., 256-weight blocks, block bytes] uint8 -> float32 [..., blocks, 256]."""
+    if qtype == "IQ4_XS":  # fp16 d | scales_h (16 bits) | scales_l [4] | qs [128], 16 bytes per sub-block
+        d = _fp16_field(blocks, 0).unsqueeze(-1)
+        high = blocks[..., 2:4].to(torch.int32)
+        high = (high[..., 0:1] | high[..., 1:2] << 8) >> (2 * torch.arange(8)) & 3
+        low = blocks[..., 4:8].to(torch.int32).repeat_interleave(2, dim=-1) >> (4 * (torch.arange(8) % 2)) & 0x0F
+        scales = ((low | high << 4) - 32).float().unsqueeze(-1)  # [..., 8, 1]
+        return ((d * scales) * _iq4_values(blocks[..., 8:].unflatten(-1, (8, 16)))).flatten(-2)
     if qtype == "Q6_K":  # ql [128] | qh [64] | int8 scales [16] | fp16 d
         ql, qh = blocks[..., :128].to(torch.int32), blocks[..., 128:192].to(torch.int32)
         scales = blocks[..., 192:208].contiguous().view(torch.int8).float()
@@ -180,11 +199,13 @@ def dequantize_reference(weight: BlockWeight) -> torch.Tensor:
     n, k = weight.shape
     _, block_bytes, block = BLOCK_TYPES[weight.qtype]
     blocks = weight.blocks.view(n, k // block, block_bytes)
-    if block == K_QUANT_BLOCK:
+    if block == SUPER_BLOCK:
         return _dequantize_k_reference(weight.qtype, blocks).reshape(n, k)
     d = _fp16_field(blocks, 0)
     if weight.qtype == "Q8_0":
         return (blocks[..., 2:].contiguous().view(torch.int8).float() * d).reshape(n, k)
+    if weight.qtype == "IQ4_NL":
+        return (d * _iq4_values(blocks[..., 2:])).reshape(n, k)
     packed = blocks[..., -16:]  # weight j in the low nibble of byte j, weight j + 16 in the high one
     q = torch.cat([packed & 0x0F, packed >> 4], dim=-1).float()
     if weight.qtype in ("Q5_0", "Q5_1"):  # bit j of the 4 bytes before qs: weight j's fifth bit

@@ -1,5 +1,5 @@
 """gguf: a .gguf file's matrices of a type with a block kernel (Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K /
-Q6_K) stay in the file's own blocks (CPU, float32).
+Q6_K / IQ4_NL / IQ4_XS) stay in the file's own blocks (CPU, float32).
 
 The checkpoint loader keeps those matrices as BlockWeight (engine/models/weights.py), and the model's
 load_weights puts a GgufLinear (or GgufEmbedding) in place of each layer they fill (`linear_over_blocks`,

@@ -67,11 +67,10 @@ FLAG_DOCS: dict[str, FlagDoc] = {
     "quantization": FlagDoc(
         (
             "`gguf`: a `.gguf` file's matrices stay in its own Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K "
-            "blocks and run in AVX2 integer kernels (other block types are dequantized and rounded to int8, with a "
-            "warning naming them; CPU, float32; see [Kernels](../engine/kernels.md)); `int8`: weight-only int8 linear "
-            "layers with an AVX2 "
-            "kernel for decode (CPU, float32); `none`: weights in `--dtype`; `auto`: `gguf` for a `.gguf` model on CPU "
-            "in float32, else `none`"
+            "/ IQ4_NL / IQ4_XS blocks and run in AVX2 integer kernels (other block types are dequantized and "
+            "rounded to int8, with a warning naming them; CPU, float32; see [Kernels](../engine/kernels.md)); "
+            "`int8`: weight-only int8 linear layers with an AVX2 kernel for decode (CPU, float32); `none`: weights "
+            "in `--dtype`; `auto`: `gguf` for a `.gguf` model on CPU in float32, else `none`"
         ),
     ),
     "prefill_dtype": FlagDoc(

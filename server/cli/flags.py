@@ -116,8 +116,8 @@ FLAGS: tuple[Flag, ...] = (
         "engine",
         str,
         "none, int8 (weight-only int8 linear layers, CPU float32), gguf (a .gguf file's own Q4_0 / Q4_1 / Q5_0 / "
-        "Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K blocks, other types int8; CPU float32) or auto (gguf for a .gguf on "
-        "CPU, else none)",
+        "Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K / IQ4_NL / IQ4_XS blocks, other types int8; CPU float32) or auto (gguf "
+        "for a .gguf on CPU, else none)",
     ),
     _flag(
         "prefill_dtype",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import re
+from pathlib import Path
 
 import gguf
 import pytest
@@ -224,6 +225,18 @@ def test_five_bit_blocks_serve_on_their_own_blocks_as_the_float32_file_does(tmp_
     assert max(differences) < 0.3 and sum(differences) / len(differences) < 0.1
 
 
+def _assert_follows_the_float32_file(blocks: LLM, path: Path) -> None:
+    """Greedy tokens equal and prompt logprobs of a 60-token prompt within the 256-weight types' bounds of the
+    same file run in float32."""
+    reference = LLM(_float_engine(blocks, EngineConfig(model=str(path), quantization="none")), blocks.tokenizer)
+    prompt = _prompts(blocks, 1, extra=60)[0]  # past 64 tokens: the prefill takes the tiled BLAS path
+    params = SamplingParams(max_tokens=4, temperature=0, prompt_logprobs=0, ignore_eos=True)
+    ours, theirs = blocks.generate([prompt], params)[0][0], reference.generate([prompt], params)[0][0]
+    assert ours.token_ids == theirs.token_ids
+    differences = [abs(a.logprob - b.logprob) for a, b in zip(ours.prompt_logprobs[1:], theirs.prompt_logprobs[1:])]
+    assert max(differences) < 1.0 and sum(differences) / len(differences) < 0.15
+
+
 # Q4_K_M's mixture as llama.cpp writes it: Q4_K, Q6_K for the output matrix and half the v / down
 # projections, Q5_0 (Q8_0 for Q6_K) where a row is not a multiple of 256 (down's rows here are 640 long).
 K_SHAPE = LlamaShape(num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2, intermediate_size=640)
@@ -250,18 +263,36 @@ def test_k_quant_blocks_serve_on_their_own_blocks_as_the_float32_file_does(tmp_p
     _assert_blocks_take_the_files_bytes(model, path)
     assert blocks.engine.runner.decode_plan.path is DecodePath.FUSED_NATIVE
 
-    reference = LLM(_float_engine(blocks, EngineConfig(model=str(path), quantization="none")), blocks.tokenizer)
-    prompt = _prompts(blocks, 1, extra=60)[0]  # past 64 tokens: the prefill takes the tiled BLAS path
-    params = SamplingParams(max_tokens=4, temperature=0, prompt_logprobs=0, ignore_eos=True)
-    ours, theirs = blocks.generate([prompt], params)[0][0], reference.generate([prompt], params)[0][0]
-    assert ours.token_ids == theirs.token_ids
-    differences = [abs(a.logprob - b.logprob) for a, b in zip(ours.prompt_logprobs[1:], theirs.prompt_logprobs[1:])]
     # Coarser than the 32-weight types' (activations share one scale per 256): measured max 0.51 nats (a
     # token at -16), mean 0.086.
-    assert max(differences) < 1.0 and sum(differences) / len(differences) < 0.15
+    _assert_follows_the_float32_file(blocks, path)
 
     prompts = _prompts(blocks, 5)
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    batched = [out[0].token_ids for out in blocks.generate(prompts, greedy)]
+    assert batched == [blocks.generate([p], greedy)[0][0].token_ids for p in prompts]
+    assert _through_torch_layers(blocks, prompts, greedy) == batched
+
+
+# An IQ4_XS file as llama.cpp writes it: IQ4_XS, IQ4_NL where a row is not a multiple of 256 (down's here).
+IQ4_TYPES = {"output.weight": "Q6_K"}
+
+
+@needs_kernels
+def test_iq4_blocks_serve_on_their_own_blocks_as_the_float32_file_does(tmp_path):
+    path = write_random_gguf(tmp_path / "iq4.gguf", "IQ4_XS", K_SHAPE, seed=6, tensor_types=IQ4_TYPES, weight_std=0.15)
+    blocks = LLM.from_config(EngineConfig(model=str(path), quantization="gguf", block_size=4))
+    model = blocks.engine.runner.model
+    assert (model.embed_tokens.qtype, model.lm_head.qtype) == ("IQ4_XS", "Q6_K")
+    assert {(layer.qkv_proj.qtype, layer.gate_up_proj.qtype, layer.down_proj.qtype) for layer in model.layers} == {
+        ("IQ4_XS", "IQ4_XS", "IQ4_NL")
+    }
+    _assert_blocks_take_the_files_bytes(model, path)
+    assert blocks.engine.runner.decode_plan.path is DecodePath.FUSED_NATIVE
+
+    _assert_follows_the_float32_file(blocks, path)
+    prompts = _prompts(blocks, 3)
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     batched = [out[0].token_ids for out in blocks.generate(prompts, greedy)]
     assert batched == [blocks.generate([p], greedy)[0][0].token_ids for p in prompts]
     assert _through_torch_layers(blocks, prompts, greedy) == batched

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.bench.random_gguf import K_QUANT_FALLBACK, random_k_quant_blocks
+from engine.bench.random_gguf import RANDOM_BLOCK_TYPES, random_blocks
 from engine.ops import gguf_linear
 from engine.ops.gguf_linear import (
     BLOCK_TYPES,
@@ -34,7 +34,7 @@ needs_kernel = pytest.mark.skipif(
 )
 
 
-K_QUANTS = list(K_QUANT_FALLBACK)
+K_QUANTS = ["Q4_K", "Q5_K", "Q6_K"]
 
 
 def _in_features(qtype: str, blocks: int) -> int:
@@ -56,7 +56,7 @@ def test_blocks_decode_as_the_gguf_package_decodes_them(qtype, blocks):
     assert torch.equal(dequantize_rows(packed, rows=picked), decoded[picked])
 
 
-@pytest.mark.parametrize("qtype", [q for q in BLOCK_TYPES if q not in K_QUANTS])
+@pytest.mark.parametrize("qtype", [q for q in BLOCK_TYPES if q not in RANDOM_BLOCK_TYPES])
 def test_the_extremes_of_each_scale_decode_and_multiply_as_the_reference(qtype):
     """Blocks of zeros, of one repeated value, at the edge of fp16's range and in its subnormals, of one sign."""
     dense = torch.randn(6, 256)
@@ -86,11 +86,26 @@ def _k_block_fields(qtype: str, blocks: np.ndarray) -> dict[str, np.ndarray]:
     return {"d": blocks[..., 0:2], "dmin": blocks[..., 2:4], "scales": blocks[..., 4:16]}
 
 
+def _assert_decode_and_products_follow_the_reference(qtype: str, raw: np.ndarray) -> None:
+    """[rows, 512 weights' blocks]: decoded as the gguf package decodes them, natively too, and the kernel's
+    products within float32 rounding of the reference, per output row (one row's scale may be huge)."""
+    weight = BlockWeight(qtype, torch.from_numpy(raw.copy()), 512)
+    decoded = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype]).copy())
+    assert torch.isfinite(decoded).all()
+    assert torch.equal(dequantize_reference(weight), decoded)
+    assert torch.equal(dequantize_rows(pack(weight)), decoded)
+    if gguf_linear.available():
+        x = torch.randn(3, 512)
+        expected = gguf_linear_reference(x, weight, None)
+        scale = expected.abs().amax(dim=0, keepdim=True).clamp_min(1e-30)
+        assert ((gguf_linear_native(x, pack(weight), None) - expected).abs() <= 1e-5 * scale).all()
+
+
 @pytest.mark.parametrize("qtype", K_QUANTS)
 def test_the_extremes_of_each_k_quant_scale_decode_and_multiply_as_the_reference(qtype):
     """Super-scales of zero, near fp16's largest, subnormal and negative; sub-block scales all at their
     largest (6 bits: 63; Q6_K's int8: -128 and 127) and at zero; every weight bit set."""
-    raw = random_k_quant_blocks(np.random.default_rng(5), qtype, 6, 512, 1.0).reshape(6, 2, -1)
+    raw = random_blocks(np.random.default_rng(5), qtype, 6, 512, 1.0).reshape(6, 2, -1)
     fields = _k_block_fields(qtype, raw)
     for row, value in enumerate([0.0, 60000.0, 1e-7, -0.75]):
         fields["d"][row, 0] = np.array([value], dtype=np.float16).view(np.uint8)
@@ -102,17 +117,29 @@ def test_the_extremes_of_each_k_quant_scale_decode_and_multiply_as_the_reference
     raw[5, 0, -2:] = np.array([0.5], dtype=np.float16).view(np.uint8) if qtype == "Q6_K" else raw[5, 0, -2:]
     if qtype != "Q6_K":
         raw[5, 0, 0:4] = np.array([0.5, 0.25], dtype=np.float16).view(np.uint8)
-    raw = raw.reshape(6, -1)
-    weight = BlockWeight(qtype, torch.from_numpy(raw.copy()), 512)
-    decoded = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype]).copy())
-    assert torch.isfinite(decoded).all()
-    assert torch.equal(dequantize_reference(weight), decoded)
-    assert torch.equal(dequantize_rows(pack(weight)), decoded)
-    if gguf_linear.available():
-        x = torch.randn(3, 512)
-        expected = gguf_linear_reference(x, weight, None)
-        scale = expected.abs().amax(dim=0, keepdim=True).clamp_min(1e-30)  # per output row: row 1 is huge
-        assert ((gguf_linear_native(x, pack(weight), None) - expected).abs() <= 1e-5 * scale).all()
+    _assert_decode_and_products_follow_the_reference(qtype, raw.reshape(6, -1))
+
+
+@pytest.mark.parametrize("qtype", ["IQ4_NL", "IQ4_XS"])
+def test_the_extremes_of_each_iq4_scale_decode_and_multiply_as_the_reference(qtype):
+    """Scales of zero, near fp16's largest, subnormal and negative; IQ4_XS's sub-block scales at both ends of
+    their range (6 bits: -32 and 31 after the offset); every index at the grid's ends (0 and 15)."""
+    block = BLOCK_TYPES[qtype][2]
+    raw = random_blocks(np.random.default_rng(5), qtype, 6, 512, 1.0).reshape(6, 512 // block, -1)
+    for row, value in enumerate([0.0, 60000.0, 1e-7, -0.75]):
+        raw[row, 0, 0:2] = np.array([value], dtype=np.float16).view(np.uint8)
+    if qtype == "IQ4_XS":  # scales_h [2 bytes] | scales_l [4]: every scale 63 (+31), then every scale 0 (-32)
+        raw[4, 0, 2:8], raw[4, 1, 2:8] = 0xFF, 0
+    raw[5, 0, -16:], raw[5, 1, -16:] = 0xFF, 0  # indices 15 (113) and 0 (-127)
+    _assert_decode_and_products_follow_the_reference(qtype, raw.reshape(6, -1))
+
+
+def test_random_iq4_blocks_spread_about_the_asked_deviation_around_zero():
+    """The IQ4 grid is not centred (its mean is -5.9 of 67): the random scales' signs centre the weights."""
+    for qtype in ("IQ4_NL", "IQ4_XS"):
+        raw = random_blocks(np.random.default_rng(0), qtype, 64, 1024, 0.02)
+        values = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype])
+        assert 0.015 < values.std() < 0.025 and abs(values.mean()) < 0.002
 
 
 @pytest.mark.parametrize("block", [32, 256])  # the 32-weight types' blocks and the K-quants'
@@ -172,7 +199,7 @@ def test_the_layer_takes_the_kernel_for_few_rows_and_tiles_for_many(monkeypatch)
 def test_bfloat16_prefill_products_stay_within_bfloat16_rounding_of_the_reference(qtype):
     """Each weight and rounded activation cast to bfloat16 (8 significant bits), float32 accumulation, each
     output rounded once: the error is a few 2^-9 of the products' magnitudes, never float32's numbers."""
-    in_features = _in_features(qtype, 2 if qtype in K_QUANTS else 8)
+    in_features = _in_features(qtype, 2 if BLOCK_TYPES[qtype][2] == 256 else 8)
     weight, _ = block_weight(qtype, 40, in_features)
     x = torch.randn(gguf_linear.MAX_KERNEL_ROWS + 5, in_features)
     expected = gguf_linear_reference(x, weight, None)
@@ -185,7 +212,7 @@ def test_bfloat16_prefill_products_stay_within_bfloat16_rounding_of_the_referenc
 
 @pytest.mark.parametrize("qtype", list(BLOCK_TYPES))
 def test_rows_dequantize_to_bfloat16_as_torch_rounds_their_float32_values(qtype):
-    packed = pack(block_weight(qtype, 21, _in_features(qtype, 2 if qtype in K_QUANTS else 6))[0])
+    packed = pack(block_weight(qtype, 21, _in_features(qtype, 2 if BLOCK_TYPES[qtype][2] == 256 else 6))[0])
     float32 = dequantize_rows(packed)
     assert torch.equal(dequantize_rows(packed, dtype=torch.bfloat16), float32.bfloat16())
     picked = torch.tensor([20, 0, 7])
