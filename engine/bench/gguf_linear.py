@@ -26,7 +26,8 @@ from engine.ops.cpu_features import cpu_features
 from engine.ops.gguf_linear import BlockWeight, pack
 
 
-def _best_ms(fn: Callable[[], object], repeats: int) -> float:
+def best_ms(fn: Callable[[], object], repeats: int) -> float:
+    """The fastest of `repeats` calls of fn, in milliseconds, after one warm-up call."""
     fn()
     best = float("inf")
     for _ in range(repeats):
@@ -47,13 +48,13 @@ def _time_paths(
     """Milliseconds of each path for the rows of x (None where a path does not run)."""
     fits_int8 = int8_linear.available() and x.shape[0] <= int8_linear.MAX_KERNEL_ROWS
     return {
-        "kernel_ms": _best_ms(lambda: gguf_linear.gguf_linear_native(x, weight, None), repeats)
+        "kernel_ms": best_ms(lambda: gguf_linear.gguf_linear_native(x, weight, None), repeats)
         if gguf_linear.available()
         else None,
-        "tiled_ms": _best_ms(lambda: gguf_linear.gguf_linear_tiled(x, weight, None), repeats),
-        "tiled_bf16_ms": _best_ms(lambda: gguf_linear.gguf_linear_tiled(x, weight, None, torch.bfloat16), repeats),
-        "float32_ms": _best_ms(lambda: x @ dequantized.t(), repeats),
-        "int8_ms": _best_ms(lambda: int8_linear.int8_linear_native(x, quantized, scale, None), repeats)
+        "tiled_ms": best_ms(lambda: gguf_linear.gguf_linear_tiled(x, weight, None), repeats),
+        "tiled_bf16_ms": best_ms(lambda: gguf_linear.gguf_linear_tiled(x, weight, None, torch.bfloat16), repeats),
+        "float32_ms": best_ms(lambda: x @ dequantized.t(), repeats),
+        "int8_ms": best_ms(lambda: int8_linear.int8_linear_native(x, quantized, scale, None), repeats)
         if fits_int8
         else None,
     }

@@ -133,9 +133,10 @@ def test_fused_verification_step_equals_torch_layers(tiny_model_dirs, arch):
     fused = runner.forward(input_ids, positions, metas, short_queries=True)
     reference = runner.model(input_ids, positions, runner.kv_caches, metas)  # the torch layers
     assert fused.shape == (len(prompts) + sum(map(len, drafts)), reference.shape[1])
-    # int8 activations round at each layer, so float32 differences in attention can move a rounding;
-    # a wrong mask (a draft seeing the ones after it) is off by orders of magnitude more.
-    assert (fused - reference).abs().max() <= 1e-4 * reference.abs().max()
+    # int8 activations round at each layer, so float32 differences in attention can move a rounding
+    # (measured up to 1.1e-4 of the largest value); a wrong mask (a draft seeing the key after it) is off by
+    # 0.28 to 0.9 of it.
+    assert (fused - reference).abs().max() <= 1e-3 * reference.abs().max()
 
 
 @pytest.mark.parametrize("arch", ARCHS)
