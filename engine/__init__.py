@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from engine.serving.text_worker import TextWorker
     from engine.serving.torch_worker import RequestLimits, TorchWorker, wait_until
     from engine.structured.spec import StructuredOutput
+    from engine.structured.thinking import ThinkingSpan
     from engine.text.tokenizer import Tokenizer
 
 # Public name -> the module that defines it. A name equal to its module's last part is the module itself.
@@ -74,6 +75,7 @@ _EXPORTS: dict[str, str] = {
     # requests and what they produce
     "SamplingParams": "engine.params",
     "StructuredOutput": "engine.structured.spec",
+    "ThinkingSpan": "engine.structured.thinking",
     "RequestOutput": "engine.outputs",
     "CompletionOutput": "engine.outputs",
     "TokenLogprob": "engine.outputs",
@@ -138,6 +140,7 @@ __all__ = [
     "StructuredOutput",
     "TextPair",
     "TextWorker",
+    "ThinkingSpan",
     "TokenLogprob",
     "Tokenizer",
     "TorchWorker",

@@ -19,6 +19,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -47,6 +48,7 @@ from engine.runner.isolation import BatchRunner, IsolatingRunner
 from engine.runner.model_runner import ModelRunner, kv_bytes_per_block, kv_bytes_per_token
 from engine.spec.speculative_runner import build_speculative_runner
 from engine.structured.grammar import GrammarCompiler
+from engine.structured.thinking import ThinkingFirst
 
 logger = logging.getLogger(__name__)
 
@@ -230,12 +232,19 @@ class LLMEngine:
                 arrival_time=now,
                 generator=generator,
                 parent=seqs[0] if seqs else None,
-                matcher=self.grammar.matcher(params.structured) if params.structured is not None else None,
+                matcher=self._matcher(params),
             )
             seqs.append(seq)
             self.scheduler.add(seq)
         self._requests[request_id] = _EngineRequest(request_id, prompt_ids, seqs, now)
         return request_id
+
+    def _matcher(self, params: SamplingParams) -> Any:
+        """A new sequence's grammar matcher (None: unconstrained); behind the thinking of a reasoning model."""
+        if params.structured is None:
+            return None
+        matcher = self.grammar.matcher(params.structured)
+        return matcher if params.thinking is None else ThinkingFirst(matcher, params.thinking)
 
     def abort(self, request_id: str) -> None:
         request = self._requests.pop(request_id, None)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from engine.errors import InvalidRequestError
 from engine.structured.spec import StructuredOutput
+from engine.structured.thinking import ThinkingSpan
 
 MAX_TOP_LOGPROBS = 20
 MAX_SAMPLES = 128  # n
@@ -65,6 +66,8 @@ class SamplingParams:
     with the same salt, or none, share as usual (tenant isolation).
     `structured`: what the output must match (a JSON schema, regex, choice or grammar), enforced
     token by token; the sequence ends when the grammar is complete.
+    `thinking`: a reasoning model's thinking tokens, which `structured` leaves free: the grammar starts
+    after the thinking's end token (engine/structured/thinking.py).
     `speculative`: False opts this request out of the engine's speculative decoding (it changes
     no token: greedy and seeded output are identical, unseeded sampling has the same distribution).
     """
@@ -90,6 +93,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     cache_salt: str | None = None
     structured: StructuredOutput | None = None
+    thinking: ThinkingSpan | None = None
     speculative: bool = True
 
     def __post_init__(self) -> None:

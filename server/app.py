@@ -37,6 +37,7 @@ from server.errors import install_error_handlers
 from server.http.access import ApiKeys
 from server.http.middleware import AdmissionMiddleware
 from server.http.openapi import install_openapi
+from server.openai.reasoning import think_tokens
 from server.openai.text import RequestText
 from server.playground import attention, kv_cache
 from server.playground import routes as playground
@@ -45,6 +46,7 @@ from server.routes import (
     completions,
     embeddings,
     health,
+    messages,
     models,
     rerank,
     responses,
@@ -123,6 +125,7 @@ def create_app(
         completions.router,
         chat.router,
         responses.router,
+        messages.router,
         models.router,
         tokenize.router,
         health.router,
@@ -186,9 +189,11 @@ async def _load_models(
         generation = await worker.run(engine_factory, config.engine)
         # The loop detokenizes with the engine's tokenizer; the text worker encodes with its own copy.
         text_tokenizer = await text_worker.run(0, generation.tokenizer.copy)
+        reasoning = think_tokens(config.reasoning_parser, generation.tokenizer.vocabulary())
         engine = AsyncEngine(generation.engine, generation.tokenizer, limits=limits)
         await engine.start(worker)
         state.text = RequestText(text_worker, text_tokenizer)
+        state.reasoning = reasoning
         state.engine = engine
         if config.embedder is not None:
             logger.info("loading embedding model %s", config.embedder.model)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine import DEFAULT_EMBEDDING_MODEL, DEFAULT_GENERATION_MODEL
 from engine.config import EmbedderConfig, EngineConfig, RerankerConfig
@@ -17,6 +18,8 @@ from server.http.access import PREFIX_CACHE_SCOPES, parse_keys
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 # The names /metrics exports its series under (server/metrics/server_metrics.py): kvserve's own, vLLM's, or both.
 METRICS_NAMES = ("kvserve", "vllm", "both")
+# --reasoning-parser: one family (<think>...</think>), under the names vLLM users know it by too.
+REASONING_PARSERS = ("none", "think", "qwen3", "deepseek_r1")
 
 
 def default_engine_config() -> EngineConfig:
@@ -72,7 +75,8 @@ class ServerConfig:
     engine: the generation model and its engine settings.
     embedder: the embedding model; None serves no embeddings.
     reranker: the rerank model (a cross-encoder); None (the default) serves no reranking.
-    served_model_name: the name clients use for the generation model (None: `engine.model`).
+    served_model_name: the names clients use for the generation model, the first one in every answer's
+        `model` field (empty: `engine.model`; a string: a comma-separated list).
     request_timeout: seconds a generation or embedding request may live (None: no limit).
     max_client_batch_size: most prompts or inputs in one completions or embeddings request.
     timeout_keep_alive: seconds an idle keep-alive connection is held open after a response.
@@ -109,11 +113,15 @@ class ServerConfig:
     allow_special_tokens_in_content: encode chat messages as the rendered text's whole, so a special
         token's text in a message is that token (False, the default: what a client sends is text,
         and only the chat template's own markers are control tokens).
-    api_keys: every key the server accepts as `Authorization: Bearer KEY` (admin keys included; a
+    api_keys: every key the server accepts as `Authorization: Bearer KEY` or `x-api-key: KEY` (admin keys included; a
         string: a comma-separated list); empty: the server is open and everyone is an admin.
     admin_api_keys: the keys that also read what tells one client about another's requests (the
         prefix-cache counters of /metrics, /kv_cache's per-block and per-sequence detail); with none,
         the one key of a server with just one is an admin (server/http/access.py).
+    reasoning_parser: "think" (or its other names, "qwen3" and "deepseek_r1"): a reasoning model's
+        `<think>...</think>` is split from its answer (server/openai/reasoning.py); "none": all content.
+    default_chat_template_kwargs: chat template variables every chat request gets (its own
+        `chat_template_kwargs` override them), e.g. {"enable_thinking": False}.
     prefix_cache_scope: "api-key": each key's requests share cached prefixes only among themselves
         (a cached prefix answers much faster, so sharing across keys would tell one client what
         another sent); "shared": across all keys, split by the request's cache_salt alone.
@@ -122,7 +130,7 @@ class ServerConfig:
     engine: EngineConfig = field(default_factory=default_engine_config)
     embedder: EmbedderConfig | None = field(default_factory=default_embedder_config)
     reranker: RerankerConfig | None = None
-    served_model_name: str | None = None
+    served_model_name: tuple[str, ...] = ()
     host: str = "127.0.0.1"
     port: int = 8000
     max_queued_requests: int = 256
@@ -149,6 +157,8 @@ class ServerConfig:
     default_max_tokens: int | None = None
     playground: bool = True
     allow_special_tokens_in_content: bool = False
+    reasoning_parser: str = "none"
+    default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "max_request_bytes", parse_bytes(self.max_request_bytes))
@@ -157,8 +167,7 @@ class ServerConfig:
             object.__setattr__(self, "allowed_origins", origins)
         else:
             object.__setattr__(self, "allowed_origins", tuple(self.allowed_origins))
-        if not self.served_model_name:
-            object.__setattr__(self, "served_model_name", None)
+        object.__setattr__(self, "served_model_name", _keys(self.served_model_name))
         admin_keys = _keys(self.admin_api_keys)
         object.__setattr__(self, "admin_api_keys", admin_keys)
         # An admin key is a key: it opens the server too.
@@ -202,6 +211,11 @@ class ServerConfig:
             raise ValueError(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
         if self.metrics_names not in METRICS_NAMES:
             raise ValueError(f"metrics_names must be one of {METRICS_NAMES}, got {self.metrics_names!r}")
+        object.__setattr__(self, "reasoning_parser", self.reasoning_parser.lower())
+        if self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {REASONING_PARSERS}, got {self.reasoning_parser!r}")
+        if not isinstance(self.default_chat_template_kwargs, dict):
+            raise ValueError("default_chat_template_kwargs must be a mapping of template variable names to values")
         if self.prefix_cache_scope not in PREFIX_CACHE_SCOPES:
             raise ValueError(
                 f"prefix_cache_scope must be one of {PREFIX_CACHE_SCOPES}, got {self.prefix_cache_scope!r}"
@@ -209,8 +223,13 @@ class ServerConfig:
 
     @property
     def model_name(self) -> str:
-        """The name clients use for the generation model."""
-        return self.served_model_name or self.engine.model
+        """The generation model's name in answers: its first served name."""
+        return self.model_names[0]
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """Every name clients may use for the generation model (each is listed by /v1/models)."""
+        return self.served_model_name or (self.engine.model,)
 
     @property
     def api_key(self) -> str | None:

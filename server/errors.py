@@ -108,6 +108,38 @@ class APIError(Exception):
     def to_body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
+    def anthropic_type(self) -> str:
+        """Anthropic's name for this error's kind."""
+        if self.status_code == 503:
+            return "overloaded_error"
+        if self.status_code == 504:
+            return "timeout_error"
+        if self.status_code >= 500:
+            return "api_error"
+        kinds = {
+            401: "authentication_error",
+            403: "permission_error",
+            404: "not_found_error",
+            413: "request_too_large",
+            429: "rate_limit_error",
+        }
+        return kinds.get(self.status_code, "invalid_request_error")
+
+    def anthropic_body(self) -> dict:
+        return {"type": "error", "error": {"type": self.anthropic_type(), "message": self.message}}
+
+    def body_for(self, path: str) -> dict:
+        """The error body the route at `path` answers with: Anthropic's shape on the Messages routes, the one
+        (OpenAI's) shape everywhere else."""
+        return self.anthropic_body() if is_anthropic_path(path) else self.to_body()
+
+
+ANTHROPIC_PATHS = ("/v1/messages", "/v1/messages/count_tokens")
+
+
+def is_anthropic_path(path: str) -> bool:
+    return path in ANTHROPIC_PATHS
+
 
 def api_error_for(exc: BaseException) -> APIError:
     """The one mapping from exceptions to the OpenAI error shape."""
@@ -153,8 +185,8 @@ def _validation_message(errors: list[dict]) -> tuple[str, str | None]:
     return "; ".join(parts) or "invalid request", first_param
 
 
-def _render(error: APIError) -> JSONResponse:
-    return JSONResponse(error.to_body(), status_code=error.status_code, headers=error.headers)
+def _render(error: APIError, request: Request) -> JSONResponse:
+    return JSONResponse(error.body_for(request.url.path), status_code=error.status_code, headers=error.headers)
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -163,7 +195,7 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(list(exc.errors()))
-        return _render(APIError(400, message, param=param, code="invalid_request"))
+        return _render(APIError(400, message, param=param, code="invalid_request"), request)
 
     @app.exception_handler(StarletteHTTPException)
     async def _on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -175,15 +207,15 @@ def install_error_handlers(app: FastAPI) -> None:
             param=exc.param if isinstance(exc, RequestBodyError) else None,
             headers=dict(exc.headers or {}),
         )
-        return _render(error)
+        return _render(error, request)
 
     @app.exception_handler(APIError)
     async def _on_api_error(request: Request, exc: APIError) -> JSONResponse:
-        return _render(exc)
+        return _render(exc, request)
 
     @app.exception_handler(KVServeError)
     async def _on_engine_error(request: Request, exc: KVServeError) -> JSONResponse:
         error = api_error_for(exc)
         if error.status_code >= 500:
             logger.error("request %s failed: %s", getattr(request.state, "request_id", "-"), exc)
-        return _render(error)
+        return _render(error, request)

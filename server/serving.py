@@ -69,12 +69,14 @@ class Sample:
     """One choice, whole: its deltas joined."""
 
     text_parts: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
 
     def add(self, delta: CompletionOutput) -> None:
         self.text_parts.append(delta.text)
+        self.token_ids.extend(delta.token_ids)
         if delta.logprobs:
             self.logprobs.extend(delta.logprobs)
         if delta.finish_reason is not None:
@@ -216,12 +218,13 @@ def _withdraw(submits: list[asyncio.Future]) -> None:
 @dataclass(frozen=True)
 class SseFraming:
     """How a stream's events go on the wire. Completions and chat: `data: <json>` each, a failure as
-    the error body, then `data: [DONE]`. The Responses API names each event after its "type"
-    (an `event: <type>` line first), makes a failure its own events, and sends no [DONE]."""
+    the error body, then `data: [DONE]`. The Responses and Messages APIs name each event after its
+    "type" (an `event: <type>` line first), make a failure their own events, and send no [DONE]."""
 
     named: bool = False
     done: bool = True
     failure: Callable[[APIError], list[dict]] | None = None  # None: the error body, as one event
+    keeps_usage: bool = False  # the events' own "usage" keys are theirs (Anthropic's), not stream_options'
 
 
 DATA_EVENTS = SseFraming()
@@ -281,7 +284,7 @@ async def generation_stream(
             async for payload in chunks(generation):
                 if include_usage:
                     payload["usage"] = generation.usage().model_dump() if continuous_usage else None
-                else:
+                elif not framing.keeps_usage:
                     payload.pop("usage", None)
                 yield _sse(payload, framing.named)
             generation.record_finish()
@@ -303,6 +306,24 @@ async def generation_stream(
         await response(scope, receive, send)
 
     return _Answer(send_events, generation)
+
+
+async def named_event_stream(
+    engine: AsyncEngine,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    timer: RequestTimer,
+    events: Callable[[Generation], AsyncIterator[dict]],
+    failure: Callable[[APIError], list[dict]],
+) -> Response:
+    """The Responses and Messages streams: one prompt's `events`, each named after its type, a failure as
+    `failure`'s events, no [DONE]. Their usage is in their own events, never a chunk of its own."""
+    framing = SseFraming(named=True, done=False, failure=failure, keeps_usage=True)
+    return await generation_stream(engine, [prompt_ids], params, timer, events, _no_usage_chunk, None, framing)
+
+
+def _no_usage_chunk(usage: Usage) -> dict:
+    raise AssertionError("a named-event stream sends no usage chunk")
 
 
 def abandoned_when_client_leaves(handler: Callable[..., Awaitable[Response]]) -> Callable[..., Awaitable[Response]]:

@@ -20,6 +20,7 @@ from server.shutdown import Shutdown
 if TYPE_CHECKING:
     from engine import AsyncEncoder, AsyncEngine
     from engine.outputs import EngineStats
+    from server.openai.reasoning import ThinkTokens
     from server.openai.text import RequestText
 
 
@@ -32,6 +33,8 @@ class ServerState:
     # or when no rerank model is served.
     reranker: AsyncEncoder | None = None
     text: RequestText | None = None  # tokenizer work on request text, off the loop; set with `engine`
+    # The generation model's <think> and </think> tokens under --reasoning-parser (None: no parser); set with `engine`
+    reasoning: ThinkTokens | None = None
     is_ready: bool = False  # every model is loaded: the middleware stops answering 503
     load_error: str | None = None  # why loading failed; /health reports it
     shutdown: Shutdown = field(default_factory=Shutdown)  # serving -> draining -> stopping

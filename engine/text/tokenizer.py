@@ -201,7 +201,8 @@ class Tokenizer:
             taken = sorted(set(extra) & reserved)
             if taken:
                 raise InvalidRequestError(
-                    f"chat template variables set by the server itself: {', '.join(taken)}", param="messages"
+                    f"chat template variables set by the server itself: {', '.join(taken)}",
+                    param="chat_template_kwargs",
                 )
         try:
             return self._tok.apply_chat_template(

@@ -33,7 +33,10 @@ FLAG_DOCS: dict[str, FlagDoc] = {
         ),
     ),
     "served_model_name": FlagDoc(
-        "the name clients use for the generation model",
+        (
+            "the name clients use for the generation model; repeat it (or give a comma-separated list) for "
+            "aliases: every API accepts each one, `/v1/models` lists each, and answers name the first"
+        ),
         default_note="the `--model` value",
     ),
     "tokenizer": FlagDoc(
@@ -124,8 +127,8 @@ FLAG_DOCS: dict[str, FlagDoc] = {
     ),
     "api_key": FlagDoc(
         (
-            "require `Authorization: Bearer KEY` on every route but `/health` (`/metrics` included); repeat it, or "
-            "give a comma-separated list, for several keys (one per client)"
+            "require `Authorization: Bearer KEY` (or `x-api-key: KEY`) on every route but `/health` "
+            "(`/metrics` included); repeat it, or give a comma-separated list, for several keys (one per client)"
         ),
     ),
     "api_key_file": FlagDoc(
@@ -264,6 +267,20 @@ FLAG_DOCS: dict[str, FlagDoc] = {
             "`true`: a special token's text in a chat message (content, name, tool-call arguments, tool definitions; "
             "chat, responses and `/tokenize` messages) is that token, as before; `false`: it is text, and only the "
             "chat template's own markers are control tokens (see [Endpoints](../api/endpoints.md))"
+        ),
+    ),
+    "reasoning_parser": FlagDoc(
+        (
+            "`think` (also named `qwen3` and `deepseek_r1`): a reasoning model's `<think>...</think>` is split from "
+            "its answer, as `reasoning_content` beside `content` in chat and as reasoning items in Responses; "
+            "structured output and tool calls apply to the answer. Refused at start when the vocabulary has "
+            "no `<think>` and `</think>` tokens (see [Reasoning models](../api/reasoning.md))"
+        ),
+    ),
+    "default_chat_template_kwargs": FlagDoc(
+        (
+            "a JSON object of chat template variables for every chat and responses request, "
+            "e.g. `'{\"enable_thinking\": false}'`; a request's `chat_template_kwargs` override them"
         ),
     ),
     "num_threads": FlagDoc(

@@ -15,8 +15,18 @@ from engine.config import (
     SUPPORTED_DTYPES,
     TOKEN_ID_INPUT_MODES,
 )
-from server.cli.kinds import boolean, byte_size, key_file, key_list, one_of, optional, path_text
-from server.config import LOG_LEVELS, METRICS_NAMES
+from server.cli.kinds import (
+    boolean,
+    byte_size,
+    json_object,
+    key_file,
+    key_list,
+    name_list,
+    one_of,
+    optional,
+    path_text,
+)
+from server.config import LOG_LEVELS, METRICS_NAMES, REASONING_PARSERS
 from server.http.access import PREFIX_CACHE_SCOPES
 from server.ray.scale_out import ROUTINGS
 
@@ -85,8 +95,11 @@ FLAGS: tuple[Flag, ...] = (
     _flag(
         "served_model_name",
         "server",
-        optional(str),
-        "the name clients use for the generation model (default: --model)",
+        name_list,
+        "the name clients use for the generation model (default: --model); repeat it (or give a "
+        "comma-separated list) for aliases, each accepted by every API and listed by /v1/models, the first "
+        "one in every answer's model field",
+        repeatable=True,
     ),
     _flag(
         "tokenizer",
@@ -169,8 +182,8 @@ FLAGS: tuple[Flag, ...] = (
         "api_key",
         "server.api_keys",
         key_list,
-        "require 'Authorization: Bearer KEY' on every route but /health (/metrics too); repeat it (or give "
-        "a comma-separated list) for several keys, one per client",
+        "require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on every route but /health (/metrics too); "
+        "repeat it (or give a comma-separated list) for several keys, one per client",
         repeatable=True,
     ),
     _flag(
@@ -331,6 +344,21 @@ FLAGS: tuple[Flag, ...] = (
         boolean,
         "chat messages (and /tokenize messages): a special token's text in a client's string is that token, "
         "as if the template wrote it (default false: it is text, and only the template's markers are tokens)",
+    ),
+    _flag(
+        "reasoning_parser",
+        "server",
+        one_of(*REASONING_PARSERS),
+        "split a reasoning model's <think>...</think> from its answer: chat's message.reasoning_content, "
+        "streamed as delta.reasoning_content, and Responses' reasoning items (think, qwen3 and deepseek_r1 "
+        "are one parser; default none: the output is all content)",
+    ),
+    _flag(
+        "default_chat_template_kwargs",
+        "server",
+        json_object,
+        "a JSON object of chat template variables every chat request gets, under its own "
+        "chat_template_kwargs (e.g. '{\"enable_thinking\": false}')",
     ),
     _flag("num_threads", "engine", optional(int), "torch CPU threads (default: torch's choice)"),
     _flag(

@@ -5,6 +5,7 @@ when it has one, is what `--help` shows for the flag's value."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from collections.abc import Callable
 from typing import Any
@@ -60,6 +61,22 @@ def one_of(*choices: str) -> Callable[[str], str]:
     return parse
 
 
+def json_object(text: str) -> dict[str, Any]:
+    """A JSON object ('' or none: an empty one)."""
+    if text.strip().lower() in ("", "none"):
+        return {}
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text[:64]!r}")
+    return value
+
+
+json_object.metavar = "JSON"  # type: ignore[attr-defined]
+
+
 def byte_size(text: str) -> int:
     try:
         return parse_bytes(text)
@@ -72,6 +89,14 @@ def key_list(text: str) -> tuple[str, ...]:
 
 
 key_list.metavar = "KEY"  # type: ignore[attr-defined]
+
+
+def name_list(text: str) -> tuple[str, ...]:
+    """Names, comma-separated (blanks around each dropped, repeats once)."""
+    return parse_keys(text)
+
+
+name_list.metavar = "NAME"  # type: ignore[attr-defined]
 
 
 def key_file(text: str) -> tuple[str, ...]:

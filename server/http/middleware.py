@@ -98,7 +98,7 @@ class AdmissionMiddleware:
                 if error.status_code == 401 and self.playground and is_page_request(scope):
                     await _send_sign_in_page(send_with_id)
                 else:
-                    await _send_error(error, send_with_id)
+                    await _send_error(error, scope["path"], send_with_id)
                 return
             counted = scope["path"] not in OPEN_PATHS
             if counted:
@@ -112,7 +112,8 @@ class AdmissionMiddleware:
             # One request's bug fails that request only; the server keeps serving.
             logging.getLogger(__name__).exception("unhandled error in %s %s", scope["method"], scope["path"])
             if status["code"] == 0:
-                await _send_error(APIError(500, "internal server error", type="internal_error"), send_with_id)
+                error = APIError(500, "internal server error", type="internal_error")
+                await _send_error(error, scope["path"], send_with_id)
         finally:
             usage = state.get("usage") or {}
             access_logger.info(
@@ -137,7 +138,7 @@ class AdmissionMiddleware:
         elif path not in KEYLESS_PATHS:
             return APIError(
                 401,
-                "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                "invalid or missing API key: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>')",
                 type="authentication_error",
                 code="invalid_api_key",
                 headers={"WWW-Authenticate": "Bearer"},
@@ -167,6 +168,9 @@ class AdmissionMiddleware:
         scheme, _, token = auth.partition(" ")
         if scheme.lower() == "bearer":
             return self.api_keys.caller_for(token.strip())
+        api_key = _header(scope, b"x-api-key")  # Anthropic's clients send the key here
+        if api_key is not None:
+            return self.api_keys.caller_for(api_key.strip())
         if self.playground and is_page_request(scope):
             cookie = cookie_parser(_header(scope, b"cookie") or "").get(PAGE_COOKIE, "")
             if is_valid_page_token(cookie, self.api_keys.page_secrets):
@@ -206,8 +210,8 @@ def _too_large(limit: int) -> APIError:
     return APIError(413, f"request body is larger than the limit of {limit} bytes", code="request_too_large")
 
 
-async def _send_error(error: APIError, send: Send) -> None:
-    body = json.dumps(error.to_body()).encode()
+async def _send_error(error: APIError, path: str, send: Send) -> None:
+    body = json.dumps(error.body_for(path)).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     headers += [(k.lower().encode(), v.encode()) for k, v in error.headers.items()]
     await send({"type": "http.response.start", "status": error.status_code, "headers": headers})

@@ -20,6 +20,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
+from server.protocol.anthropic import AnthropicError, MessagesStreamEvent
 from server.protocol.chat import ChatCompletionChunk
 from server.protocol.common import ErrorResponse, HealthStatus
 from server.protocol.completions import CompletionResponse
@@ -30,7 +31,12 @@ Responses = dict[int | str, dict[str, Any]]
 _REF = "#/components/schemas/{model}"
 # The bodies of SSE events (besides the error body): each `generation_responses` chunk model and each
 # `named_event_responses` event model is one of these.
-STREAM_EVENT_MODELS: tuple[type[BaseModel], ...] = (CompletionResponse, ChatCompletionChunk, ResponseStreamEvent)
+STREAM_EVENT_MODELS: tuple[type[BaseModel], ...] = (
+    CompletionResponse,
+    ChatCompletionChunk,
+    ResponseStreamEvent,
+    MessagesStreamEvent,
+)
 
 _RETRY_AFTER = {
     "Retry-After": {"description": "seconds to wait before retrying", "schema": {"type": "integer", "minimum": 1}}
@@ -43,7 +49,7 @@ _ERRORS: dict[int, tuple[str, dict[str, Any]]] = {
     ),
     401: (
         "An API key is configured (--api-key) and the request did not send 'Authorization: Bearer <key>' "
-        "(`code` invalid_api_key).",
+        "or 'x-api-key: <key>' (`code` invalid_api_key).",
         {"WWW-Authenticate": {"description": "Bearer", "schema": {"type": "string"}}},
     ),
     404: (
@@ -76,6 +82,7 @@ _ERRORS: dict[int, tuple[str, dict[str, Any]]] = {
 _OVER_LIMIT = "--limit-concurrency requests are already in progress: a plain-text 503, before the app."
 _PLAIN_TEXT = {"text/plain": {"schema": {"type": "string"}}}
 _ERROR_BODY = {"$ref": _REF.format(model=ErrorResponse.__name__)}
+_ANTHROPIC_ERROR_BODY = {"$ref": _REF.format(model=AnthropicError.__name__)}
 _X_REQUEST_ID = {
     "description": "the request's id: the client's own X-Request-Id echoed, or a new one "
     "(not on the plain-text 503 past --limit-concurrency)",
@@ -85,14 +92,14 @@ _X_REQUEST_ID = {
 _GATED = (401, 413, 500, 503)
 
 
-def error_responses(*codes: int) -> Responses:
-    """The error answers `codes`, each with the one error body and its headers."""
+def error_responses(*codes: int, body: dict[str, Any] = _ERROR_BODY) -> Responses:
+    """The error answers `codes`, each with the error body (OpenAI's shape unless told) and its headers."""
     responses: Responses = {}
     for code in sorted(codes):
         description, headers = _ERRORS[code]
         # The body is named by reference, not by `model`: FastAPI would file it under the route's media
         # type, and /metrics answers text/plain but its errors in JSON.
-        responses[code] = {"description": description, "content": {"application/json": {"schema": _ERROR_BODY}}}
+        responses[code] = {"description": description, "content": {"application/json": {"schema": body}}}
         if code == 503:
             responses[code]["description"] += " " + _OVER_LIMIT
             responses[code]["content"].update(_PLAIN_TEXT)
@@ -166,6 +173,15 @@ def named_event_responses(event: type[BaseModel]) -> Responses:
         }
     }
     return {**streamed, **error_responses(400, 404, 429, 504, *_GATED)}
+
+
+def anthropic_responses(event: type[BaseModel] | None) -> Responses:
+    """/v1/messages (`event`: its stream's events, named after their type, a failure an `error` event) and
+    /v1/messages/count_tokens (None: JSON only); errors in Anthropic's shape."""
+    if event is None:
+        return error_responses(400, 404, *_GATED, body=_ANTHROPIC_ERROR_BODY)
+    streamed = {200: named_event_responses(event)[200]}
+    return {**streamed, **error_responses(400, 404, 429, 504, *_GATED, body=_ANTHROPIC_ERROR_BODY)}
 
 
 def engine_responses() -> Responses:
@@ -267,7 +283,7 @@ def _finish(document: dict[str, Any]) -> None:
                 response.setdefault("headers", {})["X-Request-Id"] = header
     for name in ("HTTPValidationError", "ValidationError"):
         schemas.pop(name, None)
-    models = [(model, "serialization") for model in (ErrorResponse, *STREAM_EVENT_MODELS)]
+    models = [(model, "serialization") for model in (ErrorResponse, AnthropicError, *STREAM_EVENT_MODELS)]
     _, referenced = models_json_schema(models, ref_template=_REF)
     for name, schema in referenced.get("$defs", {}).items():
         schemas.setdefault(name, schema)  # the response models FastAPI documented already keep its schema

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-from engine import StructuredOutput
+from engine import StructuredOutput, ThinkingSpan
 from engine.errors import InvalidRequestError
 from engine.params import SamplingParams
 from server.config import ServerConfig
@@ -159,11 +159,13 @@ def sampling_params(
     cache_salt: str | None = None,
     structured: StructuredOutput | None = None,
     prompt_logprobs: int | None = None,
+    thinking: ThinkingSpan | None = None,
 ) -> SamplingParams:
     """The engine's SamplingParams for a completion or chat request (SamplingParams checks the ranges).
 
     prompt_logprobs: top alternatives wanted per prompt token, beside the request's own
-    `prompt_logprobs` field (the larger wins; completions' echo asks through this)."""
+    `prompt_logprobs` field (the larger wins; completions' echo asks through this). thinking: a reasoning
+    model's thinking, which `structured` leaves free (kept only where there is a structured output)."""
     logit_bias = None
     if body.logit_bias:
         logit_bias = {}
@@ -202,5 +204,6 @@ def sampling_params(
         skip_special_tokens=body.skip_special_tokens,
         cache_salt=cache_salt,
         structured=structured,
+        thinking=thinking if structured is not None else None,
         speculative=body.speculative,
     )

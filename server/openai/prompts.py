@@ -51,11 +51,13 @@ def chat_prompt_ids(
     add_generation_prompt: bool,
     tools: ToolPlan | None = None,
     allow_special_tokens_in_content: bool = False,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
     """The messages through the model's chat template (server/openai/tools.py renders tool turns, and the
     tool definitions as the template takes them). Everything the request holds is encoded as text,
     so only the template's own markers are control tokens, unless the server allows special tokens
-    in content (`--allow-special-tokens-in-content`)."""
+    in content (`--allow-special-tokens-in-content`). template_kwargs: the template's extra variables
+    (server/openai/reasoning.py)."""
     native = tokenizer.tool_call_format
     rendered = render_messages(messages, tools, native)
     definitions = list(tools.definitions) if tools is not None and tools.definitions else None
@@ -64,6 +66,7 @@ def chat_prompt_ids(
         add_generation_prompt=add_generation_prompt,
         tools=definitions,
         allow_special_tokens_in_content=allow_special_tokens_in_content,
+        template_kwargs=template_kwargs or None,
     )
 
 

@@ -27,7 +27,12 @@ from server.protocol.responses_output import (
     OutputItem,
     OutputItemEvent,
     OutputMessage,
+    OutputReasoning,
     OutputText,
+    OutputTokensDetails,
+    ReasoningDeltaEvent,
+    ReasoningDoneEvent,
+    ReasoningText,
     ResponseError,
     ResponseLifecycleEvent,
     ResponseObject,
@@ -47,8 +52,9 @@ class _OpenItem:
     index: int
     id: str
     parts: list[str] = field(default_factory=list)
-    call_id: str | None = None  # a function call; None for a message
+    call_id: str | None = None  # a function call; None for a message or a reasoning item
     name: str = ""
+    is_reasoning: bool = False
 
     @property
     def text(self) -> str:
@@ -74,7 +80,7 @@ class ResponseEvents:
     def text(self, delta: str) -> list[Event]:
         """Reply text: opens the message item if none is open (closing a call that was)."""
         events = []
-        if self._open is None or self._open.call_id is not None:
+        if self._open is None or self._open.call_id is not None or self._open.is_reasoning:
             events += self._close("completed")
             item = _OpenItem(index=len(self._items), id=f"msg_{uuid.uuid4().hex}")
             self._open = item
@@ -88,6 +94,25 @@ class ResponseEvents:
             events.append(
                 self._event(TextDeltaEvent, item_id=item.id, output_index=item.index, content_index=0, delta=delta)
             )
+        return events
+
+    def reasoning(self, delta: str) -> list[Event]:
+        """A piece of the thinking: opens the reasoning item if it is not open."""
+        if not delta:
+            return []
+        events = []
+        if self._open is None or not self._open.is_reasoning:
+            events += self._close("completed")
+            item = _OpenItem(index=len(self._items), id=f"rs_{uuid.uuid4().hex}", is_reasoning=True)
+            self._open = item
+            events.append(
+                self._item_event("response.output_item.added", item.index, self._reasoning(item, "in_progress"))
+            )
+        item = self._open
+        item.parts.append(delta)
+        events.append(
+            self._event(ReasoningDeltaEvent, item_id=item.id, output_index=item.index, content_index=0, delta=delta)
+        )
         return events
 
     def call(self, call_id: str, name: str) -> list[Event]:
@@ -120,7 +145,8 @@ class ResponseEvents:
 
     def finished(self, finish_reason: str | None, usage: Usage) -> list[Event]:
         """The reply ended: the open item is done, then response.completed, or response.incomplete when
-        max_output_tokens cut it. A reply with no output at all still has its (empty) message."""
+        max_output_tokens cut it. A reply with no output at all still has its (empty) message; one cut while
+        thinking has only its reasoning item."""
         self._incomplete = finish_reason == LENGTH
         item_status = "incomplete" if self._incomplete else "completed"
         events = []
@@ -165,7 +191,13 @@ class ResponseEvents:
             return []
         self._open = None
         events = []
-        if item.call_id is None:
+        if item.is_reasoning:
+            events.append(
+                self._event(
+                    ReasoningDoneEvent, item_id=item.id, output_index=item.index, content_index=0, text=item.text
+                )
+            )
+        elif item.call_id is None:
             events.append(
                 self._event(TextDoneEvent, item_id=item.id, output_index=item.index, content_index=0, text=item.text)
             )
@@ -180,7 +212,14 @@ class ResponseEvents:
         return events
 
     def _final_item(self, item: _OpenItem, status: str) -> OutputItem:
+        if item.is_reasoning:
+            return self._reasoning(item, status)
         return self._message(item, status) if item.call_id is None else self._function_call(item, status)
+
+    @staticmethod
+    def _reasoning(item: _OpenItem, status: str) -> OutputReasoning:
+        content = [ReasoningText(text=item.text)] if status != "in_progress" else []
+        return OutputReasoning(id=item.id, status=status, content=content)
 
     @staticmethod
     def _message(item: _OpenItem, status: str) -> OutputMessage:
@@ -211,6 +250,10 @@ class ResponseEvents:
 
 
 def _usage(usage: Usage) -> ResponseUsage:
+    details = usage.completion_tokens_details
     return ResponseUsage(
-        input_tokens=usage.prompt_tokens, output_tokens=usage.completion_tokens, total_tokens=usage.total_tokens
+        input_tokens=usage.prompt_tokens,
+        output_tokens=usage.completion_tokens,
+        output_tokens_details=OutputTokensDetails(reasoning_tokens=details.reasoning_tokens if details else 0),
+        total_tokens=usage.total_tokens,
     )

@@ -49,7 +49,7 @@ def rerank_model_names(state: ServerState) -> set[str]:
 
 
 def generation_model_names(state: ServerState) -> set[str]:
-    names = {state.config.model_name, state.config.engine.model}
+    names = {*state.config.model_names, state.config.engine.model}
     if state.engine is not None:
         names.add(state.engine.model_name)
     return {n for n in names if n}
@@ -78,7 +78,7 @@ def check_model(state: ServerState, model: str | None, task: Task) -> None:
                 param="model",
                 code="wrong_model_task",
             )
-    served = [state.config.model_name, *sorted(embedding_model_names(state)), *sorted(rerank_model_names(state))]
+    served = [*state.config.model_names, *sorted(embedding_model_names(state)), *sorted(rerank_model_names(state))]
     raise APIError(
         404,
         f"the model {clip(model)!r} does not exist; served models: {', '.join(served)}",

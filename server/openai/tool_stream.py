@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 
 @dataclass(frozen=True)
@@ -172,3 +172,27 @@ def decode_string_prefix(raw: str) -> str:
         except ValueError:
             continue
     return ""
+
+
+class EventBuilder(Protocol):
+    """A named-event stream's builder (the Responses and Messages APIs): text, and calls with their
+    arguments in fragments."""
+
+    def text(self, delta: str) -> list[dict]: ...
+
+    def call(self, call_id: str, name: str) -> list[dict]: ...
+
+    def arguments(self, delta: str) -> list[dict]: ...
+
+
+def builder_events(builder: EventBuilder, fields: dict[str, Any]) -> list[dict]:
+    """A chat-shaped delta of the tool reply stream (`ToolReplyStream.feed`) as `builder`'s events."""
+    if "content" in fields:
+        return builder.text(fields["content"])
+    events = []
+    for call in fields.get("tool_calls", []):
+        function = call["function"]
+        if "id" in call:  # a call opens: its id and name, empty arguments
+            events += builder.call(call["id"], function["name"])
+        events += builder.arguments(function.get("arguments", ""))
+    return events

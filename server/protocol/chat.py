@@ -7,6 +7,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, Field, model_serializer
 
 from server.protocol.common import (
+    OpenAIHints,
     PositiveCount,
     PromptLogprobs,
     SamplingFields,
@@ -74,7 +75,10 @@ class Tool(StrictRequest):
     function: FunctionDefinition
 
 
-class ChatCompletionRequest(SamplingFields, GuidedFields):
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
+
+
+class ChatCompletionRequest(SamplingFields, GuidedFields, OpenAIHints):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: PositiveCount | None = None
     max_completion_tokens: PositiveCount | None = None
@@ -82,6 +86,11 @@ class ChatCompletionRequest(SamplingFields, GuidedFields):
     top_logprobs: TopLogprobs | None = None
     add_generation_prompt: StrictSwitch = True
     cache_salt: CacheSalt | None = None
+    prompt_cache_key: CacheSalt | None = None  # OpenAI's; a cache salt where cache_salt is absent
+    # Extra variables for the chat template (e.g. {"enable_thinking": false}), over the server's
+    # --default-chat-template-kwargs; reasoning_effort is one too, and sets a template's thinking switch.
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: ReasoningEffort | None = None
     response_format: ResponseFormat | None = None
     tools: Annotated[list[Tool], unique_tool_names(lambda tool: tool.function.name)] | None = None
     # "none" | "auto" | "required" | {"type": "function", "function": {"name": ...}}
@@ -131,11 +140,16 @@ class ResponseToolCall(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    # A reasoning model's thinking (--reasoning-parser), sent under both names clients read: `reasoning_content`
+    # and vLLM's `reasoning`; absent without a parser.
+    reasoning_content: str | None = None
     tool_calls: list[ResponseToolCall] | None = None
 
     @model_serializer
     def _without_empty_tool_calls(self) -> dict[str, Any]:
         body: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.reasoning_content is not None:
+            body["reasoning_content"] = body["reasoning"] = self.reasoning_content
         if self.tool_calls:
             body["tool_calls"] = [call.model_dump() for call in self.tool_calls]
         return body
@@ -164,11 +178,18 @@ class ChatDelta(BaseModel):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None  # a piece of the thinking, also sent as vLLM's `reasoning`
     tool_calls: list[dict[str, Any]] | None = None  # {"index", "id", "type", "function": {"name", "arguments"}}
 
     @model_serializer
     def _only_set(self) -> dict[str, Any]:
-        pairs = (("role", self.role), ("content", self.content), ("tool_calls", self.tool_calls))
+        pairs = (
+            ("role", self.role),
+            ("content", self.content),
+            ("reasoning_content", self.reasoning_content),
+            ("reasoning", self.reasoning_content),
+            ("tool_calls", self.tool_calls),
+        )
         return {k: v for k, v in pairs if v is not None}
 
 

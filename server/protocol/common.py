@@ -78,6 +78,7 @@ def unique_tool_names(name_of: Callable[[Any], str]) -> AfterValidator:
 
 
 Temperature = _number(0.0, MAX_TEMPERATURE)
+UnitTemperature = _number(0.0, 1.0)  # Anthropic's range
 Probability = _number(0.0, 1.0)  # min_p
 TopP = _number(0.0, 1.0, low_open=True)
 Penalty = _number(-MAX_ABS_PENALTY, MAX_ABS_PENALTY)  # presence_penalty, frequency_penalty
@@ -111,6 +112,24 @@ class StrictRequest(BaseModel):
 
 def now() -> int:
     return int(time.time())
+
+
+Metadata = Annotated[
+    dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]], Field(max_length=16)
+]
+
+
+class OpenAIHints(StrictRequest):
+    """OpenAI fields that change nothing a self-hosted server generates, accepted so today's clients and agent
+    frameworks can send them: checked as OpenAI checks them, then ignored (`store: true` is refused by the
+    route, since nothing is stored; `prompt_cache_key` is read by the route as a cache salt)."""
+
+    metadata: Metadata | None = None
+    store: StrictSwitch | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    safety_identifier: Annotated[str, Field(max_length=64)] | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+    prompt_cache_retention: Literal["in-memory", "24h"] | None = None  # cached prefixes live as the cache decides
 
 
 class StreamOptions(StrictRequest):
@@ -175,10 +194,16 @@ class PromptTokenLogprob(BaseModel):
 PromptLogprobs = list[dict[str, PromptTokenLogprob] | None]
 
 
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int  # the thinking's tokens, its tags included (--reasoning-parser)
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    # Set where the server parses reasoning (--reasoning-parser); absent otherwise.
+    completion_tokens_details: CompletionTokensDetails | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class ModelRuntime(BaseModel):

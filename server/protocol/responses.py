@@ -14,7 +14,9 @@ from typing import Annotated, Any, Literal
 from pydantic import BeforeValidator, ConfigDict, Discriminator, Field, Tag
 from pydantic_core import PydanticCustomError
 
+from server.protocol.chat import ReasoningEffort
 from server.protocol.common import (
+    Metadata,
     PositiveCount,
     Seed,
     StrictRequest,
@@ -172,20 +174,16 @@ class TextConfig(StrictRequest):
 
 
 class ReasoningConfig(StrictRequest):
-    """Accepted and ignored: the served models do not reason, so there is no effort to set."""
+    """`effort` goes to the chat template as chat's reasoning_effort does (its own variable, or its thinking
+    switch); summaries are not written (a reasoning item holds the thinking whole)."""
 
-    effort: str | None = None
+    effort: ReasoningEffort | None = None
     summary: str | None = None
     generate_summary: str | None = None
 
 
 class ResponsesStreamOptions(StrictRequest):
     include_obfuscation: StrictSwitch | None = None  # padding against length side channels; never added
-
-
-Metadata = Annotated[
-    dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]], Field(max_length=16)
-]
 
 
 class ResponsesRequest(StrictRequest):

@@ -40,7 +40,22 @@ class OutputFunctionCall(BaseModel):
     status: ItemStatus
 
 
-OutputItem = Annotated[OutputMessage | OutputFunctionCall, Field(discriminator="type")]
+class ReasoningText(BaseModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class OutputReasoning(BaseModel):
+    """A reasoning model's thinking (--reasoning-parser), before the message that answers."""
+
+    type: Literal["reasoning"] = "reasoning"
+    id: str
+    summary: list[Any] = Field(default_factory=list)  # no summaries are written: the thinking is given whole
+    content: list[ReasoningText]
+    status: ItemStatus
+
+
+OutputItem = Annotated[OutputMessage | OutputFunctionCall | OutputReasoning, Field(discriminator="type")]
 
 
 class InputTokensDetails(BaseModel):
@@ -69,7 +84,7 @@ class ResponseError(BaseModel):
 
 
 class ReasoningEcho(BaseModel):
-    effort: None = None
+    effort: str | None = None  # the request's, as the chat template got it (reasoning_effort)
     summary: None = None
 
 
@@ -151,6 +166,24 @@ class TextDoneEvent(BaseModel):
     logprobs: list[Any] = Field(default_factory=list)
 
 
+class ReasoningDeltaEvent(BaseModel):
+    type: Literal["response.reasoning_text.delta"] = "response.reasoning_text.delta"
+    sequence_number: int
+    item_id: str
+    output_index: int
+    content_index: int
+    delta: str
+
+
+class ReasoningDoneEvent(BaseModel):
+    type: Literal["response.reasoning_text.done"] = "response.reasoning_text.done"
+    sequence_number: int
+    item_id: str
+    output_index: int
+    content_index: int
+    text: str
+
+
 class ArgumentsDeltaEvent(BaseModel):
     type: Literal["response.function_call_arguments.delta"] = "response.function_call_arguments.delta"
     sequence_number: int
@@ -187,6 +220,8 @@ class ResponseStreamEvent(RootModel):
         | ContentPartEvent
         | TextDeltaEvent
         | TextDoneEvent
+        | ReasoningDeltaEvent
+        | ReasoningDoneEvent
         | ArgumentsDeltaEvent
         | ArgumentsDoneEvent
         | ErrorEvent,

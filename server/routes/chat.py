@@ -8,14 +8,17 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from engine import CompletionOutput
 from engine.errors import InvalidRequestError
 from server import serving
+from server.errors import APIError
 from server.http.access import request_cache_salt
 from server.http.json_body import StrictJSONRoute
 from server.http.openapi import generation_responses
 from server.openai.logprobs import chat_logprobs, prompt_logprobs_entries
 from server.openai.params import check_admissible, max_tokens_for, reject_unsupported, sampling_params
 from server.openai.prompts import chat_prompt_ids
+from server.openai.reasoning import ReasoningPlan, check_template_kwargs, template_kwargs
 from server.openai.served_models import generation_engine, request_text
 from server.openai.structured import compile_structured, structured_output
 from server.openai.text import text_size
@@ -30,10 +33,13 @@ from server.protocol.chat import (
     ChatDelta,
     ChatResponseMessage,
 )
+from server.protocol.common import CompletionTokensDetails, Usage
 from server.serving import Generation
 from server.state import SharedState
 
 router = APIRouter(route_class=StrictJSONRoute)
+
+NOT_STORED = "store: this server stores no completions; send store false or leave it out"
 
 
 @router.post(
@@ -45,10 +51,19 @@ router = APIRouter(route_class=StrictJSONRoute)
 async def create_chat_completion(body: ChatCompletionRequest, request: Request, state: SharedState) -> Response:
     engine = generation_engine(state, body.model)
     reject_unsupported(body.unsupported_fields())
+    if body.store:
+        raise APIError(400, NOT_STORED, param="store", code="unsupported_field")
+    check_template_kwargs(body.chat_template_kwargs)
     if body.top_logprobs is not None and not body.logprobs:
         raise InvalidRequestError("top_logprobs: requires logprobs to be true", "top_logprobs")
     engine.check_admission()  # a full queue answers 429 before the messages are rendered
     tools = plan_tools(body, engine.tokenizer.tool_call_format)
+    kwargs = template_kwargs(
+        state.config.default_chat_template_kwargs,
+        body.chat_template_kwargs,
+        body.reasoning_effort,
+        engine.tokenizer.chat_template,
+    )
     prompt_ids = await request_text(state).run(
         text_size(body.messages),
         chat_prompt_ids,
@@ -56,7 +71,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
         body.add_generation_prompt,
         tools,
         state.config.allow_special_tokens_in_content,
+        kwargs,
     )
+    reasoning = ReasoningPlan(state.reasoning, prompt_ids) if state.reasoning is not None else None
     tokenizer = engine.tokenizer  # the event loop's: logprob token texts, a few per step
     asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     max_tokens = max_tokens_for(asked, state.config)
@@ -67,8 +84,10 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
         if structured is not None:
             raise InvalidRequestError("tools: cannot be combined with structured_outputs or guided_*", "tools")
         structured = tools.spec
-    cache_salt = request_cache_salt(request, body.cache_salt)
-    params = sampling_params(body, max_tokens, logprobs, engine.vocab_size, cache_salt, structured)
+    # prompt_cache_key (OpenAI's) keeps its requests' cached prefixes apart as cache_salt (vLLM's) does.
+    cache_salt = request_cache_salt(request, body.cache_salt or body.prompt_cache_key)
+    thinking = reasoning.span if reasoning is not None else None
+    params = sampling_params(body, max_tokens, logprobs, engine.vocab_size, cache_salt, structured, thinking=thinking)
     await compile_structured(request_text(state), engine, structured)
     check_admissible(
         state.config,
@@ -84,13 +103,17 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
 
     if body.stream:
 
-        def usage_chunk(usage) -> dict:
+        def usage_chunk(usage: Usage) -> dict:
+            if reasoning is not None:
+                usage.completion_tokens_details = CompletionTokensDetails(
+                    reasoning_tokens=reasoning.streamed_reasoning_tokens
+                )
             return ChatCompletionChunk(id=answer_id, model=model_name, choices=[], usage=usage).model_dump()
 
         def chunks(generation: Generation) -> AsyncIterator[dict]:
             if tools is not None:
-                return _tool_chunks(generation, body, tools, answer_id, model_name)
-            return _chunks(generation, body, num_top, answer_id, model_name, tokenizer)
+                return _tool_chunks(generation, body, tools, answer_id, model_name, reasoning)
+            return _chunks(generation, body, num_top, answer_id, model_name, tokenizer, reasoning)
 
         return await serving.generation_stream(
             engine, [prompt_ids], params, timer, chunks, usage_chunk, body.stream_options
@@ -98,21 +121,29 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
 
     async def answer(generation: Generation) -> dict:
         choices = []
+        reasoning_tokens = 0
         for index, sample in enumerate(await generation.samples()):
-            content, calls = tools.parse(sample.text) if tools is not None else (sample.text, [])
+            thought, answer_text = reasoning.split(sample.text) if reasoning is not None else (None, sample.text)
+            if reasoning is not None:
+                reasoning_tokens += reasoning.count(sample.token_ids)
+            content, calls = (None, [])
+            if answer_text is not None:  # None: the sample ended while thinking
+                content, calls = tools.parse(answer_text) if tools is not None else (answer_text, [])
             logprobs = None
             if body.logprobs:  # many tokens' texts: made on the text worker, off the event loop
                 logprobs = await request_text(state).run(len(sample.logprobs), chat_logprobs, sample.logprobs, num_top)
             choices.append(
                 ChatChoice(
                     index=index,
-                    message=ChatResponseMessage(content=content, tool_calls=calls or None),
+                    message=ChatResponseMessage(content=content, reasoning_content=thought, tool_calls=calls or None),
                     logprobs=logprobs,
                     finish_reason="tool_calls" if calls else sample.finish_reason,
                     stop_reason=sample.stop_reason,
                 )
             )
         usage = generation.usage()
+        if reasoning is not None:
+            usage.completion_tokens_details = CompletionTokensDetails(reasoning_tokens=reasoning_tokens)
         prompt_logprobs = None
         scored = generation.prompt_logprobs(0)
         if scored is not None and body.prompt_logprobs is not None:
@@ -133,6 +164,7 @@ async def _chunks(
     answer_id: str,
     model_name: str,
     tokenizer: Any,
+    reasoning: ReasoningPlan | None,
 ) -> AsyncIterator[dict]:
     def chunk(choices: list[ChatChunkChoice]) -> dict:
         return ChatCompletionChunk(id=answer_id, model=model_name, choices=choices).model_dump()
@@ -142,14 +174,15 @@ async def _chunks(
         yield chunk([ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content=""))])
     async for _, output in generation.outputs():
         for delta in output.outputs:
-            if not delta.text and delta.finish_reason is None and not (body.logprobs and delta.logprobs):
+            thought, text = _split_delta(reasoning, delta)
+            if not (thought or text) and delta.finish_reason is None and not (body.logprobs and delta.logprobs):
                 continue
             logprobs = chat_logprobs(tokenizer, delta.logprobs or [], num_top) if body.logprobs else None
             yield chunk(
                 [
                     ChatChunkChoice(
                         index=delta.index,
-                        delta=ChatDelta(content=delta.text if delta.text else None),
+                        delta=ChatDelta(content=text or None, reasoning_content=thought or None),
                         logprobs=logprobs,
                         finish_reason=delta.finish_reason,
                     )
@@ -157,8 +190,18 @@ async def _chunks(
             )
 
 
+def _split_delta(reasoning: ReasoningPlan | None, delta: CompletionOutput) -> tuple[str, str]:
+    """A delta's (thinking, answer) pieces (no parser: all answer)."""
+    return reasoning.split_delta(delta) if reasoning is not None else ("", delta.text)
+
+
 async def _tool_chunks(
-    generation: Generation, body: ChatCompletionRequest, tools: ToolPlan, answer_id: str, model_name: str
+    generation: Generation,
+    body: ChatCompletionRequest,
+    tools: ToolPlan,
+    answer_id: str,
+    model_name: str,
+    reasoning: ReasoningPlan | None,
 ) -> AsyncIterator[dict]:
     """A constrained reply streams as it is generated (server/openai/tool_stream.py): each call's name, then
     its arguments in fragments, or a text answer as content. A free one (`auto` on a template with
@@ -174,10 +217,13 @@ async def _tool_chunks(
     texts: dict[int, list[str]] = {}
     async for _, output in generation.outputs():
         for delta in output.outputs:
-            texts.setdefault(delta.index, []).append(delta.text)
+            thought, text = _split_delta(reasoning, delta)  # the calls are read from the answer only
+            if thought:
+                yield chunk(ChatChunkChoice(index=delta.index, delta=ChatDelta(reasoning_content=thought)))
+            texts.setdefault(delta.index, []).append(text)
             stream = streams.get(delta.index)
             if stream is not None:
-                for fields in stream.feed(delta.text):
+                for fields in stream.feed(text):
                     yield chunk(ChatChunkChoice(index=delta.index, delta=ChatDelta(**fields)))
             if delta.finish_reason is None:
                 continue

@@ -29,15 +29,16 @@ async def list_models(state: SharedState) -> ModelList:
             kv_cache_dtype=info.kv_cache_dtype,
             kv_bytes_per_token=info.kv_bytes_per_token,
         )
-        cards.append(
-            ModelCard(
-                id=config.model_name,
-                root=config.engine.model,
-                max_model_len=state.engine.max_model_len,
-                task="generate",
-                runtime=runtime,
+        for name in config.model_names:  # one card per alias, as each is a name a request may use
+            cards.append(
+                ModelCard(
+                    id=name,
+                    root=config.engine.model,
+                    max_model_len=state.engine.max_model_len,
+                    task="generate",
+                    runtime=runtime,
+                )
             )
-        )
     for batcher, encoder_config, task in (
         (state.embedder, config.embedder, "embed"),
         (state.reranker, config.reranker, "rerank"),

@@ -9,7 +9,8 @@ and the same submit, disconnect and SSE handling (server/serving.py). The reply 
 output items, streamed or not, by server/openai/responses_events.py.
 
 Responses are not stored: `store` is accepted, `previous_response_id` is a 400, and there is no
-GET /v1/responses/{id}. `reasoning` is accepted and ignored (the served models do not reason).
+GET /v1/responses/{id}. `reasoning.effort` goes to the chat template (as chat's reasoning_effort); under
+--reasoning-parser a reasoning model's thinking is a reasoning item before its message.
 """
 
 from __future__ import annotations
@@ -31,14 +32,15 @@ from server.http.json_body import StrictJSONRoute
 from server.http.openapi import named_event_responses
 from server.openai.params import check_admissible, max_tokens_for, reject_unsupported, sampling_params
 from server.openai.prompts import chat_prompt_ids
+from server.openai.reasoning import ReasoningPlan, template_kwargs
 from server.openai.responses_events import ResponseEvents
 from server.openai.served_models import generation_engine, request_text
 from server.openai.structured import compile_structured
 from server.openai.text import text_size
-from server.openai.tool_stream import ToolReplyStream
+from server.openai.tool_stream import ToolReplyStream, builder_events
 from server.openai.tools import ToolPlan, plan_tools
 from server.protocol.chat import ChatCompletionRequest, ChatMessage, FunctionCall, FunctionDefinition, Tool, ToolCall
-from server.protocol.common import Usage
+from server.protocol.common import CompletionTokensDetails
 from server.protocol.responses import (
     FunctionCallItem,
     FunctionChoice,
@@ -46,8 +48,8 @@ from server.protocol.responses import (
     ResponsesRequest,
     TextFormatJsonSchema,
 )
-from server.protocol.responses_output import ResponseObject, ResponseStreamEvent, TextEcho
-from server.serving import Generation, SseFraming
+from server.protocol.responses_output import ReasoningEcho, ResponseObject, ResponseStreamEvent, TextEcho
+from server.serving import Generation
 from server.state import SharedState
 
 router = APIRouter(route_class=StrictJSONRoute)
@@ -91,14 +93,19 @@ async def _create_response(body: ResponsesRequest, request: Request, state: Shar
     if tools is not None and structured is not None:
         raise InvalidRequestError("text.format: cannot be combined with tools (use tool_choice none)", "text.format")
     special_in_content = state.config.allow_special_tokens_in_content
-    prompt_ids = await request_text(state).run(
-        text_size(chat.messages), chat_prompt_ids, chat.messages, True, tools, special_in_content
+    kwargs = template_kwargs(
+        state.config.default_chat_template_kwargs, None, chat.reasoning_effort, engine.tokenizer.chat_template
     )
+    prompt_ids = await request_text(state).run(
+        text_size(chat.messages), chat_prompt_ids, chat.messages, True, tools, special_in_content, kwargs
+    )
+    reasoning = ReasoningPlan(state.reasoning, prompt_ids) if state.reasoning is not None else None
     spec = tools.spec if tools is not None else structured
     max_tokens = max_tokens_for(body.max_output_tokens, state.config)
     # prompt_cache_key (OpenAI's) keeps its requests' cached prefixes apart as cache_salt (vLLM's) does.
     cache_salt = request_cache_salt(request, body.cache_salt or body.prompt_cache_key)
-    params = sampling_params(chat, max_tokens, None, engine.vocab_size, cache_salt, spec)
+    thinking = reasoning.span if reasoning is not None else None
+    params = sampling_params(chat, max_tokens, None, engine.vocab_size, cache_salt, spec, thinking=thinking)
     await compile_structured(request_text(state), engine, spec)
     check_admissible(state.config, [len(prompt_ids)], params, engine.max_model_len, engine.kv_cache_tokens)
     response_id = f"resp_{request.state.request_id}"  # OpenAI's spelling, with the X-Request-Id as chat's ids
@@ -106,23 +113,30 @@ async def _create_response(body: ResponsesRequest, request: Request, state: Shar
     timer = state.metrics.start_request()
 
     if body.stream:
-        framing = SseFraming(named=True, done=False, failure=builder.failed)
-        return await serving.generation_stream(
+        return await serving.named_event_stream(
             engine,
-            [prompt_ids],
+            prompt_ids,
             params,
             timer,
-            lambda generation: _events(generation, builder, tools),
-            _no_usage_chunk,
-            None,
-            framing=framing,
+            lambda generation: _events(generation, builder, tools, reasoning),
+            builder.failed,
         )
 
     async def answer(generation: Generation) -> dict:
         sample = (await generation.samples())[0]
-        content, calls = tools.parse(sample.text) if tools is not None else (sample.text, [])
+        thought, text = reasoning.split(sample.text) if reasoning is not None else (None, sample.text)
+        if thought:
+            builder.reasoning(thought)
+        content, calls = (None, [])
+        if text is not None:  # None: the reply ended while thinking
+            content, calls = tools.parse(text) if tools is not None else (text, [])
         builder.whole(content, calls)
-        builder.finished(sample.finish_reason, generation.usage())
+        usage = generation.usage()
+        if reasoning is not None:
+            usage.completion_tokens_details = CompletionTokensDetails(
+                reasoning_tokens=reasoning.count(sample.token_ids)
+            )
+        builder.finished(sample.finish_reason, usage)
         return builder.response().model_dump()
 
     return await serving.generation_json(engine, [prompt_ids], params, timer, answer)
@@ -162,6 +176,7 @@ def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
         seed=body.seed,
         speculative=body.speculative,
         user=body.user,
+        reasoning_effort=body.reasoning.effort if body.reasoning is not None else None,
         stream=body.stream,
         tools=tools or None,
         tool_choice=_chat_tool_choice(body),
@@ -214,14 +229,17 @@ def _base_response(
         truncation=body.truncation or "disabled",
         user=body.user,
         metadata=body.metadata or {},
+        reasoning=ReasoningEcho(effort=chat.reasoning_effort),
     )
 
 
-async def _events(generation: Generation, builder: ResponseEvents, tools: ToolPlan | None) -> AsyncIterator[dict]:
-    """The stream's events as the reply is generated. Without tools, text deltas; with a constrained
-    tool reply, each call as soon as its name is complete, then its arguments in fragments (or a
-    text answer as text). A free tool reply (`auto` on a template with its own format) is read whole
-    first: only then is it known whether it holds calls."""
+async def _events(
+    generation: Generation, builder: ResponseEvents, tools: ToolPlan | None, reasoning: ReasoningPlan | None
+) -> AsyncIterator[dict]:
+    """The stream's events as the reply is generated. A reasoning model's thinking first, as a reasoning
+    item. Without tools, text deltas; with a constrained tool reply, each call as soon as its name is
+    complete, then its arguments in fragments (or a text answer as text). A free tool reply (`auto` on a
+    template with its own format) is read whole first: only then is it known whether it holds calls."""
     for event in builder.started():
         yield event
     framing = tools.stream_framing if tools is not None else None
@@ -230,37 +248,22 @@ async def _events(generation: Generation, builder: ResponseEvents, tools: ToolPl
     finish_reason = None
     async for _, output in generation.outputs():
         for delta in output.outputs:
-            parts.append(delta.text)
+            thought, text = reasoning.split_delta(delta) if reasoning is not None else ("", delta.text)
+            parts.append(text)
             finish_reason = delta.finish_reason or finish_reason
+            events = builder.reasoning(thought)
             if tools is None:
-                events = builder.text(delta.text) if delta.text else []
+                events += builder.text(text) if text else []
             elif reader is not None:
-                events = [event for fields in reader.feed(delta.text) for event in _tool_events(builder, fields)]
-            else:
-                events = []
+                events += [event for fields in reader.feed(text) for event in builder_events(builder, fields)]
             for event in events:
                 yield event
     if tools is not None and not (reader is not None and (reader.made_calls or reader.is_answering)):
         content, calls = tools.parse("".join(parts))
         for event in builder.whole(content, calls):
             yield event
-    for event in builder.finished(finish_reason, generation.usage()):
+    usage = generation.usage()
+    if reasoning is not None:
+        usage.completion_tokens_details = CompletionTokensDetails(reasoning_tokens=reasoning.streamed_reasoning_tokens)
+    for event in builder.finished(finish_reason, usage):
         yield event
-
-
-def _tool_events(builder: ResponseEvents, fields: dict[str, Any]) -> list[dict]:
-    """A chat-shaped delta of the tool reply stream (server/openai/tool_stream.py) as Responses events."""
-    if "content" in fields:
-        return builder.text(fields["content"])
-    events = []
-    for call in fields.get("tool_calls", []):
-        function = call["function"]
-        if "id" in call:  # a call opens: its id and name, empty arguments
-            events += builder.call(call["id"], function["name"])
-        events += builder.arguments(function.get("arguments", ""))
-    return events
-
-
-def _no_usage_chunk(usage: Usage) -> dict:
-    """Never sent: a Responses stream carries its usage in its last event, not in a chunk of its own."""
-    raise AssertionError("a Responses stream does not ask for a usage chunk")

@@ -36,6 +36,8 @@ SERVE_FLAGS = (
     "admin_api_key",
     "prefix_cache_scope",
     "allow_special_tokens_in_content",
+    "reasoning_parser",
+    "default_chat_template_kwargs",
     "allowed_origins",
     "request_timeout",
     "max_request_bytes",
@@ -121,6 +123,27 @@ def test_flags_build_the_nested_configs(monkeypatch):
         cli.config_from_args(parser.parse_args(["--dtype", "float16"]))
     with pytest.raises(ValueError, match="pooling must be one of"):
         cli.config_from_args(parser.parse_args(["--pooling", "max"]))
+
+
+def test_reasoning_and_alias_flags(monkeypatch, capsys):
+    import argparse
+
+    from server import cli
+
+    monkeypatch.setenv("KVSERVE_SERVED_MODEL_NAME", "env-name")
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    args = ["--served-model-name", "a,b", "--served-model-name", "c", "--reasoning-parser", "DeepSeek_R1"]
+    args += ["--default-chat-template-kwargs", '{"enable_thinking": false}']
+    config = cli.config_from_args(parser.parse_args(args))
+    assert config.model_names == ("a", "b", "c") and config.model_name == "a"
+    assert config.reasoning_parser == "deepseek_r1"
+    assert config.default_chat_template_kwargs == {"enable_thinking": False}
+    assert cli.config_from_args(parser.parse_args([])).model_names == ("env-name",)
+    for bad in ('["not", "an", "object"]', "{not json"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--default-chat-template-kwargs", bad])
+    assert "must be a JSON object" in capsys.readouterr().err
 
 
 def test_env_vars_set_defaults_and_flags_win(monkeypatch):

@@ -35,6 +35,7 @@ pytestmark = pytest.mark.slow
 
 EMBEDDING_MODEL = "all-minilm-l6-v2"
 ERROR_BODY = {"$ref": "#/components/schemas/ErrorResponse"}
+ANTHROPIC_ERROR_BODY = {"$ref": "#/components/schemas/AnthropicError"}  # the Messages routes' errors
 PLAIN_TEXT = {"schema": {"type": "string"}}
 GATED = {"401", "413", "500", "503"}  # the middleware's checks: API key, body size, readiness, its catch-all
 QUEUED = GATED | {"400", "404", "429", "504"}  # routes whose requests wait in an engine's queue
@@ -44,6 +45,8 @@ EXPECTED_ERRORS = {
     ("post", "/v1/completions"): QUEUED,
     ("post", "/v1/chat/completions"): QUEUED,
     ("post", "/v1/responses"): QUEUED,
+    ("post", "/v1/messages"): QUEUED,
+    ("post", "/v1/messages/count_tokens"): GATED | {"400", "404"},
     ("post", "/v1/embeddings"): QUEUED,
     ("post", "/embed"): QUEUED,
     ("post", "/"): QUEUED,
@@ -155,7 +158,8 @@ def test_every_operation_documents_exactly_the_statuses_it_answers():
             if key in PAGE_ROUTES and status == "401":
                 assert set(response["content"]) == {"text/html"}, key
             elif status != "200" and key not in (("get", "/health"), ("get", "/metrics")):
-                error_body = {"application/json": {"schema": ERROR_BODY}}
+                body = ANTHROPIC_ERROR_BODY if key[1].startswith("/v1/messages") else ERROR_BODY
+                error_body = {"application/json": {"schema": body}}
                 assert response["content"] == (
                     error_body | {"text/plain": PLAIN_TEXT} if status == "503" else error_body
                 )
@@ -203,6 +207,14 @@ STREAMED = {"stream": True, "stream_options": {"include_usage": True}, "max_toke
         ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 4}, 200, "application/json"),
         ("/v1/responses", {"input": PROMPT, "stream": True, "max_output_tokens": 4}, 200, "text/event-stream"),
         ("/v1/responses", {"input": PROMPT, "max_output_tokens": 4}, 200, "application/json"),
+        (
+            "/v1/messages",
+            {"model": "tiny-llama", "messages": MESSAGES, "max_tokens": 4, "stream": True},
+            200,
+            "text/event-stream",
+        ),
+        ("/v1/messages", {"messages": MESSAGES, "max_tokens": 4, "model": "no-such-model"}, 404, None),
+        ("/v1/messages/count_tokens", {"messages": MESSAGES, "model": "tiny-llama"}, 200, "application/json"),
         ("/v1/completions", {"prompt": PROMPT, "model": "no-such-model"}, 404, None),
         ("/v1/completions", {"prompt": [PROMPT] * (MAX_BATCH + 1), "max_tokens": 1}, 413, None),
         ("/tokenize", {"prompt": "x" * MAX_REQUEST_BYTES}, 413, None),
@@ -255,7 +267,12 @@ def _call(app, case: schemathesis.Case, headers: dict[str, str] | None = None) -
 
 @pytest.mark.parametrize(
     ("path", "method", "body"),
-    [("/v1/completions", "POST", {"prompt": PROMPT}), ("/v1/models", "GET", None), ("/metrics", "GET", None)],
+    [
+        ("/v1/completions", "POST", {"prompt": PROMPT}),
+        ("/v1/messages", "POST", {"model": "m", "max_tokens": 1, "messages": MESSAGES}),
+        ("/v1/models", "GET", None),
+        ("/metrics", "GET", None),
+    ],
 )
 def test_a_missing_api_key_is_the_documented_401(path, method, body):
     app = create_app(make_server_config("unused-model-dir", api_key="secret"))
@@ -272,6 +289,7 @@ def test_loading_and_draining_are_the_documented_503(draining):
         state_of(app).shutdown.begin_draining()
     for path, method, body in (
         ("/v1/chat/completions", "POST", {"messages": MESSAGES}),
+        ("/v1/messages", "POST", {"model": "m", "max_tokens": 1, "messages": MESSAGES}),
         ("/v1/embeddings", "POST", {"input": PROMPT}),
         ("/tokenize", "POST", {"prompt": PROMPT}),
         ("/v1/models", "GET", None),
@@ -280,7 +298,9 @@ def test_loading_and_draining_are_the_documented_503(draining):
         case = schema[path][method].Case(**({"body": body, "media_type": "application/json"} if body else {}))
         response = _call(app, case)
         assert response.status_code == 503, (path, response.text)
-        if path != "/health":
+        if path == "/v1/messages":
+            assert response.json()["error"]["type"] == "overloaded_error"
+        elif path != "/health":
             assert response.headers["retry-after"] == "1"
             assert response.json()["error"]["code"] == ("shutting_down" if draining else "model_loading")
         else:

@@ -18,7 +18,13 @@ from server.app import create_app
 from server.state import state_of
 from tests.server.test_no_leaks import _wait_idle, without_gc  # noqa: F401 - without_gc is a fixture
 from tests.support.flaky_engine import flaky_factory
-from tests.support.server_harness import ServerThread, make_server_config, send_and_hang_up, smollm2_server
+from tests.support.server_harness import (
+    ServerThread,
+    make_server_config,
+    parse_named_sse,
+    send_and_hang_up,
+    smollm2_server,
+)
 from tests.support.tiny_models import make_tiny_llama
 
 pytestmark = pytest.mark.slow
@@ -78,16 +84,8 @@ def chat_text(client, messages: list[dict], **fields) -> str:
 
 
 def named_events(body: str) -> list[dict]:
-    """The events of a Responses stream, with strict framing: `event: <type>` then `data: <json>`, a
-    blank line after each, and no [DONE]."""
-    assert body.endswith("\n\n"), body[-80:]
-    events = []
-    for block in body[:-2].split("\n\n"):
-        lines = block.split("\n")
-        assert len(lines) == 2 and lines[0].startswith("event: ") and lines[1].startswith("data: "), block
-        event = json.loads(lines[1].removeprefix("data: "))
-        assert event["type"] == lines[0].removeprefix("event: "), block
-        events.append(event)
+    """A Responses stream's events (strict framing), numbered in order."""
+    events = parse_named_sse(body)
     assert [event["sequence_number"] for event in events] == list(range(len(events)))
     return events
 
@@ -175,7 +173,7 @@ def test_settings_are_echoed_and_hints_accepted(client):
     assert response.metadata == {"team": "kv"} and response.user == "u1" and response.parallel_tool_calls is False
     assert response.temperature == 0 and response.top_p == 1 and response.max_output_tokens == 12
     assert response.text.format.type == "text" and response.tools == [] and response.tool_choice == "none"
-    assert response.reasoning.effort is None  # ignored: the model does not reason
+    assert response.reasoning.effort == "low"  # given to the chat template as reasoning_effort
     assert response.to_dict()["store"] is False  # nothing is stored, whatever the request asked
 
 

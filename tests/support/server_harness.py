@@ -146,6 +146,22 @@ class ServerProcess:
         self._log.close()
 
 
+def parse_named_sse(body: str) -> list[dict]:
+    """The events of a stream that names each one (Responses, Messages), with strict framing:
+    `event: <type>` then `data: <json>` of that type, a blank line after each, and no [DONE]."""
+    import json
+
+    assert body.endswith("\n\n"), body[-80:]
+    events = []
+    for block in body[:-2].split("\n\n"):
+        lines = block.split("\n")
+        assert len(lines) == 2 and lines[0].startswith("event: ") and lines[1].startswith("data: "), block
+        event = json.loads(lines[1].removeprefix("data: "))
+        assert event["type"] == lines[0].removeprefix("event: "), block
+        events.append(event)
+    return events
+
+
 def parse_sse(body: str) -> list[dict | str]:
     """Split an SSE body into its `data:` payloads (dicts, or the final "[DONE]"); asserts strict framing."""
     import json
