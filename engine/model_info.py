@@ -22,6 +22,10 @@ ATTENTION_SLIDING = "sliding"  # the last sliding_window positions, plus the fir
 @dataclass(frozen=True)
 class ModelInfo:
     model_name: str
+    architecture: str  # the model family as its checkpoint names it ("llama", "qwen2", "mistral", ...)
+    num_parameters: int  # the checkpoint's weights' elements, counted before quantization
+    weight_bytes: int  # the weights as held in memory, quantized blocks included
+    hidden_size: int
     num_layers: int
     num_heads: int
     num_kv_heads: int
@@ -55,6 +59,10 @@ def read_model_info(llm_engine: LLMEngine) -> ModelInfo:
     )
     return ModelInfo(
         model_name=llm_engine.model_name,
+        architecture=getattr(model.hf_config, "model_type", None) or model.architecture,
+        num_parameters=runner.num_parameters,
+        weight_bytes=runner.weight_bytes,
+        hidden_size=model.hidden_size,
         num_layers=model.num_layers,
         num_heads=model.num_heads,
         num_kv_heads=model.num_kv_heads,

@@ -129,9 +129,13 @@ class APIError(Exception):
         return {"type": "error", "error": {"type": self.anthropic_type(), "message": self.message}}
 
     def body_for(self, path: str) -> dict:
-        """The error body the route at `path` answers with: Anthropic's shape on the Messages routes, the one
-        (OpenAI's) shape everywhere else."""
-        return self.anthropic_body() if is_anthropic_path(path) else self.to_body()
+        """The error body the route at `path` answers with: Anthropic's shape on the Messages routes,
+        Ollama's (`{"error": message}`) under /api/, OpenAI's everywhere else."""
+        if is_anthropic_path(path):
+            return self.anthropic_body()
+        if is_ollama_path(path):
+            return {"error": self.message}
+        return self.to_body()
 
 
 ANTHROPIC_PATHS = ("/v1/messages", "/v1/messages/count_tokens")
@@ -139,6 +143,10 @@ ANTHROPIC_PATHS = ("/v1/messages", "/v1/messages/count_tokens")
 
 def is_anthropic_path(path: str) -> bool:
     return path in ANTHROPIC_PATHS
+
+
+def is_ollama_path(path: str) -> bool:
+    return path.startswith("/api/")
 
 
 def api_error_for(exc: BaseException) -> APIError:

@@ -50,7 +50,8 @@ from server.protocol.common import StreamOptions, Usage
 from server.shutdown import is_stopping, shutting_down_error
 
 CLIENT_CLOSED_REQUEST = 499  # nginx's code: the client left before the answer
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # NDJSON streams' too
+NDJSON = "application/x-ndjson"
 
 T = TypeVar("T")
 SendAnswer = Callable[[Scope, Receive, Send], Awaitable[None]]
@@ -219,9 +220,11 @@ def _withdraw(submits: list[asyncio.Future]) -> None:
 class SseFraming:
     """How a stream's events go on the wire. Completions and chat: `data: <json>` each, a failure as
     the error body, then `data: [DONE]`. The Responses and Messages APIs name each event after its
-    "type" (an `event: <type>` line first), make a failure their own events, and send no [DONE]."""
+    "type" (an `event: <type>` line first), make a failure their own events, and send no [DONE].
+    Ollama's API sends newline-delimited JSON instead of SSE (`ndjson`): one object a line."""
 
     named: bool = False
+    ndjson: bool = False
     done: bool = True
     failure: Callable[[APIError], list[dict]] | None = None  # None: the error body, as one event
     keeps_usage: bool = False  # the events' own "usage" keys are theirs (Anthropic's), not stream_options'
@@ -279,6 +282,9 @@ async def generation_stream(
     include_usage = stream_options is not None and stream_options.include_usage
     continuous_usage = include_usage and stream_options is not None and stream_options.continuous_usage_stats
 
+    def encode(payload: dict) -> str:
+        return json.dumps(payload, ensure_ascii=False) + "\n" if framing.ndjson else _sse(payload, framing.named)
+
     async def events(scope: Scope) -> AsyncIterator[str]:
         try:
             async for payload in chunks(generation):
@@ -286,7 +292,7 @@ async def generation_stream(
                     payload["usage"] = generation.usage().model_dump() if continuous_usage else None
                 elif not framing.keeps_usage:
                     payload.pop("usage", None)
-                yield _sse(payload, framing.named)
+                yield encode(payload)
             generation.record_finish()
             usage = generation.usage()
             _record_usage(scope, usage)
@@ -297,12 +303,13 @@ async def generation_stream(
         except KVServeError as exc:
             error = _error_for(exc, scope)
             for payload in framing.failure(error) if framing.failure is not None else [error.to_body()]:
-                yield _sse(payload, framing.named)
+                yield encode(payload)
             if framing.done:
                 yield _sse("[DONE]")
 
     async def send_events(scope: Scope, receive: Receive, send: Send) -> None:
-        response = StreamingResponse(events(scope), media_type="text/event-stream", headers=SSE_HEADERS)
+        media_type = NDJSON if framing.ndjson else "text/event-stream"
+        response = StreamingResponse(events(scope), media_type=media_type, headers=SSE_HEADERS)
         await response(scope, receive, send)
 
     return _Answer(send_events, generation)
@@ -320,6 +327,19 @@ async def named_event_stream(
     `failure`'s events, no [DONE]. Their usage is in their own events, never a chunk of its own."""
     framing = SseFraming(named=True, done=False, failure=failure, keeps_usage=True)
     return await generation_stream(engine, [prompt_ids], params, timer, events, _no_usage_chunk, None, framing)
+
+
+async def ndjson_stream(
+    engine: AsyncEngine,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    timer: RequestTimer,
+    lines: Callable[[Generation], AsyncIterator[dict]],
+    failure: Callable[[APIError], list[dict]],
+) -> Response:
+    """Ollama's streams: one prompt's `lines`, one JSON object a line, a failure as `failure`'s lines."""
+    framing = SseFraming(ndjson=True, done=False, failure=failure, keeps_usage=True)
+    return await generation_stream(engine, [prompt_ids], params, timer, lines, _no_usage_chunk, None, framing)
 
 
 def _no_usage_chunk(usage: Usage) -> dict:

@@ -85,6 +85,8 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids  # banned by the sampler until min_tokens
         with torch.device("meta"):
             model = _MODEL_CLASSES[model_config.architecture](model_config)
+        # Counted before any layer is quantized: each weight's own elements (a tied matrix once).
+        self.num_parameters = sum(parameter.numel() for parameter in model.parameters())
         model = model.to_empty(device=self.device).to(self.dtype)
         model.load_weights(state_dict)
         # The layers the quantization method swapped in while the weights loaded stay; it replaces the rest.
@@ -94,6 +96,8 @@ class ModelRunner:
         # What GGUF block layers multiply prefill batches in (None: the model has no such layers).
         self.prefill_dtype = quantization.apply_prefill_dtype(model, config)
         self.model = model.eval().requires_grad_(False)
+        # The weights as they are held (quantized blocks included), parameters and buffers.
+        self.weight_bytes = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
         self.kv_cache_dtype = kv_format.kv_cache_dtype_of(config)
         shape = (num_blocks, config.block_size, model_config.num_kv_heads, model_config.head_dim)
         # One (key, value) pair per slot of a block, allocated once for the whole life of the engine; each

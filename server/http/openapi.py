@@ -24,6 +24,7 @@ from server.protocol.anthropic import AnthropicError, MessagesStreamEvent
 from server.protocol.chat import ChatCompletionChunk
 from server.protocol.common import ErrorResponse, HealthStatus
 from server.protocol.completions import CompletionResponse
+from server.protocol.ollama import OllamaError
 from server.protocol.responses_output import ResponseStreamEvent
 
 Responses = dict[int | str, dict[str, Any]]
@@ -83,6 +84,7 @@ _OVER_LIMIT = "--limit-concurrency requests are already in progress: a plain-tex
 _PLAIN_TEXT = {"text/plain": {"schema": {"type": "string"}}}
 _ERROR_BODY = {"$ref": _REF.format(model=ErrorResponse.__name__)}
 _ANTHROPIC_ERROR_BODY = {"$ref": _REF.format(model=AnthropicError.__name__)}
+_OLLAMA_ERROR_BODY = {"$ref": _REF.format(model=OllamaError.__name__)}
 _X_REQUEST_ID = {
     "description": "the request's id: the client's own X-Request-Id echoed, or a new one "
     "(not on the plain-text 503 past --limit-concurrency)",
@@ -184,6 +186,25 @@ def anthropic_responses(event: type[BaseModel] | None) -> Responses:
     return {**streamed, **error_responses(400, 404, 429, 504, *_GATED, body=_ANTHROPIC_ERROR_BODY)}
 
 
+def ollama_responses(line: type[BaseModel]) -> Responses:
+    """/api/chat and /api/generate: one JSON object, or (`stream`, the default) newline-delimited JSON, a
+    `line` each and a failure after the stream began as an error line; errors in Ollama's shape."""
+    item = {"anyOf": [{"$ref": _REF.format(model=line.__name__)}, _OLLAMA_ERROR_BODY]}
+    streamed = {
+        200: {
+            "description": "One JSON body (`stream` false), or newline-delimited JSON: a line per piece of the "
+            "reply, then one with `done` true",
+            "content": {"application/x-ndjson": {"itemSchema": item}},
+        }
+    }
+    return {**streamed, **ollama_info_responses(400, 404, 429, 504)}
+
+
+def ollama_info_responses(*codes: int) -> Responses:
+    """Ollama's other routes: the middleware's checks and `codes`, errors in Ollama's shape."""
+    return error_responses(*codes, *_GATED, body=_OLLAMA_ERROR_BODY)
+
+
 def engine_responses() -> Responses:
     """/v1/embeddings, /embed and the rerank routes: the model, the batch, the queue and the deadline can refuse."""
     return error_responses(400, 404, 429, 504, *_GATED)
@@ -283,7 +304,8 @@ def _finish(document: dict[str, Any]) -> None:
                 response.setdefault("headers", {})["X-Request-Id"] = header
     for name in ("HTTPValidationError", "ValidationError"):
         schemas.pop(name, None)
-    models = [(model, "serialization") for model in (ErrorResponse, AnthropicError, *STREAM_EVENT_MODELS)]
+    error_models = (ErrorResponse, AnthropicError, OllamaError)
+    models = [(model, "serialization") for model in (*error_models, *STREAM_EVENT_MODELS)]
     _, referenced = models_json_schema(models, ref_template=_REF)
     for name, schema in referenced.get("$defs", {}).items():
         schemas.setdefault(name, schema)  # the response models FastAPI documented already keep its schema

@@ -13,8 +13,11 @@ from typing import Any
 from engine.errors import InvalidRequestError
 from server.config import ServerConfig
 from server.openai.params import check_batch_size, check_token_ids
+from server.openai.reasoning import template_kwargs
+from server.openai.served_models import request_text
+from server.openai.text import text_size
 from server.openai.tools import ToolPlan, render_messages
-from server.protocol.chat import ChatMessage
+from server.protocol.chat import ChatCompletionRequest, ChatMessage
 from server.protocol.completions import CompletionRequest
 
 
@@ -73,3 +76,20 @@ def chat_prompt_ids(
 def echoed_prompts(tokenizer: Any, prompts: list[tuple[str | None, list[int]]]) -> list[str]:
     """Each prompt's text as an echo shows it: as sent, or its token ids decoded."""
     return [text if text is not None else tokenizer.decode(ids, skip_special_tokens=False) for text, ids in prompts]
+
+
+async def request_chat_prompt(
+    state: Any, engine: Any, chat: ChatCompletionRequest, tools: ToolPlan | None
+) -> list[int]:
+    """A translated request's (Messages, Ollama) prompt: its chat request through the template, on the text
+    worker, with the server's template defaults, then the request's reasoning effort and kwargs."""
+    kwargs = template_kwargs(
+        state.config.default_chat_template_kwargs,
+        chat.chat_template_kwargs,
+        chat.reasoning_effort,
+        engine.tokenizer.chat_template,
+    )
+    special_in_content = state.config.allow_special_tokens_in_content
+    return await request_text(state).run(
+        text_size(chat.messages), chat_prompt_ids, chat.messages, True, tools, special_in_content, kwargs
+    )

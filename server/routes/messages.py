@@ -23,11 +23,10 @@ from server.http.access import request_cache_salt
 from server.http.json_body import StrictJSONRoute
 from server.http.openapi import anthropic_responses
 from server.openai.params import check_admissible, sampling_params
-from server.openai.prompts import chat_prompt_ids
-from server.openai.reasoning import ReasoningPlan, template_kwargs
+from server.openai.prompts import request_chat_prompt
+from server.openai.reasoning import ReasoningPlan
 from server.openai.served_models import generation_engine, request_text
 from server.openai.structured import compile_structured, structured_output
-from server.openai.text import text_size
 from server.openai.tool_stream import ToolReplyStream, builder_events
 from server.openai.tools import ToolPlan, plan_tools
 from server.protocol.anthropic import (
@@ -50,16 +49,7 @@ async def _prompt(
     chat = chat_request(body)
     engine = generation_engine(state, body.model)
     tools = plan_tools(chat, engine.tokenizer.tool_call_format)
-    kwargs = template_kwargs(
-        state.config.default_chat_template_kwargs,
-        chat.chat_template_kwargs,
-        chat.reasoning_effort,
-        engine.tokenizer.chat_template,
-    )
-    special_in_content = state.config.allow_special_tokens_in_content
-    prompt_ids = await request_text(state).run(
-        text_size(chat.messages), chat_prompt_ids, chat.messages, True, tools, special_in_content, kwargs
-    )
+    prompt_ids = await request_chat_prompt(state, engine, chat, tools)
     return chat, engine, tools, prompt_ids
 
 

@@ -12,8 +12,8 @@ import httpx
 import pytest
 
 from server.app import create_app
-from tests.support.server_harness import ServerThread, make_server_config, parse_named_sse
-from tests.support.thinking_model import make_thinking_model
+from tests.support.server_harness import ServerThread, parse_named_sse
+from tests.support.thinking_model import thinking_server_config
 
 pytestmark = pytest.mark.slow
 
@@ -37,14 +37,8 @@ ADD = {
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    model_dir = make_thinking_model(tmp_path_factory.mktemp("thinker"), SCRIPT, max_position_embeddings=2048)
-    config = make_server_config(
-        model_dir,
-        max_model_len=2048,
-        reasoning_parser="qwen3",
-        default_chat_template_kwargs={"enable_thinking": False},
-        served_model_name=("tiny-thinker", "claude-local"),
-        api_key=KEY,
+    config = thinking_server_config(
+        tmp_path_factory.mktemp("thinker"), SCRIPT, served_model_name=("tiny-thinker", "claude-local"), api_key=KEY
     )
     with ServerThread(create_app(config)) as srv:
         yield srv

@@ -36,6 +36,7 @@ pytestmark = pytest.mark.slow
 EMBEDDING_MODEL = "all-minilm-l6-v2"
 ERROR_BODY = {"$ref": "#/components/schemas/ErrorResponse"}
 ANTHROPIC_ERROR_BODY = {"$ref": "#/components/schemas/AnthropicError"}  # the Messages routes' errors
+OLLAMA_ERROR_BODY = {"$ref": "#/components/schemas/OllamaError"}  # the /api routes' errors
 PLAIN_TEXT = {"schema": {"type": "string"}}
 GATED = {"401", "413", "500", "503"}  # the middleware's checks: API key, body size, readiness, its catch-all
 QUEUED = GATED | {"400", "404", "429", "504"}  # routes whose requests wait in an engine's queue
@@ -47,6 +48,14 @@ EXPECTED_ERRORS = {
     ("post", "/v1/responses"): QUEUED,
     ("post", "/v1/messages"): QUEUED,
     ("post", "/v1/messages/count_tokens"): GATED | {"400", "404"},
+    ("post", "/api/chat"): QUEUED,
+    ("post", "/api/generate"): QUEUED,
+    ("post", "/api/embed"): QUEUED,
+    ("post", "/api/embeddings"): QUEUED,
+    ("post", "/api/show"): GATED | {"400", "404"},
+    ("get", "/api/version"): GATED,
+    ("get", "/api/tags"): GATED,
+    ("get", "/api/ps"): GATED,
     ("post", "/v1/embeddings"): QUEUED,
     ("post", "/embed"): QUEUED,
     ("post", "/"): QUEUED,
@@ -158,7 +167,11 @@ def test_every_operation_documents_exactly_the_statuses_it_answers():
             if key in PAGE_ROUTES and status == "401":
                 assert set(response["content"]) == {"text/html"}, key
             elif status != "200" and key not in (("get", "/health"), ("get", "/metrics")):
-                body = ANTHROPIC_ERROR_BODY if key[1].startswith("/v1/messages") else ERROR_BODY
+                body = ERROR_BODY
+                if key[1].startswith("/v1/messages"):
+                    body = ANTHROPIC_ERROR_BODY
+                elif key[1].startswith("/api/"):
+                    body = OLLAMA_ERROR_BODY
                 error_body = {"application/json": {"schema": body}}
                 assert response["content"] == (
                     error_body | {"text/plain": PLAIN_TEXT} if status == "503" else error_body
@@ -215,6 +228,10 @@ STREAMED = {"stream": True, "stream_options": {"include_usage": True}, "max_toke
         ),
         ("/v1/messages", {"messages": MESSAGES, "max_tokens": 4, "model": "no-such-model"}, 404, None),
         ("/v1/messages/count_tokens", {"messages": MESSAGES, "model": "tiny-llama"}, 200, "application/json"),
+        ("/api/chat", {"model": "tiny-llama", "messages": MESSAGES, "options": {"num_predict": 4}}, 200, None),
+        ("/api/chat", {"model": "tiny-llama", "messages": MESSAGES, "stream": False}, 200, "application/json"),
+        ("/api/generate", {"model": "tiny-llama", "prompt": PROMPT, "stream": False}, 200, "application/json"),
+        ("/api/chat", {"model": "no-such-model", "messages": MESSAGES}, 404, None),
         ("/v1/completions", {"prompt": PROMPT, "model": "no-such-model"}, 404, None),
         ("/v1/completions", {"prompt": [PROMPT] * (MAX_BATCH + 1), "max_tokens": 1}, 413, None),
         ("/tokenize", {"prompt": "x" * MAX_REQUEST_BYTES}, 413, None),
@@ -237,6 +254,8 @@ def test_live_answers_match_the_document(live_server, serves_embeddings, path, b
     assert response.status_code == status, response.text
     if media_type is None and body.get("stream"):
         media_type = "text/event-stream"
+    if media_type is None and path.startswith("/api/") and status == 200:
+        media_type = "application/x-ndjson"  # Ollama streams unless told not to
     if media_type is not None and response.status_code == 200:
         assert response.headers["content-type"][0].startswith(media_type)
     validated(case, response)

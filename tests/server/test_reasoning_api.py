@@ -14,7 +14,7 @@ import pytest
 
 from server.app import create_app
 from tests.support.server_harness import ServerThread, make_server_config, parse_sse
-from tests.support.thinking_model import OPENING_TEMPLATE, make_thinking_model
+from tests.support.thinking_model import OPENING_TEMPLATE, make_thinking_model, thinking_server_config
 from tests.support.tiny_models import make_tiny_llama
 
 pytestmark = pytest.mark.slow
@@ -29,13 +29,8 @@ YES_NO = {"type": "json_schema", "json_schema": {"name": "a", "schema": {"enum":
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    model_dir = make_thinking_model(tmp_path_factory.mktemp("thinker"), SCRIPT, max_position_embeddings=2048)
-    config = make_server_config(
-        model_dir,
-        max_model_len=2048,
-        reasoning_parser="qwen3",
-        default_chat_template_kwargs={"enable_thinking": False},
-        served_model_name=("tiny-thinker", "alias"),
+    config = thinking_server_config(
+        tmp_path_factory.mktemp("thinker"), SCRIPT, served_model_name=("tiny-thinker", "alias")
     )
     with ServerThread(create_app(config)) as srv:
         yield srv

@@ -68,3 +68,18 @@ def make_thinking_model(directory: Path, script: str, template: str = SWITCH_TEM
     weights["lm_head.weight"] = lm_head
     save_file(weights, weights_path, metadata={"format": "pt"})
     return directory
+
+
+def thinking_server_config(directory: Path, script: str, **overrides):
+    """A ServerConfig serving a scripted model as a reasoning model: --reasoning-parser qwen3, thinking off
+    unless a request turns it on (--default-chat-template-kwargs), a 2,048-token context."""
+    from tests.support.server_harness import make_server_config
+
+    model_dir = make_thinking_model(directory, script, max_position_embeddings=2048)
+    settings = {
+        "max_model_len": 2048,
+        "reasoning_parser": "qwen3",
+        "default_chat_template_kwargs": {"enable_thinking": False},
+        **overrides,
+    }
+    return make_server_config(model_dir, **settings)

@@ -74,6 +74,10 @@ def test_model_info_describes_the_engine_as_it_runs_the_model(tiny_llama_dir: st
     info = AsyncEngine(llm.engine, llm.tokenizer).model_info
     assert info == ModelInfo(
         model_name=tiny_llama_dir,
+        architecture="llama",
+        num_parameters=sum(p.numel() for p in llm.engine.runner.model.parameters()),  # float32: nothing quantized
+        weight_bytes=4 * sum(p.numel() for p in llm.engine.runner.model.parameters()),
+        hidden_size=model.hidden_size,
         num_layers=model.num_layers,
         num_heads=model.num_heads,
         num_kv_heads=model.num_kv_heads,

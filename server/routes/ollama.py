@@ -1,0 +1,171 @@
+"""POST /api/chat and /api/generate: Ollama's generation API, served by the chat machinery.
+
+A request is turned into the chat request it stands for (server/ollama/chat_request.py): the same
+template, tool plan, sampling parameters and admission checks as chat, so a greedy answer is chat's,
+token for token. The reply goes out as Ollama's lines (server/ollama/replies.py): newline-delimited JSON
+while `stream` is true (Ollama's default), one JSON object otherwise. A request with nothing to generate
+(no messages, no prompt) answers at once with `done_reason` "load", as Ollama does when a client asks for
+a model to be loaded. Errors on /api routes are Ollama's `{"error": message}`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from engine.errors import InvalidRequestError
+from server import serving
+from server.http.access import request_cache_salt
+from server.http.json_body import StrictJSONRoute
+from server.http.openapi import ollama_responses
+from server.ollama.chat_request import chat_messages, chat_request, generate_messages, max_tokens
+from server.ollama.replies import OllamaReply, loaded_line
+from server.ollama.served import served_name
+from server.openai.logprobs import chat_logprobs
+from server.openai.params import check_admissible, sampling_params
+from server.openai.prompts import request_chat_prompt
+from server.openai.reasoning import ReasoningPlan
+from server.openai.served_models import generation_engine, request_text
+from server.openai.structured import compile_structured, structured_output
+from server.openai.tool_stream import ToolReplyStream
+from server.openai.tools import ToolPlan, plan_tools
+from server.protocol.chat import ChatCompletionRequest
+from server.protocol.ollama import ChatLine, ChatRequest, GenerateLine, GenerateRequest
+from server.serving import Generation
+from server.state import SharedState
+
+router = APIRouter(route_class=StrictJSONRoute)
+
+
+@router.post("/api/chat", response_model=ChatLine, responses=ollama_responses(ChatLine))
+@serving.abandoned_when_client_leaves
+async def chat(body: ChatRequest, request: Request, state: SharedState) -> Response:
+    model = served_name(state, body.model)
+    engine = generation_engine(state, model)
+    if not body.messages:
+        return JSONResponse(loaded_line(body.model, "chat"))
+    _check_think(body, state)
+    engine.check_admission()  # a full queue answers 429 before rendering
+    chat_body = chat_request(body, chat_messages(body.messages))
+    tools = plan_tools(chat_body, engine.tokenizer.tool_call_format)
+    prompt_ids = await request_chat_prompt(state, engine, chat_body, tools)
+    return await _answer(body, "chat", chat_body, tools, prompt_ids, engine, request, state)
+
+
+@router.post("/api/generate", response_model=GenerateLine, responses=ollama_responses(GenerateLine))
+@serving.abandoned_when_client_leaves
+async def generate(body: GenerateRequest, request: Request, state: SharedState) -> Response:
+    model = served_name(state, body.model)
+    engine = generation_engine(state, model)
+    if not body.prompt and not body.context:
+        return JSONResponse(loaded_line(body.model, "generate"))
+    _check_think(body, state)
+    if body.raw and (body.system or body.think is not None):
+        raise InvalidRequestError("raw: a raw prompt goes to the model as is, without system or think", "raw")
+    engine.check_admission()
+    messages = generate_messages(body)
+    chat_body = chat_request(body, messages)
+    if body.raw:
+        # Ollama's raw prompt is the model's input as it stands: BOS first on a fresh conversation only.
+        fresh = not body.context
+        prompt = body.prompt or ""
+        ids = await request_text(state).run(len(prompt), _encode, prompt, fresh)
+    else:
+        ids = await request_chat_prompt(state, engine, chat_body, None)
+    prompt_ids = [*(body.context or []), *ids]
+    if any(token >= engine.vocab_size for token in prompt_ids):
+        raise InvalidRequestError(
+            f"context: token ids must be below the vocabulary size ({engine.vocab_size})", "context"
+        )
+    return await _answer(body, "generate", chat_body, None, prompt_ids, engine, request, state)
+
+
+def _encode(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens)
+
+
+def _check_think(body: ChatRequest | GenerateRequest, state: Any) -> None:
+    if body.think not in (None, False) and state.reasoning is None:
+        raise InvalidRequestError(
+            f"think: {body.model!r} is not served as a thinking model (start the server with --reasoning-parser)",
+            "think",
+        )
+
+
+async def _answer(
+    body: ChatRequest | GenerateRequest,
+    kind: str,
+    chat_body: ChatCompletionRequest,
+    tools: ToolPlan | None,
+    prompt_ids: list[int],
+    engine: Any,
+    request: Request,
+    state: Any,
+) -> Response:
+    reasoning = ReasoningPlan(state.reasoning, prompt_ids) if state.reasoning is not None else None
+    spec = tools.spec if tools is not None else structured_output(chat_body, chat_body.response_format)
+    limit = max_tokens(body.options, len(prompt_ids), engine.max_model_len)
+    num_top = chat_body.top_logprobs or 0
+    logprobs = num_top if chat_body.logprobs else None
+    thinking = reasoning.span if reasoning is not None else None
+    cache_salt = request_cache_salt(request, None)
+    params = sampling_params(chat_body, limit, logprobs, engine.vocab_size, cache_salt, spec, thinking=thinking)
+    await compile_structured(request_text(state), engine, spec)
+    check_admissible(state.config, [len(prompt_ids)], params, engine.max_model_len, engine.kv_cache_tokens)
+    reply = OllamaReply(body.model, kind, prompt_ids)
+    timer = state.metrics.start_request()
+    tokenizer = engine.tokenizer
+
+    if body.stream:
+        lines = lambda generation: _lines(generation, reply, tools, reasoning, tokenizer, logprobs)  # noqa: E731
+        return await serving.ndjson_stream(engine, prompt_ids, params, timer, lines, reply.failed)
+
+    async def whole(generation: Generation) -> dict:
+        sample = (await generation.samples())[0]
+        thought, text = reasoning.split(sample.text) if reasoning is not None else (None, sample.text)
+        content, calls = ("", [])
+        if text is not None:  # None: the reply ended while thinking
+            content, calls = tools.parse(text) if tools is not None else (text, [])
+        entries = None
+        if logprobs is not None:
+            entries = await request_text(state).run(len(sample.logprobs), chat_logprobs, sample.logprobs, num_top)
+        eval_count = generation.usage().completion_tokens
+        return reply.last(sample.finish_reason, eval_count, content or "", thought, calls, entries, sample.token_ids)
+
+    return await serving.generation_json(engine, [prompt_ids], params, timer, whole)
+
+
+async def _lines(
+    generation: Generation,
+    reply: OllamaReply,
+    tools: ToolPlan | None,
+    reasoning: ReasoningPlan | None,
+    tokenizer: Any,
+    num_top: int | None,
+) -> AsyncIterator[dict]:
+    """The stream's lines as the reply is generated. With tools, an answer in text streams as it comes
+    (a constrained reply is read as it grows); the calls are sent whole once the reply has ended."""
+    reader = ToolReplyStream(tools.stream_framing) if tools is not None and tools.stream_framing else None
+    parts: list[str] = []
+    finish_reason = None
+    async for _, output in generation.outputs():
+        for delta in output.outputs:
+            thought, text = reasoning.split_delta(delta) if reasoning is not None else ("", delta.text)
+            parts.append(text)
+            finish_reason = delta.finish_reason or finish_reason
+            if tools is not None:  # the answer is known only as the constrained reply is read
+                text = "".join(f.get("content", "") for f in reader.feed(text)) if reader is not None else ""
+            entries = chat_logprobs(tokenizer, delta.logprobs or [], num_top) if num_top is not None else None
+            line = reply.piece(thought, text, list(delta.token_ids), entries)
+            if line is not None:
+                yield line
+    if tools is not None:
+        content, calls = tools.parse("".join(parts))
+        if calls:
+            yield reply.calls(calls)
+        elif content and not (reader is not None and reader.is_answering):
+            yield reply.text(content)
+    yield reply.last(finish_reason, generation.usage().completion_tokens)
