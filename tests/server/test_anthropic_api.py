@@ -12,6 +12,8 @@ import httpx
 import pytest
 
 from server.app import create_app
+from server.state import state_of
+from tests.support.flaky_engine import flaky_factory
 from tests.support.server_harness import ServerThread, parse_named_sse
 from tests.support.thinking_model import thinking_server_config
 
@@ -40,7 +42,7 @@ def server(tmp_path_factory):
     config = thinking_server_config(
         tmp_path_factory.mktemp("thinker"), SCRIPT, served_model_name=("tiny-thinker", "claude-local"), api_key=KEY
     )
-    with ServerThread(create_app(config)) as srv:
+    with ServerThread(create_app(config, engine_factory=flaky_factory)) as srv:
         yield srv
 
 
@@ -195,3 +197,15 @@ def test_output_config_constrains_the_answer_after_the_thought(client):
     with pytest.raises(anthropic.BadRequestError) as both:
         client.messages.create(model="tiny-thinker", max_tokens=4, messages=ASK, output_config=config, tools=[ADD])
     assert "output_config.format" in both.value.body["error"]["message"]
+
+
+def test_a_stream_that_fails_ends_with_an_error_event(server, client):
+    engine = state_of(server.app).engine.llm_engine
+    engine.fail_steps = 1  # the step computing this request raises; the engine goes on
+    body = {"model": "tiny-thinker", "max_tokens": 8, "messages": ASK, "stream": True}
+    response = httpx.post(f"{server.base_url}/v1/messages", json=body, headers={"x-api-key": KEY}, timeout=60)
+    events = parse_named_sse(response.text)
+    assert [event["type"] for event in events[:2]] == ["message_start", "ping"]
+    assert events[-1] == {"type": "error", "error": {"type": "api_error", "message": events[-1]["error"]["message"]}}
+    assert "message_stop" not in [event["type"] for event in events]
+    assert client.messages.create(model="tiny-thinker", max_tokens=4, messages=ASK).stop_reason == "max_tokens"

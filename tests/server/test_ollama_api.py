@@ -15,6 +15,8 @@ import ollama
 import pytest
 
 from server.app import create_app
+from server.state import state_of
+from tests.support.flaky_engine import flaky_factory
 from tests.support.server_harness import ServerThread, make_server_config
 from tests.support.thinking_model import make_thinking_model, thinking_server_config
 
@@ -55,7 +57,7 @@ def server(tmp_path_factory, serves_embeddings):
     )
     if serves_embeddings:
         config = dataclasses.replace(config, embedder=EmbedderConfig(model=EMBEDDING_MODEL, max_model_len=64))
-    with ServerThread(create_app(config)) as srv:
+    with ServerThread(create_app(config, engine_factory=flaky_factory)) as srv:
         yield srv
 
 
@@ -273,3 +275,19 @@ def test_errors_come_in_ollamas_shape(server, client):
     assert "suffix" in fim.value.error
     loaded = client.chat(model="tiny-thinker", messages=[])
     assert loaded.done_reason == "load"
+
+
+def test_a_stream_that_fails_ends_with_an_error_line(server, client):
+    engine = state_of(server.app).engine.llm_engine
+    engine.fail_seed = 777  # the model runner raises for a batch holding this request; the engine goes on
+    failing = {"model": "tiny-thinker", "messages": ASK, "options": {"seed": 777}}
+    try:
+        response = httpx.post(f"{server.base_url}/api/chat", json=failing, timeout=60)
+        with pytest.raises(ollama.ResponseError):
+            list(client.chat(stream=True, **failing))
+    finally:
+        engine.fail_seed = None
+    lines = [json.loads(line) for line in response.text.splitlines()]
+    assert response.status_code == 200 and set(lines[-1]) == {"error"} and lines[-1]["error"]
+    assert not any(line.get("done") for line in lines)
+    assert client.chat(model="tiny-thinker", messages=ASK, options={"num_predict": 2}).done_reason == "length"
