@@ -55,10 +55,10 @@ class _OpenBlock:
 
 def stop_reason(finish_reason: str | None, stop: str | int | None, made_calls: bool) -> tuple[StopReason, str | None]:
     """(Anthropic's stop_reason, the stop sequence that ended it) for the engine's finish."""
+    if finish_reason == FINISH_LENGTH:  # first: calls cut by max_tokens are unfinished
+        return "max_tokens", None
     if made_calls:
         return "tool_use", None
-    if finish_reason == FINISH_LENGTH:
-        return "max_tokens", None
     if isinstance(stop, str):
         return "stop_sequence", stop
     return "end_turn", None

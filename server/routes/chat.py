@@ -10,6 +10,7 @@ from fastapi.responses import Response
 
 from engine import CompletionOutput
 from engine.errors import InvalidRequestError
+from engine.outputs import FINISH_LENGTH
 from server import serving
 from server.errors import APIError
 from server.http.access import request_cache_salt
@@ -228,7 +229,9 @@ async def _tool_chunks(
             if delta.finish_reason is None:
                 continue
             if stream is not None and (stream.made_calls or stream.is_answering):
-                reason = "tool_calls" if stream.made_calls else delta.finish_reason
+                # A reply cut by max_tokens ends for that reason, as the whole answer does: its calls are unfinished.
+                cut = delta.finish_reason == FINISH_LENGTH
+                reason = "tool_calls" if stream.made_calls and not cut else delta.finish_reason
                 yield chunk(ChatChunkChoice(index=delta.index, delta=ChatDelta(), finish_reason=reason))
                 continue
             content, calls = tools.parse("".join(texts[delta.index]))

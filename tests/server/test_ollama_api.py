@@ -10,6 +10,7 @@ import dataclasses
 import json
 import math
 
+import anthropic
 import httpx
 import ollama
 import pytest
@@ -17,7 +18,7 @@ import pytest
 from server.app import create_app
 from server.state import state_of
 from tests.support.flaky_engine import flaky_factory
-from tests.support.server_harness import ServerThread, make_server_config
+from tests.support.server_harness import ServerThread, make_server_config, parse_sse
 from tests.support.thinking_model import make_thinking_model, thinking_server_config
 
 pytestmark = pytest.mark.slow
@@ -291,3 +292,25 @@ def test_a_stream_that_fails_ends_with_an_error_line(server, client):
     assert response.status_code == 200 and set(lines[-1]) == {"error"} and lines[-1]["error"]
     assert not any(line.get("done") for line in lines)
     assert client.chat(model="tiny-thinker", messages=ASK, options={"num_predict": 2}).done_reason == "length"
+
+
+def test_a_tool_reply_cut_at_the_limit_ends_for_length_in_every_api(caller):
+    """Cut mid-call, the call is unfinished: every API says the limit ended the reply, streamed or not."""
+    ask = [{"role": "user", "content": "What is 1 + 3?"}]
+    body = {"model": "tiny-llama", "messages": ask, "tools": [ADD], "max_tokens": 40, "temperature": 0}
+    for stream in (False, True):
+        response = httpx.post(f"{caller.base_url}/v1/chat/completions", json={**body, "stream": stream}, timeout=60)
+        if stream:
+            reasons = [c["choices"][0]["finish_reason"] for c in parse_sse(response.text)[:-1] if c["choices"]]
+            assert reasons[-1] == "length", reasons
+        else:
+            assert response.json()["choices"][0]["finish_reason"] == "length"
+    claude = anthropic.Anthropic(base_url=caller.base_url, api_key="unused", max_retries=0)
+    tool = {"name": "add", "input_schema": ADD["function"]["parameters"]}
+    fields = {"model": "tiny-llama", "max_tokens": 40, "messages": ask, "tools": [tool], "extra_body": GREEDY}
+    assert claude.messages.create(tool_choice={"type": "any"}, **fields).stop_reason == "max_tokens"
+    with claude.messages.stream(tool_choice={"type": "any"}, **fields) as events:
+        assert events.get_final_message().stop_reason == "max_tokens"
+    local = ollama.Client(host=caller.base_url)
+    options = {**GREEDY, "num_predict": 40}
+    assert local.chat(model="tiny-llama", messages=ask, tools=[ADD], options=options).done_reason == "length"
