@@ -62,7 +62,11 @@ async def create_message(body: MessagesRequest, request: Request, state: SharedS
     spec = tools.spec if tools is not None else structured_output(chat, chat.response_format)
     cache_salt = request_cache_salt(request, None)
     thinking = reasoning.span if reasoning is not None else None
-    params = sampling_params(chat, body.max_tokens, None, engine.vocab_size, cache_salt, spec, thinking=thinking)
+    # Anthropic's clients ask for a max_tokens sized for Anthropic's models (32,000 and more): an upper
+    # bound, so it is held to the room the context leaves (a prompt that fills the context is still a 400).
+    room = engine.max_model_len - len(prompt_ids)
+    max_tokens = min(body.max_tokens, room) if room > 0 else body.max_tokens
+    params = sampling_params(chat, max_tokens, None, engine.vocab_size, cache_salt, spec, thinking=thinking)
     await compile_structured(request_text(state), engine, spec)
     check_admissible(state.config, [len(prompt_ids)], params, engine.max_model_len, engine.kv_cache_tokens)
     builder = MessageEvents(f"msg_{request.state.request_id}", state.config.model_name, len(prompt_ids))

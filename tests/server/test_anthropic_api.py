@@ -111,10 +111,13 @@ def test_a_tool_use_round_trip(server, client, stream):
     ask = [{"role": "user", "content": "What is 1 + 3?"}]
     fields = {"model": "tiny-thinker", "max_tokens": 200, "tools": [ADD], "extra_body": GREEDY}
     if stream:
-        with client.messages.stream(messages=ask, tool_choice=ONE_CALL, **fields) as events:
-            kinds = [event.type for event in events]
-            first = events.get_final_message()
-        assert "input_json_delta" in {e for e in kinds} or kinds.count("content_block_delta") > 0
+        with client.messages.stream(messages=ask, tool_choice=ONE_CALL, **fields) as stream:
+            events = list(stream)
+            first = stream.get_final_message()
+        opened = [e.content_block.type for e in events if e.type == "content_block_start"]
+        fragments = [e.delta.partial_json for e in events if e.type == "content_block_delta"]
+        assert opened == ["tool_use"] and len(fragments) > 1  # the input streams in pieces as it is generated
+        assert json.loads("".join(fragments)) == first.content[0].input
     else:
         first = client.messages.create(messages=ask, tool_choice=ONE_CALL, **fields)
     assert first.stop_reason == "tool_use"
@@ -159,6 +162,16 @@ def test_stop_sequences_and_count_tokens(server, client):
     )
     assert counted.input_tokens == answered.usage.input_tokens
     assert counted.input_tokens > client.messages.count_tokens(model="tiny-thinker", messages=ASK).input_tokens
+
+
+def test_a_max_tokens_past_the_context_is_held_to_the_room_left(client):
+    """Anthropic's clients (coding agents) ask for 32,000 tokens and more: the answer ends where it ends."""
+    with client.messages.stream(model="tiny-thinker", max_tokens=64_000, messages=ASK, extra_body=GREEDY) as stream:
+        answer = stream.get_final_message()  # the SDK streams a request this large
+    assert answer.stop_reason == "end_turn" and answer.content[0].text == SCRIPT
+    with pytest.raises(anthropic.BadRequestError) as full:
+        client.messages.create(model="tiny-thinker", max_tokens=4, messages=[{"role": "user", "content": "hi " * 3000}])
+    assert "context" in full.value.body["error"]["message"]
 
 
 def test_errors_come_in_anthropics_shape(server, client):
