@@ -314,3 +314,16 @@ def test_a_tool_reply_cut_at_the_limit_ends_for_length_in_every_api(caller):
     local = ollama.Client(host=caller.base_url)
     options = {**GREEDY, "num_predict": 40}
     assert local.chat(model="tiny-llama", messages=ask, tools=[ADD], options=options).done_reason == "length"
+
+
+def test_think_needs_a_reasoning_parser_and_format_excludes_tools(caller, client):
+    plain = ollama.Client(host=caller.base_url)
+    with pytest.raises(ollama.ResponseError) as refused:
+        plain.chat(model="tiny-llama", messages=ASK, think=True)
+    assert refused.value.status_code == 400 and "--reasoning-parser" in refused.value.error
+    assert plain.chat(model="tiny-llama", messages=ASK, think=False, options={"num_predict": 2}).done
+    with pytest.raises(ollama.ResponseError) as both:
+        client.chat(model="tiny-thinker", messages=ASK, tools=[ADD], format="json")
+    assert both.value.status_code == 400 and "format" in both.value.error
+    by_old_name = httpx.post(f"{caller.base_url}/api/show", json={"name": "tiny-llama:latest"}, timeout=10).json()
+    assert by_old_name["capabilities"] == ["completion", "tools"]  # no --reasoning-parser: no thinking
