@@ -63,7 +63,7 @@ async def generate(body: GenerateRequest, request: Request, state: SharedState) 
     if not body.prompt and not body.context:
         return JSONResponse(loaded_line(body.model, "generate"))
     _check_think(body, state)
-    if body.raw and (body.system or body.think is not None):
+    if body.raw and (body.system or body.think not in (None, False)):
         raise InvalidRequestError("raw: a raw prompt goes to the model as is, without system or think", "raw")
     engine.check_admission()
     messages = generate_messages(body)
