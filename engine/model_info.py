@@ -25,6 +25,7 @@ class ModelInfo:
     architecture: str  # the model family as its checkpoint names it ("llama", "qwen2", "mistral", ...)
     num_parameters: int  # the checkpoint's weights' elements, counted before quantization
     weight_bytes: int  # the weights as held in memory, quantized blocks included
+    quantization: str  # the --quantization method the weights run under, auto resolved
     hidden_size: int
     num_layers: int
     num_heads: int
@@ -62,6 +63,7 @@ def read_model_info(llm_engine: LLMEngine) -> ModelInfo:
         architecture=getattr(model.hf_config, "model_type", None) or model.architecture,
         num_parameters=runner.num_parameters,
         weight_bytes=runner.weight_bytes,
+        quantization=runner.quantization,
         hidden_size=model.hidden_size,
         num_layers=model.num_layers,
         num_heads=model.num_heads,

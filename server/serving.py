@@ -106,6 +106,11 @@ class Generation:
         self._pumps: list[asyncio.Task] = []
 
     @property
+    def first_token_time(self) -> float | None:
+        """When the answer's first token arrived (time.monotonic()); None before it."""
+        return self._timer.first_token_time
+
+    @property
     def num_choices(self) -> int:
         return len(self._streams) * self._n
 

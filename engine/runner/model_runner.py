@@ -77,6 +77,7 @@ class ModelRunner:
         eos_token_ids: tuple[int, ...],
     ) -> None:
         self.model_config = model_config
+        self.quantization = config.quantization  # the method the loader resolved (never "auto" here)
         self.device = torch.device(config.device)
         self.dtype = TORCH_DTYPES[config.dtype]
         self.block_size = config.block_size
@@ -85,8 +86,12 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids  # banned by the sampler until min_tokens
         with torch.device("meta"):
             model = _MODEL_CLASSES[model_config.architecture](model_config)
-        # Counted before any layer is quantized: each weight's own elements (a tied matrix once).
-        self.num_parameters = sum(parameter.numel() for parameter in model.parameters())
+        # Counted before any layer is quantized: each weight's own elements, an output matrix tied to the
+        # embeddings once.
+        tied = bool(getattr(model_config.hf_config, "tie_word_embeddings", False))
+        self.num_parameters = sum(
+            parameter.numel() for name, parameter in model.named_parameters() if not (tied and name == "lm_head.weight")
+        )
         model = model.to_empty(device=self.device).to(self.dtype)
         model.load_weights(state_dict)
         # The layers the quantization method swapped in while the weights loaded stay; it replaces the rest.

@@ -68,13 +68,26 @@ class StrictJSONRequest(Request):
 class StrictJSONRoute(APIRoute):
     """An APIRoute whose handler reads its JSON body with `parse_json_body`."""
 
+    any_content_type = False  # True: the body is JSON whatever Content-Type says
+
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = super().get_route_handler()
+        any_content_type = self.any_content_type
 
         async def strict_json_handler(request: Request) -> Response:
-            return await handler(StrictJSONRequest(request.scope, request.receive))
+            scope = request.scope
+            if any_content_type:
+                headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
+                scope = {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
+            return await handler(StrictJSONRequest(scope, request.receive))
 
         return strict_json_handler
+
+
+class AnyContentTypeJSONRoute(StrictJSONRoute):
+    """Ollama's routes: its clients and its documented `curl -d` send JSON with any Content-Type, or none."""
+
+    any_content_type = True
 
 
 def _decode(body: bytes) -> str:

@@ -192,6 +192,11 @@ class RequestTimer:
         self._params: SamplingParams | None = None
         self._is_done = False
 
+    @property
+    def first_token_time(self) -> float | None:
+        """When the first token arrived (time.monotonic()); None before it."""
+        return self._first_token_time
+
     def on_submit(self, params: SamplingParams) -> None:
         """The request's sampling parameters, for the max_tokens and n histograms at its end."""
         self._params = params

@@ -76,10 +76,14 @@ class OllamaReply:
         calls: list[ResponseToolCall] | None = None,
         logprobs: ChatLogprobs | None = None,
         token_ids: list[int] | None = None,
+        first_token_time: float | None = None,
     ) -> dict:
-        """The last line: the reason, counts and timings (and, for a whole answer, the whole reply)."""
+        """The last line: the reason, counts and timings (and, for a whole answer, the whole reply, with
+        its first token's time.monotonic())."""
         if token_ids is not None:
             self._arrived(token_ids)
+        if first_token_time is not None:
+            self._first = int(first_token_time * 1e9)
         end = time.monotonic_ns()
         first = self._first if self._first is not None else end
         timings = {

@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from engine.errors import InvalidRequestError
 from server import serving
 from server.http.access import request_cache_salt
-from server.http.json_body import StrictJSONRoute
+from server.http.json_body import AnyContentTypeJSONRoute
 from server.http.openapi import ollama_responses
 from server.ollama.chat_request import chat_messages, chat_request, generate_messages, max_tokens
 from server.ollama.replies import OllamaReply, loaded_line
@@ -37,7 +37,7 @@ from server.protocol.ollama import ChatLine, ChatRequest, GenerateLine, Generate
 from server.serving import Generation
 from server.state import SharedState
 
-router = APIRouter(route_class=StrictJSONRoute)
+router = APIRouter(route_class=AnyContentTypeJSONRoute)
 
 
 @router.post("/api/chat", response_model=ChatLine, responses=ollama_responses(ChatLine))
@@ -133,7 +133,10 @@ async def _answer(
         if logprobs is not None:
             entries = await request_text(state).run(len(sample.logprobs), chat_logprobs, sample.logprobs, num_top)
         eval_count = generation.usage().completion_tokens
-        return reply.last(sample.finish_reason, eval_count, content or "", thought, calls, entries, sample.token_ids)
+        first = generation.first_token_time
+        return reply.last(
+            sample.finish_reason, eval_count, content or "", thought, calls, entries, sample.token_ids, first
+        )
 
     return await serving.generation_json(engine, [prompt_ids], params, timer, whole)
 

@@ -15,7 +15,7 @@ from fastapi.responses import Response
 
 from server import serving
 from server.errors import APIError
-from server.http.json_body import StrictJSONRoute
+from server.http.json_body import AnyContentTypeJSONRoute
 from server.http.openapi import ollama_info_responses
 from server.ollama.served import served_name
 from server.openai.params import check_batch_size
@@ -24,7 +24,7 @@ from server.protocol.ollama import EmbeddingsRequest, EmbeddingsResponse, EmbedR
 from server.routes.embeddings import embed_observed
 from server.state import SharedState
 
-router = APIRouter(route_class=StrictJSONRoute)
+router = APIRouter(route_class=AnyContentTypeJSONRoute)
 
 
 @router.post("/api/embed", response_model=EmbedResponse, responses=ollama_info_responses(400, 404, 429, 504))

@@ -18,8 +18,9 @@ from typing import Any
 
 from fastapi import APIRouter
 
+from engine.hub import models_hub
 from server.errors import APIError, clip
-from server.http.json_body import StrictJSONRoute
+from server.http.json_body import AnyContentTypeJSONRoute
 from server.http.openapi import ollama_info_responses
 from server.ollama.served import served_name
 from server.protocol.ollama import (
@@ -38,7 +39,7 @@ from server.state import SharedState
 OLLAMA_API_VERSION = "0.13.0"
 NEVER_EXPIRES = "2318-01-01T00:00:00Z"  # what Ollama shows for a model kept loaded (keep_alive -1)
 
-router = APIRouter(route_class=StrictJSONRoute)
+router = APIRouter(route_class=AnyContentTypeJSONRoute)
 
 
 @dataclass(frozen=True)
@@ -147,8 +148,8 @@ def _served_models(state: Any) -> list[_Served]:
 
 
 def _details(served: _Served, state: Any) -> Details:
-    is_gguf = served.path.endswith(".gguf")
-    quantization = state.config.engine.quantization if served.task == "generate" else "none"
+    is_gguf = _local_path(served.path).endswith(".gguf")
+    quantization = state.engine.model_info.quantization if served.task == "generate" else "none"
     return Details(
         format="gguf" if is_gguf else "safetensors",
         family=served.family,
@@ -198,9 +199,19 @@ def _parameter_size(count: int | None) -> str:
     return str(count)
 
 
+def _local_path(path: str) -> str:
+    """A model's file or folder: `path` itself, or where a pulled model of that name lies."""
+    if not os.path.exists(path):
+        try:
+            return str(models_hub.resolve_model(path, auto_pull=False))
+        except Exception:  # noqa: BLE001 - a name this server cannot place: the name itself
+            return path
+    return path
+
+
 def _modified_at(path: str) -> str:
     try:
-        stamp = os.path.getmtime(path)
+        stamp = os.path.getmtime(_local_path(path))
     except OSError:
         stamp = 0.0  # a hub name that is not a local path
     return datetime.fromtimestamp(stamp, UTC).isoformat().replace("+00:00", "Z")

@@ -230,6 +230,7 @@ def test_the_model_routes(server, client, serves_embeddings):
     names = [model.model for model in listed]
     assert names[:2] == ["tiny-thinker", "alias"] and (EMBEDDING_MODEL in names) == serves_embeddings
     assert listed[0].size > 0 and listed[0].details.format == "safetensors" and listed[0].details.family == "llama"
+    assert listed[0].details.quantization_level == "NONE"  # the method the weights run under, auto resolved
     shown = client.show("tiny-thinker")
     assert shown.capabilities == ["completion", "tools", "thinking"]
     assert shown.modelinfo["llama.context_length"] == 512 and "enable_thinking" in shown.template
@@ -276,6 +277,11 @@ def test_errors_come_in_ollamas_shape(server, client):
     assert "suffix" in fim.value.error
     loaded = client.chat(model="tiny-thinker", messages=[])
     assert loaded.done_reason == "load"
+    # Ollama's own docs post with `curl -d`: a form content type (or none), the body JSON all the same
+    form = {"content-type": "application/x-www-form-urlencoded"}
+    body = json.dumps({"model": "tiny-thinker", "messages": ASK, "stream": False, "options": {"num_predict": 2}})
+    answer = httpx.post(f"{server.base_url}/api/chat", content=body, headers=form, timeout=60)
+    assert answer.status_code == 200 and answer.json()["done_reason"] == "length"
 
 
 def test_a_stream_that_fails_ends_with_an_error_line(server, client):

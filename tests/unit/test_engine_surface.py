@@ -77,6 +77,7 @@ def test_model_info_describes_the_engine_as_it_runs_the_model(tiny_llama_dir: st
         architecture="llama",
         num_parameters=sum(p.numel() for p in llm.engine.runner.model.parameters()),  # float32: nothing quantized
         weight_bytes=4 * sum(p.numel() for p in llm.engine.runner.model.parameters()),
+        quantization="none",
         hidden_size=model.hidden_size,
         num_layers=model.num_layers,
         num_heads=model.num_heads,

@@ -138,3 +138,11 @@ def test_reply_lines():
 )
 def test_parameter_sizes_read_as_ollamas(count, text):
     assert _parameter_size(count) == text
+
+
+def test_a_whole_answer_times_its_prompt_to_the_first_token():
+    reply = OllamaReply("m", "chat", [1, 2])
+    first = (reply._start + 5_000_000) / 1e9  # 5 ms after the request began, on time.monotonic()'s clock
+    line = reply.last("stop", 4, "Hi", token_ids=[3, 4, 5, 6], first_token_time=first)
+    assert abs(line["prompt_eval_duration"] - 5_000_000) < 1_000
+    assert line["eval_duration"] == line["total_duration"] - line["prompt_eval_duration"]
