@@ -18,7 +18,7 @@ from typing import Any
 
 from fastapi import APIRouter
 
-from engine.hub import models_hub
+from engine import models_hub
 from server.errors import APIError, clip
 from server.http.json_body import AnyContentTypeJSONRoute
 from server.http.openapi import ollama_info_responses
