@@ -2,9 +2,8 @@
 error handlers (server/errors.py) and middleware.
 
 `app.state.kvserve` holds the one `ServerState` (server/state.py) the routes share: config,
-metrics, engine (AsyncEngine, once loaded), embedder (AsyncEncoder, once loaded; None when no
-embedding model is served), reranker (an AsyncEncoder over the Reranker, once loaded; None when no
-rerank model is served), is_ready and load_error. Routes read it through `Depends(get_state)`;
+metrics, the model pool (server/catalogue/pool.py: every catalogue model, the defaults loaded at start,
+the others on demand), is_ready and load_error. Routes read it through `Depends(get_state)`;
 code holding the app reads it with `state_of(app)`. Only the lifespan writes it.
 """
 
@@ -20,25 +19,21 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 from engine import (
-    AsyncEncoder,
-    AsyncEngine,
     Embedder,
     LoadedGeneration,
     ModelLoadError,
-    RequestLimits,
     Reranker,
     TextWorker,
     TorchWorker,
     load_generation,
 )
 from engine.config import EmbedderConfig, EngineConfig, RerankerConfig
+from server.catalogue.pool import Factories, ModelPool
 from server.config import ServerConfig
 from server.errors import install_error_handlers
 from server.http.access import ApiKeys
 from server.http.middleware import AdmissionMiddleware
 from server.http.openapi import install_openapi
-from server.openai.reasoning import think_tokens
-from server.openai.text import RequestText
 from server.playground import attention, kv_cache
 from server.playground import routes as playground
 from server.routes import (
@@ -87,9 +82,10 @@ def create_app(
     """engine_factory(EngineConfig) -> an object with `.engine` (the LLMEngine) and `.tokenizer`
     (default: engine.load_generation, the loader the offline LLM uses too),
     embedder_factory(EmbedderConfig) -> Embedder (default: Embedder) and
-    reranker_factory(RerankerConfig) -> Reranker (default: Reranker) run on the server's one torch
-    worker (engine/serving/torch_worker.py), off the event loop so /health answers meanwhile.
-    on_fatal(exc) is called when a model fails to load (the CLI stops the server with it).
+    reranker_factory(RerankerConfig) -> Reranker (default: Reranker) run off the event loop so /health answers
+    meanwhile: at start on the server's one torch worker (engine/serving/torch_worker.py), later (a model
+    loaded on demand) on the pool's loader thread while the loaded models keep stepping.
+    on_fatal(exc) is called when a default model fails to load (the CLI stops the server with it).
     """
     engine_factory = engine_factory or _default_engine_factory
     embedder_factory = embedder_factory or _default_embedder_factory
@@ -99,9 +95,7 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         worker = TorchWorker()
         text_worker = TextWorker()
-        load_task = asyncio.create_task(
-            _load_models(state, engine_factory, embedder_factory, reranker_factory, on_fatal, worker, text_worker)
-        )
+        load_task = asyncio.create_task(_load_models(state, on_fatal, worker, text_worker))
         try:
             yield
         finally:
@@ -122,6 +116,7 @@ def create_app(
 
     app = FastAPI(title="kvserve", summary="OpenAI-compatible LLM inference server", lifespan=lifespan)
     state = ServerState(config=config)
+    state.models = ModelPool(config, Factories(engine_factory, embedder_factory, reranker_factory))
     attach_state(app, state)
 
     for router in (
@@ -166,53 +161,25 @@ def create_app(
 
 
 async def stop_requests(state: ServerState) -> None:
-    """Enter the stopping phase (server/shutdown.py) and stop the engine, the embedder and the reranker: every request
-    still in them fails with EngineDeadError, which server/serving.py answers as 503 `shutting_down`
-    (a stream: an error event, then `data: [DONE]`). Idempotent."""
+    """Enter the stopping phase (server/shutdown.py) and stop every loaded model: every request still in one
+    fails with EngineDeadError, which server/serving.py answers as 503 `shutting_down` (a stream: an error
+    event, then `data: [DONE]`). Idempotent."""
     state.shutdown.begin_stopping()
-    if state.engine is not None:
-        await state.engine.stop()
-    if state.embedder is not None:
-        await state.embedder.stop()
-    if state.reranker is not None:
-        await state.reranker.stop()
+    await state.models.stop()
 
 
 async def _load_models(
     state: ServerState,
-    engine_factory: EngineFactory,
-    embedder_factory: EmbedderFactory,
-    reranker_factory: RerankerFactory,
     on_fatal: Callable[[BaseException], None] | None,
     worker: TorchWorker,
     text_worker: TextWorker,
 ) -> None:
-    config = state.config
-    # Generation, embeddings and reranking are clients of one worker, with the same limits.
-    limits = RequestLimits(config.max_queued_requests, config.request_timeout)
     try:
-        logger.info("loading generation model %s", config.engine.model)
-        generation = await worker.run(engine_factory, config.engine)
-        # The loop detokenizes with the engine's tokenizer; the text worker encodes with its own copy.
-        text_tokenizer = await text_worker.run(0, generation.tokenizer.copy)
-        reasoning = think_tokens(config.reasoning_parser, generation.tokenizer.vocabulary())
-        engine = AsyncEngine(generation.engine, generation.tokenizer, limits=limits)
-        await engine.start(worker)
-        state.text = RequestText(text_worker, text_tokenizer)
-        state.reasoning = reasoning
-        state.engine = engine
-        if config.embedder is not None:
-            logger.info("loading embedding model %s", config.embedder.model)
-            embedder = AsyncEncoder(await worker.run(embedder_factory, config.embedder), limits=limits)
-            await embedder.start(worker, text_worker)
-            state.embedder = embedder
-        if config.reranker is not None:
-            logger.info("loading rerank model %s", config.reranker.model)
-            reranker = AsyncEncoder(await worker.run(reranker_factory, config.reranker), limits=limits, what="rerank")
-            await reranker.start(worker, text_worker)
-            state.reranker = reranker
+        await state.models.start(worker, text_worker)
         state.is_ready = True
-        logger.info("kvserve ready: serving %s", config.model_name)
+        others = len(state.models.entries) - sum(entry.preload for entry in state.models.entries)
+        more = f" (and {others} more model{'s' * (others != 1)} on demand)" if others else ""
+        logger.info("kvserve ready: serving %s%s", state.config.model_name, more)
     except asyncio.CancelledError:
         raise
     except Exception as exc:

@@ -13,6 +13,7 @@ from typing import Any
 
 from engine import DEFAULT_EMBEDDING_MODEL, DEFAULT_GENERATION_MODEL
 from engine.config import EmbedderConfig, EngineConfig, RerankerConfig
+from server.catalogue.entries import FOREVER, ModelEntry
 from server.http.access import PREFIX_CACHE_SCOPES, parse_keys
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -122,6 +123,16 @@ class ServerConfig:
         `<think>...</think>` is split from its answer (server/openai/reasoning.py); "none": all content.
     default_chat_template_kwargs: chat template variables every chat request gets (its own
         `chat_template_kwargs` override them), e.g. {"enable_thinking": False}.
+    models: the models served besides the three defaults (`engine`, `embedder`, `reranker`), each loaded
+        on its first request unless it says preload (server/catalogue/sources.py reads them from flags,
+        a models directory and a models file).
+    keep_alive: seconds a model loaded on demand stays loaded once idle (FOREVER: until evicted); the
+        default models stay loaded unless a request's keep_alive or an unload says otherwise.
+    max_loaded_models: most models loaded at once (None: no limit); past it the least recently used idle
+        one is unloaded to make room.
+    memory_budget: bytes the loaded models may hold, weights plus KV cache (an int), or that fraction of
+        the machine's memory (a float in (0, 1]: RAM, or the GPU's memory for models on CUDA); None: no
+        budget.
     prefix_cache_scope: "api-key": each key's requests share cached prefixes only among themselves
         (a cached prefix answers much faster, so sharing across keys would tell one client what
         another sent); "shared": across all keys, split by the request's cache_salt alone.
@@ -159,8 +170,19 @@ class ServerConfig:
     allow_special_tokens_in_content: bool = False
     reasoning_parser: str = "none"
     default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    models: tuple[ModelEntry, ...] = ()
+    keep_alive: float = 300.0
+    max_loaded_models: int | None = None
+    memory_budget: int | float | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "models", tuple(self.models))
+        if not self.keep_alive >= 0:
+            raise ValueError(f"keep_alive must be non-negative seconds (or FOREVER), got {self.keep_alive}")
+        if self.max_loaded_models is not None and self.max_loaded_models < 1:
+            raise ValueError(f"max_loaded_models must be at least 1, got {self.max_loaded_models}")
+        _check_memory_budget(self.memory_budget)
+        _check_unique_names(self.catalogue)
         object.__setattr__(self, "max_request_bytes", parse_bytes(self.max_request_bytes))
         if isinstance(self.allowed_origins, str):
             origins = tuple(o.strip() for o in self.allowed_origins.split(",") if o.strip())
@@ -232,9 +254,52 @@ class ServerConfig:
         return self.served_model_name or (self.engine.model,)
 
     @property
+    def catalogue(self) -> tuple[ModelEntry, ...]:
+        """Every model this server serves: the default of each task first (loaded at start, kept until
+        told otherwise), then `models`."""
+        defaults = [ModelEntry(self.model_names, "generate", self.engine, FOREVER, preload=True)]
+        if self.embedder is not None:
+            defaults.append(ModelEntry((self.embedder.model,), "embed", self.embedder, FOREVER, preload=True))
+        if self.reranker is not None:
+            defaults.append(ModelEntry((self.reranker.model,), "rerank", self.reranker, FOREVER, preload=True))
+        return (*defaults, *self.models)
+
+    @property
     def api_key(self) -> str | None:
         """The first key (None: an open server); for code that only asks whether a key is required."""
         return self.api_keys[0] if self.api_keys else None
+
+
+def _check_memory_budget(budget: int | float | None) -> None:
+    if budget is None:
+        return
+    if isinstance(budget, bool) or not isinstance(budget, int | float):
+        raise ValueError(f"memory_budget must be bytes or a fraction of memory, got {budget!r}")
+    if isinstance(budget, float) and not 0 < budget <= 1:
+        raise ValueError(f"memory_budget as a fraction must be in (0, 1], got {budget}")
+    if isinstance(budget, int) and budget < 1:
+        raise ValueError(f"memory_budget must be positive bytes, got {budget}")
+
+
+def _check_unique_names(entries: tuple[ModelEntry, ...]) -> None:
+    """A name (or a path, which requests may use too) names one model only."""
+    owner: dict[str, int] = {}
+    for number, entry in enumerate(entries):
+        for name in dict.fromkeys((*entry.names, entry.config.model)):
+            if owner.setdefault(name, number) != number:
+                other = entries[owner[name]].config.model
+                raise ValueError(
+                    f"two models are named {name!r} ({other!r} and {entry.config.model!r}); give each its own name"
+                )
+
+
+def parse_memory_budget(text: str) -> int | float:
+    """'0.5' -> 0.5 of memory, '16GiB' or '8000000000' -> bytes."""
+    try:
+        value = float(text)
+    except ValueError:
+        return parse_bytes(text)
+    return value if 0 < value <= 1 and not text.strip().isdigit() else parse_bytes(text)
 
 
 def _keys(value: str | tuple[str, ...] | list[str] | None) -> tuple[str, ...]:

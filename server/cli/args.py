@@ -11,6 +11,14 @@ from types import SimpleNamespace
 from typing import Any
 
 from engine.config import EmbedderConfig, EngineConfig, RerankerConfig, SpeculativeConfig
+from server.catalogue.entries import ModelEntry, split_named_path
+from server.catalogue.sources import (
+    BaseConfigs,
+    ModelSources,
+    entries_from_dir,
+    entries_from_file,
+    entries_from_values,
+)
 from server.cli.flags import FLAGS, env_name
 from server.cli.kinds import boolean
 from server.config import ServerConfig, default_embedder_config, default_engine_config
@@ -45,6 +53,7 @@ def flag_defaults() -> dict[str, Any]:
     configs = {"server": server, "engine": default_engine_config(), "embedder": default_embedder_config()}
     configs["reranker"] = server.reranker  # None: no rerank model unless --rerank-model names one
     configs["speculative"] = _speculative_defaults()
+    configs["catalogue"] = ModelSources()
     scale_out = ScaleOut()
     defaults = {}
     for flag in FLAGS:
@@ -108,17 +117,45 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     Raises ValueError (from the configs' own checks) on a value or combination that cannot work.
     """
     defaults = flag_defaults()
-    values: dict[str, dict[str, Any]] = {"server": {}, "engine": {}, "embedder": {}, "reranker": {}, "speculative": {}}
+    values: dict[str, dict[str, Any]] = {
+        **{name: {} for name in ("server", "engine", "embedder", "reranker", "speculative", "catalogue")}
+    }
     for flag in FLAGS:
         for config_name, field_name in flag.targets:
             value = getattr(args, flag.name, defaults[flag.name])
             if isinstance(value, tuple) and isinstance(values[config_name].get(field_name), tuple):
                 value = values[config_name][field_name] + value  # --api-key and --api-key-file
             values[config_name][field_name] = value
-    engine = EngineConfig(**values["engine"], speculative=_speculative_config(values["speculative"]))
-    embedder = EmbedderConfig(**values["embedder"]) if values["embedder"]["model"] else None
-    reranker = RerankerConfig(**values["reranker"]) if values["reranker"]["model"] else None
-    return ServerConfig(engine=engine, embedder=embedder, reranker=reranker, **values["server"])
+    generation_models = _models(values["engine"].pop("model"))
+    if not generation_models:
+        raise ValueError("--model: a generation model is required")
+    embedding_models = _models(values["embedder"].pop("model"))
+    rerank_models = _models(values["reranker"].pop("model"))
+    name, path = split_named_path(generation_models[0])
+    if name is not None and not values["server"].get("served_model_name"):
+        values["server"]["served_model_name"] = (name,)
+    engine = EngineConfig(**values["engine"], model=path, speculative=_speculative_config(values["speculative"]))
+    embedder = EmbedderConfig(**values["embedder"], model=embedding_models[0]) if embedding_models else None
+    reranker = RerankerConfig(**values["reranker"], model=rerank_models[0]) if rerank_models else None
+    base = BaseConfigs(engine, embedder, reranker)
+    more: list[ModelEntry] = [
+        *entries_from_values(base, "generate", generation_models[1:]),
+        *entries_from_values(base, "embed", embedding_models[1:]),
+        *entries_from_values(base, "rerank", rerank_models[1:]),
+    ]
+    sources = ModelSources(**values["catalogue"])
+    if sources.models_dir:
+        more += entries_from_dir(base, sources.models_dir)
+    if sources.models_file:
+        more += entries_from_file(base, sources.models_file)
+    return ServerConfig(engine=engine, embedder=embedder, reranker=reranker, models=tuple(more), **values["server"])
+
+
+def _models(value: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    """A model flag's values: a tuple from the command line, a plain string (or None) from its default."""
+    if value is None:
+        return ()
+    return (value,) if isinstance(value, str) else value
 
 
 def scale_out_from_args(args: argparse.Namespace) -> ScaleOut:

@@ -20,10 +20,14 @@ class FlagDoc:
 
 FLAG_DOCS: dict[str, FlagDoc] = {
     "model": FlagDoc(
-        "generation model: a default-model name, a local HF folder or `.gguf` file, or a Hub id",
+        (
+            "generation model: a default-model name, a local HF folder or `.gguf` file, or a Hub id; `NAME=PATH` "
+            "serves it as `NAME`. Repeat it to serve several: the first is the default (loaded at start), the "
+            "others load on their first request (see [Several models](several-models.md))"
+        ),
     ),
     "embedding_model": FlagDoc(
-        "embedding model (same forms); `none` serves no embeddings",
+        "embedding model (same forms, repeatable the same way); `none` serves no embeddings",
     ),
     "rerank_model": FlagDoc(
         (
@@ -31,6 +35,40 @@ FLAG_DOCS: dict[str, FlagDoc] = {
             "[Reranking](../api/embeddings-and-reranking.md#reranking)); served by `/rerank`, "
             "`/v1/rerank`, `/v1/score`; its forwards take `--dtype`, `--device` and `--embedding-max-batch-tokens`"
         ),
+    ),
+    "models_dir": FlagDoc(
+        (
+            "serve every `.gguf` file and model folder in the directory too, each under its file or folder name "
+            "and loaded on its first request (encoder folders serve embeddings, `...ForSequenceClassification` "
+            "ones reranking)"
+        ),
+        default_note="no directory",
+    ),
+    "models_file": FlagDoc(
+        (
+            "a TOML file of `[[models]]` tables (`name`, `path`, `role`, `keep_alive`, `preload`, and any engine "
+            "setting of the role, such as `max_model_len`, `quantization`, `kv_cache_memory`, "
+            "`speculative_method`): see [Several models](several-models.md#a-models-file)"
+        ),
+        default_note="no file",
+    ),
+    "keep_alive": FlagDoc(
+        (
+            "how long a model loaded on demand stays loaded once idle: seconds, or `90s`, `5m`, `1h`; negative: "
+            "forever. A request's `keep_alive` (Ollama's field) overrides it for its model"
+        ),
+    ),
+    "max_loaded_models": FlagDoc(
+        "most models loaded at once; past it the least recently used idle model is unloaded first",
+        default_note="no limit",
+    ),
+    "memory_budget": FlagDoc(
+        (
+            "bytes the loaded models may hold, weights plus KV cache (`16GiB`), or a fraction of the machine's "
+            "memory (`0.8`: of RAM, or of the GPU's for a CUDA model); past it the least recently used idle "
+            "model is unloaded first, and a model that alone needs more is refused (400 `model_too_large`)"
+        ),
+        default_note="no budget",
     ),
     "served_model_name": FlagDoc(
         (

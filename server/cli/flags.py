@@ -18,9 +18,12 @@ from engine.config import (
 from server.cli.kinds import (
     boolean,
     byte_size,
+    duration,
     json_object,
     key_file,
     key_list,
+    memory_budget,
+    model_list,
     name_list,
     one_of,
     optional,
@@ -41,7 +44,8 @@ def env_name(field_name: str) -> str:
 class Flag:
     """One `kvserve serve` flag: `--<name>` and KVSERVE_<NAME>.
 
-    targets: where its value goes, as (config, field) pairs; config is "server" (ServerConfig),
+    targets: where its value goes, as (config, field) pairs; config is "server" (ServerConfig), "catalogue"
+    (where more models come from: server/catalogue/sources.py),
     "engine" (EngineConfig), "embedder" (EmbedderConfig), "reranker" (RerankerConfig) or "speculative"
     (SpeculativeConfig, the engine's `speculative`). Its default is the first target's (a reranker field's:
     None, since no rerank model is served by default; the speculative method's: None, speculation off).
@@ -76,21 +80,62 @@ FLAGS: tuple[Flag, ...] = (
     _flag(
         "model",
         "engine",
-        str,
-        "generation model: a default-model name, a local HF directory or .gguf file, or a Hub id",
+        model_list,
+        "generation model: a default-model name, a local HF directory or .gguf file, or a Hub id; NAME=PATH "
+        "serves it as NAME. Repeat it to serve more: the first is the default (loaded at start), the others "
+        "load on their first request",
+        repeatable=True,
     ),
     _flag(
         "embedding_model",
         "embedder.model",
-        optional(str),
-        "embedding model (same forms as --model); 'none' serves no embeddings",
+        model_list,
+        "embedding model (same forms as --model, repeatable the same way); 'none' serves no embeddings",
+        repeatable=True,
     ),
     _flag(
         "rerank_model",
         "reranker.model",
-        optional(str),
+        model_list,
         "rerank model, a cross-encoder (BertForSequenceClassification or XLMRobertaForSequenceClassification): "
-        "a local HF directory or a Hub id; served by /v1/rerank, /rerank and /v1/score ('none': no reranking)",
+        "a local HF directory or a Hub id; served by /v1/rerank, /rerank and /v1/score ('none': no reranking); "
+        "repeatable as --model is",
+        repeatable=True,
+    ),
+    _flag(
+        "models_dir",
+        "catalogue",
+        optional(path_text("DIR")),
+        "serve every .gguf file and model folder in DIR too, each under its file or folder name, loaded on its "
+        "first request (folders of encoders serve embeddings, of ...ForSequenceClassification reranking)",
+    ),
+    _flag(
+        "models_file",
+        "catalogue",
+        optional(path_text("FILE")),
+        "a TOML file of [[models]] tables (name, path, role, keep_alive, preload, and any engine setting of "
+        "its role such as max_model_len, quantization, kv_cache_memory, speculative_method) served too",
+    ),
+    _flag(
+        "keep_alive",
+        "server",
+        duration,
+        "how long a model loaded on demand stays loaded once idle (seconds, or 90s, 5m, 1h; -1: forever); a "
+        "request's keep_alive overrides it for its model",
+    ),
+    _flag(
+        "max_loaded_models",
+        "server",
+        optional(int),
+        "most models loaded at once; past it the least recently used idle model is unloaded (none: no limit)",
+    ),
+    _flag(
+        "memory_budget",
+        "server",
+        memory_budget,
+        "bytes the loaded models may hold, weights plus KV cache (16GiB), or a fraction of the machine's memory "
+        "(0.8: of RAM, or of the GPU's on CUDA); past it the least recently used idle model is unloaded "
+        "(none: no budget)",
     ),
     _flag(
         "served_model_name",

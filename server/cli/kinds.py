@@ -10,7 +10,8 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from server.config import parse_bytes
+from server.catalogue.entries import parse_keep_alive
+from server.config import parse_bytes, parse_memory_budget
 from server.http.access import parse_keys, read_key_file
 
 
@@ -110,3 +111,39 @@ def key_file(text: str) -> tuple[str, ...]:
 
 
 key_file.metavar = "PATH"  # type: ignore[attr-defined]
+
+
+def model_list(text: str) -> tuple[str, ...]:
+    """One model (a path, a default-model name, a Hub id, or NAME=PATH) per use of a repeatable model flag;
+    'none' or nothing: no model."""
+    text = text.strip()
+    return () if text.lower() in ("", "none") else (text,)
+
+
+model_list.metavar = "MODEL"  # type: ignore[attr-defined]
+
+
+def duration(text: str) -> float:
+    """Seconds, or a duration (90s, 5m, 1h30m); a negative one: forever."""
+    try:
+        seconds = parse_keep_alive(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    assert seconds is not None
+    return seconds
+
+
+duration.metavar = "DURATION"  # type: ignore[attr-defined]
+
+
+def memory_budget(text: str) -> int | float | None:
+    """Bytes (16GiB, 8000000000) or a fraction of memory (0.8); 'none': no budget."""
+    if text.strip().lower() in ("", "none"):
+        return None
+    try:
+        return parse_memory_budget(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+memory_budget.metavar = "BYTES|FRACTION"  # type: ignore[attr-defined]

@@ -3,7 +3,8 @@
 request id (X-Request-Id, echoed or made) -> API key (401; the request's Caller, server/http/access.py,
 goes into its scope state) -> readiness (503 while loading,
 503 `shutting_down` once the server drains: server/shutdown.py) -> body size (413) -> the app
-(counted in flight while it runs, so the stop knows when nothing is left) -> one access-log line.
+(counted in flight while it runs, so the stop knows when nothing is left; the models it picks held until
+its answer ends: server/catalogue/leases.py) -> one access-log line.
 
 Pure ASGI (not BaseHTTPMiddleware) so streamed responses pass through untouched
 and client disconnects still reach the routes.
@@ -22,6 +23,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import cookie_parser
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from server.catalogue.leases import lease_scope
 from server.errors import APIError
 from server.http.access import OPEN_CALLER, ApiKeys, Caller
 from server.playground.auth import PAGE_COOKIE, is_page_request, is_valid_page_token
@@ -104,7 +106,8 @@ class AdmissionMiddleware:
             if counted:
                 self.shutdown.request_started()
             try:
-                await self.app(scope, self._limit_body(receive), send_with_id)
+                with lease_scope():  # the models it uses stay loaded until its answer ends
+                    await self.app(scope, self._limit_body(receive), send_with_id)
             finally:
                 if counted:
                     self.shutdown.request_finished()

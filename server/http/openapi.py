@@ -45,7 +45,8 @@ _RETRY_AFTER = {
 _ERRORS: dict[int, tuple[str, dict[str, Any]]] = {
     400: (
         "Invalid request: the body is not JSON, a field is missing, unknown, of the wrong type or out of "
-        "range, or the model serves the other task. `param` names the field.",
+        "range, or the model serves the other task, or it alone needs more than --memory-budget (`code` "
+        "model_too_large). `param` names the field.",
         {},
     ),
     401: (
@@ -53,6 +54,7 @@ _ERRORS: dict[int, tuple[str, dict[str, Any]]] = {
         "or 'x-api-key: <key>' (`code` invalid_api_key).",
         {"WWW-Authenticate": {"description": "Bearer", "schema": {"type": "string"}}},
     ),
+    403: ("The route takes an admin API key (`code` admin_required).", {}),
     404: (
         "The `model` named is not served, or this server serves no embedding (or rerank) model "
         "(`code` model_not_found).",
@@ -68,13 +70,15 @@ _ERRORS: dict[int, tuple[str, dict[str, Any]]] = {
         _RETRY_AFTER,
     ),
     500: (
-        "Computing this request failed (`code` engine_step_failed; the other requests go on), or an "
-        "unexpected internal error failed this request alone.",
+        "Computing this request failed (`code` engine_step_failed; the other requests go on), the model it "
+        "names failed to load (`code` model_load_failed; the other models serve on), or an unexpected internal "
+        "error failed this request alone.",
         {},
     ),
     503: (
         "The models are still loading (Retry-After), the server is shutting down (`code` shutting_down, "
-        "Retry-After), or the engine has stopped (`code` engine_dead).",
+        "Retry-After), the engine has stopped (`code` engine_dead), or the model named is not loaded and every "
+        "loaded one is in use with no room for another (`code` models_busy, Retry-After).",
         _RETRY_AFTER,
     ),
     504: ("The request outlived --request-timeout (`code` request_timeout).", {}),

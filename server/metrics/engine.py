@@ -15,6 +15,7 @@ someone else sent is cached, so /metrics shows them to admin keys only (server/h
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -164,62 +165,81 @@ def private_series_names(naming: Naming) -> frozenset[str]:
 
 
 class EngineStatsCollector(Collector):
-    """Gauges and counters straight from the engine's stats snapshot, at scrape time."""
+    """Gauges and counters straight from each loaded generation model's stats snapshot, at scrape time: the
+    default model's under `naming`, every other one's under its own `model_name` label."""
 
-    def __init__(self, naming: Naming, get_stats: Callable[[], EngineStats | None]) -> None:
+    def __init__(
+        self,
+        naming: Naming,
+        get_stats: Callable[[], EngineStats | None],
+        more_stats: Callable[[], list[tuple[str, EngineStats]]] | None = None,
+    ) -> None:
         self._naming = naming
         self._get_stats = get_stats
+        self._more_stats = more_stats or (lambda: [])
 
     def collect(self) -> Iterator[Metric]:
-        """Nothing while the model loads; then every series under every name it is exported under."""
+        """Nothing while no model is loaded; then every series under every name it is exported under, one
+        family per name with a sample per model."""
         stats = self._get_stats()
-        if stats is None:
-            return
-        for series in ENGINE_SERIES:
-            if not series.is_exported(stats):
-                continue
-            value = series.value(stats)
-            for target in self._naming.targets(series.kvserve, series.vllm):
-                kind = CounterMetricFamily if series.is_counter else GaugeMetricFamily
-                family = kind(target.name, series.doc, labels=target.labelnames)
-                family.add_metric(target.labelvalues, value)
-                yield family
-        yield from self._prompt_tokens_by_source(stats)
-        yield from self._spec_accepted_per_position(stats)
-        yield from self._kv_bytes_per_token(stats)
+        models = [(self._naming, stats)] if stats is not None else []
+        models += [(dataclasses.replace(self._naming, model_name=name), s) for name, s in self._more_stats()]
+        families: dict[str, Metric] = {}
 
-    def _kv_bytes_per_token(self, stats: EngineStats) -> Iterator[Metric]:
-        """What one token costs in the KV cache, labelled with the cache's format: vLLM has no such series, so
-        always kvserve's name."""
-        family = GaugeMetricFamily(
-            KVSERVE_PREFIX + KV_BYTES_PER_TOKEN,
-            "Bytes one token's keys and values take in the KV cache over every layer, in its format.",
-            labels=(*KVSERVE_LABELS, "kv_cache_dtype"),
+        def family(name: str, kind: type, doc: str, labels: tuple[str, ...]) -> Metric:
+            if name not in families:
+                families[name] = kind(name, doc, labels=labels)
+            return families[name]
+
+        for naming, model_stats in models:
+            for series in ENGINE_SERIES:
+                if not series.is_exported(model_stats):
+                    continue
+                value = series.value(model_stats)
+                for target in naming.targets(series.kvserve, series.vllm):
+                    kind = CounterMetricFamily if series.is_counter else GaugeMetricFamily
+                    family(target.name, kind, series.doc, target.labelnames).add_metric(target.labelvalues, value)
+            _prompt_tokens_by_source(family, naming, model_stats)
+            _spec_accepted_per_position(family, naming, model_stats)
+            _kv_bytes_per_token(family, naming, model_stats)
+        yield from families.values()
+
+
+def _kv_bytes_per_token(family: Callable[..., Metric], naming: Naming, stats: EngineStats) -> None:
+    """What one token costs in the KV cache, labelled with the cache's format: vLLM has no such series, so
+    always kvserve's name."""
+    family(
+        KVSERVE_PREFIX + KV_BYTES_PER_TOKEN,
+        GaugeMetricFamily,
+        "Bytes one token's keys and values take in the KV cache over every layer, in its format.",
+        (*KVSERVE_LABELS, "kv_cache_dtype"),
+    ).add_metric((naming.model_name, stats.kv_cache_dtype), stats.kv_bytes_per_token)
+
+
+def _prompt_tokens_by_source(family: Callable[..., Metric], naming: Naming, stats: EngineStats) -> None:
+    """vLLM's split of the prompt-token counter: computed here, or found in the local prefix cache."""
+    for target in naming.targets(None, (PROMPT_TOKENS_BY_SOURCE,)):
+        metric = family(
+            target.name,
+            CounterMetricFamily,
+            "Prompt tokens by where their KV came from.",
+            (*target.labelnames, "source"),
         )
-        family.add_metric((self._naming.model_name, stats.kv_cache_dtype), stats.kv_bytes_per_token)
-        yield family
+        cached = stats.num_cached_prompt_tokens
+        metric.add_metric((*target.labelvalues, "local_compute"), stats.num_prompt_tokens - cached)
+        metric.add_metric((*target.labelvalues, "local_cache_hit"), cached)
 
-    def _prompt_tokens_by_source(self, stats: EngineStats) -> Iterator[Metric]:
-        """vLLM's split of the prompt-token counter: computed here, or found in the local prefix cache."""
-        for target in self._naming.targets(None, (PROMPT_TOKENS_BY_SOURCE,)):
-            family = CounterMetricFamily(
-                target.name, "Prompt tokens by where their KV came from.", labels=(*target.labelnames, "source")
-            )
-            cached = stats.num_cached_prompt_tokens
-            family.add_metric((*target.labelvalues, "local_compute"), stats.num_prompt_tokens - cached)
-            family.add_metric((*target.labelvalues, "local_cache_hit"), cached)
-            yield family
 
-    def _spec_accepted_per_position(self, stats: EngineStats) -> Iterator[Metric]:
-        """Per draft position (0-based, as vLLM labels it): verifications whose draft token there was accepted."""
-        if not is_speculating(stats):
-            return
-        for target in self._naming.targets(SPEC_ACCEPTED_PER_POSITION, (SPEC_ACCEPTED_PER_POSITION,)):
-            family = CounterMetricFamily(
-                target.name,
-                "Verifications that accepted the draft token at this position (0: the first draft token).",
-                labels=(*target.labelnames, "position"),
-            )
-            for position, count in enumerate(stats.spec_accepted_per_position):
-                family.add_metric((*target.labelvalues, str(position)), count)
-            yield family
+def _spec_accepted_per_position(family: Callable[..., Metric], naming: Naming, stats: EngineStats) -> None:
+    """Per draft position (0-based, as vLLM labels it): verifications whose draft token there was accepted."""
+    if not is_speculating(stats):
+        return
+    for target in naming.targets(SPEC_ACCEPTED_PER_POSITION, (SPEC_ACCEPTED_PER_POSITION,)):
+        metric = family(
+            target.name,
+            CounterMetricFamily,
+            "Verifications that accepted the draft token at this position (0: the first draft token).",
+            (*target.labelnames, "position"),
+        )
+        for position, count in enumerate(stats.spec_accepted_per_position):
+            metric.add_metric((*target.labelvalues, str(position)), count)

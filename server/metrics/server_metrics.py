@@ -32,15 +32,25 @@ class _Observed:
     """One per-request histogram under each of its exported names: an observation reaches them all."""
 
     def __init__(self, registry: CollectorRegistry, naming: Naming, spec: HistogramSpec) -> None:
-        self._children: list[Histogram] = []  # each name's series, its labels bound
+        self._default_model = naming.model_name
+        self._parts: list[tuple[Histogram, tuple[str, ...]]] = []  # (histogram, its labels: the model's first)
         for target in naming.targets(spec.kvserve, spec.vllm):
             buckets = spec.vllm_buckets if target.is_vllm else spec.buckets
             histogram = Histogram(target.name, spec.doc, target.labelnames, buckets=buckets, registry=registry)
-            # Bound now, so the series is on the page (at 0) before the first request.
-            self._children.append(histogram.labels(*target.labelvalues))
+            self._parts.append((histogram, target.labelvalues))
+        self._children: dict[str, list[Histogram]] = {}  # model name -> each name's series, its labels bound
+        self._bound(self._default_model)  # now, so the series is on the page (at 0) before the first request
 
-    def observe(self, value: float) -> None:
-        for child in self._children:
+    def _bound(self, model_name: str) -> list[Histogram]:
+        children = self._children.get(model_name)
+        if children is None:
+            children = [h.labels(model_name, *labels[1:]) for h, labels in self._parts]
+            self._children[model_name] = children
+        return children
+
+    def observe(self, value: float, model_name: str | None = None) -> None:
+        """model_name: the served model the request used (None: the default generation model)."""
+        for child in self._bound(model_name or self._default_model):
             child.observe(value)
 
 
@@ -50,6 +60,7 @@ class _FinishedRequests:
     REASONS = (FINISH_STOP, FINISH_LENGTH, FINISH_ABORT)  # on the page (at 0) from the start
 
     def __init__(self, registry: CollectorRegistry, naming: Naming) -> None:
+        self._default_model = naming.model_name
         self._parts: list[tuple[Counter, tuple[str, ...]]] = []  # (counter, its model labels)
         for target in naming.targets("request_success", ("request_success",)):
             counter = Counter(
@@ -62,9 +73,9 @@ class _FinishedRequests:
                 counter.labels(*target.labelvalues, reason)
             self._parts.append((counter, target.labelvalues))
 
-    def inc(self, finish_reason: str) -> None:
+    def inc(self, finish_reason: str, model_name: str | None = None) -> None:
         for counter, labelvalues in self._parts:
-            counter.labels(*labelvalues, finish_reason).inc()
+            counter.labels(model_name or self._default_model, *labelvalues[1:], finish_reason).inc()
 
 
 class _WithoutSeries:
@@ -87,11 +98,13 @@ class ServerMetrics:
         get_stats: Callable[[], EngineStats | None],
         metrics_names: str = "both",
         embedding_model_name: str | None = None,
+        more_stats: Callable[[], list[tuple[str, EngineStats]]] | None = None,
     ) -> None:
         """model_name: the generation model as clients name it (the `model_name` label).
         get_stats: the engine's stats snapshot (None while it loads), read at scrape time.
         metrics_names: "kvserve", "vllm" or "both" (server/metrics/names.py).
         embedding_model_name: the embedding model's name, for embedding requests that name none.
+        more_stats: (name, stats) of every other loaded generation model, at scrape time.
         """
         self.model_name = model_name
         self.embedding_model_name = embedding_model_name
@@ -112,7 +125,7 @@ class ServerMetrics:
         self.request_params_max_tokens = observed(names.REQUEST_PARAMS_MAX_TOKENS)
         self.request_params_n = observed(names.REQUEST_PARAMS_N)
         self.request_success = _FinishedRequests(self.registry, naming)
-        self.registry.register(EngineStatsCollector(naming, get_stats))
+        self.registry.register(EngineStatsCollector(naming, get_stats, more_stats))
         self._public = _WithoutSeries(self.registry, private_series_names(naming))
         # Embeddings (server/routes/embeddings.py): vLLM has no such series, so always kvserve's names.
         labels = ["model_name", "endpoint"]
@@ -148,9 +161,10 @@ class ServerMetrics:
         """The /metrics page (Prometheus text format); private: with the prefix-cache series (an admin's)."""
         return generate_latest(self.registry if private else self._public)
 
-    def start_request(self) -> RequestTimer:
-        """The timer of one generation request, started now (its arrival)."""
-        return RequestTimer(self)
+    def start_request(self, model_name: str | None = None) -> RequestTimer:
+        """The timer of one generation request, started now (its arrival). model_name: the served model it
+        uses, its `model_name` label (None: the default generation model's)."""
+        return RequestTimer(self, model_name)
 
 
 class TokenCounts:
@@ -183,8 +197,9 @@ class TokenCounts:
 class RequestTimer:
     """Observes one request's latencies as its outputs arrive, and its sizes and phases when it ends."""
 
-    def __init__(self, metrics: ServerMetrics) -> None:
+    def __init__(self, metrics: ServerMetrics, model_name: str | None = None) -> None:
         self._metrics = metrics
+        self._model = model_name
         self._start = time.monotonic()
         self._first_scheduled_time: float | None = None  # the engine's clock: time.monotonic() too
         self._first_token_time: float | None = None
@@ -212,13 +227,13 @@ class RequestTimer:
         metrics = self._metrics
         if self._last_token_time is None:
             self._first_token_time = now
-            metrics.time_to_first_token.observe(now - self._start)
+            metrics.time_to_first_token.observe(now - self._start, self._model)
             if scheduled is not None and output.arrival_time:
-                metrics.request_queue_time.observe(max(scheduled - output.arrival_time, 0.0))
+                metrics.request_queue_time.observe(max(scheduled - output.arrival_time, 0.0), self._model)
         else:
             # One observation per step that brought tokens: a step brings one token per
             # sample, or several when speculative decoding accepted drafts (they all arrive together).
-            metrics.inter_token_latency.observe(now - self._last_token_time)
+            metrics.inter_token_latency.observe(now - self._last_token_time, self._model)
         self._last_token_time = now
 
     def finish(self, finish_reason: str, tokens: TokenCounts) -> None:
@@ -228,23 +243,23 @@ class RequestTimer:
             return
         self._is_done = True
         metrics = self._metrics
-        metrics.e2e_request_latency.observe(time.monotonic() - self._start)
-        metrics.request_success.inc(finish_reason)
-        metrics.request_prompt_tokens.observe(tokens.num_prompt_tokens)
-        metrics.request_generation_tokens.observe(tokens.num_generated_tokens)
+        metrics.e2e_request_latency.observe(time.monotonic() - self._start, self._model)
+        metrics.request_success.inc(finish_reason, self._model)
+        metrics.request_prompt_tokens.observe(tokens.num_prompt_tokens, self._model)
+        metrics.request_generation_tokens.observe(tokens.num_generated_tokens, self._model)
         longest = max(tokens.generated_tokens.values(), default=0)
-        metrics.request_max_num_generation_tokens.observe(longest)
+        metrics.request_max_num_generation_tokens.observe(longest, self._model)
         if self._params is not None:
-            metrics.request_params_n.observe(self._params.n)
+            metrics.request_params_n.observe(self._params.n, self._model)
             if self._params.max_tokens is not None:
-                metrics.request_params_max_tokens.observe(self._params.max_tokens)
+                metrics.request_params_max_tokens.observe(self._params.max_tokens, self._model)
         first, last = self._first_token_time, self._last_token_time
         if first is None or last is None:
             return
-        metrics.request_decode_time.observe(last - first)
+        metrics.request_decode_time.observe(last - first, self._model)
         if self._first_scheduled_time is not None:
-            metrics.request_prefill_time.observe(max(first - self._first_scheduled_time, 0.0))
-            metrics.request_inference_time.observe(max(last - self._first_scheduled_time, 0.0))
+            metrics.request_prefill_time.observe(max(first - self._first_scheduled_time, 0.0), self._model)
+            metrics.request_inference_time.observe(max(last - self._first_scheduled_time, 0.0), self._model)
         if longest > 1:
             # Samples decode side by side, so the longest one paces the request.
-            metrics.request_time_per_output_token.observe((last - first) / (longest - 1))
+            metrics.request_time_per_output_token.observe((last - first) / (longest - 1), self._model)

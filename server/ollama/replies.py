@@ -27,12 +27,13 @@ def created_at() -> str:
     return datetime.now(UTC).isoformat().replace("+00:00", "Z")
 
 
-def loaded_line(model: str, kind: str) -> dict[str, Any]:
-    """The answer to a request with nothing to generate: Ollama's way to ask for the model to be loaded."""
+def loaded_line(model: str, kind: str, done_reason: str = "load") -> dict[str, Any]:
+    """The answer to a request with nothing to generate: Ollama's way to ask for the model to be loaded
+    (done_reason "load") or, with keep_alive 0, unloaded ("unload")."""
     if kind == "chat":
-        line = ChatLine(model=model, created_at=created_at(), done=True, done_reason="load", message=_message(""))
+        line = ChatLine(model=model, created_at=created_at(), done=True, done_reason=done_reason, message=_message(""))
     else:
-        line = GenerateLine(model=model, created_at=created_at(), done=True, done_reason="load", response="")
+        line = GenerateLine(model=model, created_at=created_at(), done=True, done_reason=done_reason, response="")
     return line.model_dump()
 
 

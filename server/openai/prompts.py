@@ -11,10 +11,10 @@ from __future__ import annotations
 from typing import Any
 
 from engine.errors import InvalidRequestError
+from server.catalogue.served import ServedGeneration
 from server.config import ServerConfig
 from server.openai.params import check_batch_size, check_token_ids
 from server.openai.reasoning import template_kwargs
-from server.openai.served_models import request_text
 from server.openai.text import text_size
 from server.openai.tools import ToolPlan, render_messages
 from server.protocol.chat import ChatCompletionRequest, ChatMessage
@@ -79,7 +79,7 @@ def echoed_prompts(tokenizer: Any, prompts: list[tuple[str | None, list[int]]]) 
 
 
 async def request_chat_prompt(
-    state: Any, engine: Any, chat: ChatCompletionRequest, tools: ToolPlan | None
+    state: Any, generation: ServedGeneration, chat: ChatCompletionRequest, tools: ToolPlan | None
 ) -> list[int]:
     """A translated request's (Messages, Ollama) prompt: its chat request through the template, on the text
     worker, with the server's template defaults, then the request's reasoning effort and kwargs."""
@@ -87,9 +87,9 @@ async def request_chat_prompt(
         state.config.default_chat_template_kwargs,
         chat.chat_template_kwargs,
         chat.reasoning_effort,
-        engine.tokenizer.chat_template,
+        generation.engine.tokenizer.chat_template,
     )
     special_in_content = state.config.allow_special_tokens_in_content
-    return await request_text(state).run(
+    return await generation.text.run(
         text_size(chat.messages), chat_prompt_ids, chat.messages, True, tools, special_in_content, kwargs
     )

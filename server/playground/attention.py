@@ -20,7 +20,7 @@ from server.errors import APIError
 from server.http.json_body import StrictJSONRoute
 from server.http.openapi import attention_responses
 from server.openai.params import check_token_ids
-from server.openai.served_models import generation_engine, request_text
+from server.openai.served_models import generation_model
 from server.playground.protocol import (
     MAX_ATTENTION_PROMPT_CHARS,
     MAX_ATTENTION_TOKENS,
@@ -39,10 +39,11 @@ WEIGHT_FORMAT = ".6g"
 
 @router.post("/attention", response_model=AttentionResponse, responses=attention_responses())
 async def attention(body: AttentionRequest, state: SharedState) -> Response:
-    engine = generation_engine(state, body.model)
+    served = await generation_model(state, body.model)
+    engine = served.engine
     if (body.prompt is None) == (body.token_ids is None):
         raise APIError(400, "give exactly one of prompt or token_ids", param="prompt")
-    text = request_text(state)
+    text = served.text
     limit = min(MAX_ATTENTION_TOKENS, engine.max_model_len)
     _check_masking(body, engine.max_model_len)
     if body.prompt is not None and len(body.prompt) > MAX_ATTENTION_PROMPT_CHARS:

@@ -12,7 +12,7 @@ from fastapi import APIRouter, Request
 from engine.inspect import BLOCK_CACHED_FREE, BLOCK_FREE, BLOCK_IN_USE, BLOCK_SHARED
 from server.http.access import caller_of
 from server.http.openapi import tokenizer_responses
-from server.openai.served_models import generation_engine
+from server.openai.served_models import generation_model
 from server.playground.protocol import AttentionGroupView, GroupBlocksView, KVCacheResponse, SequenceBlocksView
 from server.state import SharedState
 
@@ -21,7 +21,7 @@ router = APIRouter()
 
 @router.get("/kv_cache", response_model=KVCacheResponse, responses=tokenizer_responses())
 async def kv_cache(request: Request, state: SharedState, model: str | None = None) -> KVCacheResponse:
-    snapshot = await generation_engine(state, model).kv_snapshot()
+    snapshot = await (await generation_model(state, model)).engine.kv_snapshot()
     shared = snapshot.count(BLOCK_SHARED)
     detail = caller_of(request).is_admin
     sequences = None

@@ -223,9 +223,14 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=now)
     owned_by: str = "kvserve"
     root: str
-    max_model_len: int
+    max_model_len: int | None  # None until the model is loaded
     task: Literal["generate", "embed", "rerank"]
-    runtime: ModelRuntime | None = None  # the generation model's
+    runtime: ModelRuntime | None = None  # a loaded generation model's
+    loaded: bool = True
+    # "loaded", "loading", "unloaded" (loads on its first request) or "failed" (its last load failed)
+    status: Literal["loaded", "loading", "unloaded", "failed"] = "loaded"
+    memory_bytes: int | None = None  # what it holds (weights plus KV cache); estimated when not loaded
+    expires_at: int | None = None  # Unix time it unloads if still idle; None: in use, or kept loaded
 
 
 class ModelList(BaseModel):

@@ -27,7 +27,7 @@ from server.protocol.common import (
     unique_tool_names,
 )
 
-KeepAlive = float | int | str  # seconds, or a duration ("5m", "1h", "-1"): accepted, the models stay loaded
+KeepAlive = float | int | str  # seconds, or a duration ("5m", "1h"); negative: forever; 0: unload when idle
 Think = StrictSwitch | Literal["low", "medium", "high"]
 Format = Literal["", "json"] | dict[str, Any]  # "json": any JSON object; an object: a JSON schema
 

@@ -20,7 +20,7 @@ from server.openai.logprobs import chat_logprobs, prompt_logprobs_entries
 from server.openai.params import check_admissible, max_tokens_for, reject_unsupported, sampling_params
 from server.openai.prompts import chat_prompt_ids
 from server.openai.reasoning import ReasoningPlan, check_template_kwargs, template_kwargs
-from server.openai.served_models import generation_engine, request_text
+from server.openai.served_models import generation_model
 from server.openai.structured import compile_structured, structured_output
 from server.openai.text import text_size
 from server.openai.tool_stream import ToolReplyStream
@@ -50,7 +50,8 @@ NOT_STORED = "store: this server stores no completions; send store false or leav
 )
 @serving.abandoned_when_client_leaves
 async def create_chat_completion(body: ChatCompletionRequest, request: Request, state: SharedState) -> Response:
-    engine = generation_engine(state, body.model)
+    served = await generation_model(state, body.model)
+    engine = served.engine
     reject_unsupported(body.unsupported_fields())
     if body.store:
         raise APIError(400, NOT_STORED, param="store", code="unsupported_field")
@@ -65,7 +66,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
         body.reasoning_effort,
         engine.tokenizer.chat_template,
     )
-    prompt_ids = await request_text(state).run(
+    prompt_ids = await served.text.run(
         text_size(body.messages),
         chat_prompt_ids,
         body.messages,
@@ -74,7 +75,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
         state.config.allow_special_tokens_in_content,
         kwargs,
     )
-    reasoning = ReasoningPlan(state.reasoning, prompt_ids) if state.reasoning is not None else None
+    reasoning = ReasoningPlan(served.reasoning, prompt_ids) if served.reasoning is not None else None
     tokenizer = engine.tokenizer  # the event loop's: logprob token texts, a few per step
     asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     max_tokens = max_tokens_for(asked, state.config)
@@ -89,7 +90,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     cache_salt = request_cache_salt(request, body.cache_salt or body.prompt_cache_key)
     thinking = reasoning.span if reasoning is not None else None
     params = sampling_params(body, max_tokens, logprobs, engine.vocab_size, cache_salt, structured, thinking=thinking)
-    await compile_structured(request_text(state), engine, structured)
+    await compile_structured(served.text, engine, structured)
     check_admissible(
         state.config,
         [len(prompt_ids)],
@@ -99,8 +100,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
         listed_prompt_tops=(body.prompt_logprobs,),
     )
     answer_id = serving.response_id(request, "chatcmpl")
-    model_name = state.config.model_name
-    timer = state.metrics.start_request()
+    model_name = served.name
+    timer = state.metrics.start_request(served.name)
 
     if body.stream:
 
@@ -132,7 +133,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
                 content, calls = tools.parse(answer_text) if tools is not None else (answer_text, [])
             logprobs = None
             if body.logprobs:  # many tokens' texts: made on the text worker, off the event loop
-                logprobs = await request_text(state).run(len(sample.logprobs), chat_logprobs, sample.logprobs, num_top)
+                logprobs = await served.text.run(len(sample.logprobs), chat_logprobs, sample.logprobs, num_top)
             choices.append(
                 ChatChoice(
                     index=index,
@@ -148,7 +149,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
         prompt_logprobs = None
         scored = generation.prompt_logprobs(0)
         if scored is not None and body.prompt_logprobs is not None:
-            prompt_logprobs = await request_text(state).run(
+            prompt_logprobs = await served.text.run(
                 len(prompt_ids), prompt_logprobs_entries, scored, body.prompt_logprobs
             )
         return ChatCompletionResponse(

@@ -15,7 +15,7 @@ from server.http.openapi import generation_responses
 from server.openai.logprobs import completion_logprobs, echo_logprobs, joined, prompt_logprobs_entries
 from server.openai.params import check_admissible, max_tokens_for, reject_unsupported, sampling_params
 from server.openai.prompts import completion_prompts, echoed_prompts
-from server.openai.served_models import generation_engine, request_text
+from server.openai.served_models import generation_model
 from server.openai.structured import compile_structured, structured_output
 from server.openai.text import RequestText, has_text, text_size
 from server.protocol.common import PromptLogprobs
@@ -36,10 +36,10 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's, when neither the request nor --
 @router.post("/v1/completions", response_model=CompletionResponse, responses=generation_responses(CompletionResponse))
 @serving.abandoned_when_client_leaves
 async def create_completion(body: CompletionRequest, request: Request, state: SharedState) -> Response:
-    engine = generation_engine(state, body.model)
     reject_unsupported(body.unsupported_fields())
+    served = await generation_model(state, body.model)
+    engine, text = served.engine, served.text
     engine.check_admission()  # a full queue answers 429 before any prompt is tokenized
-    text = request_text(state)
     structured = structured_output(body)
     # echo with logprobs scores the echoed prompt too (what lm-evaluation-harness's loglikelihood reads)
     echo_logprobs_top = body.logprobs if body.echo else None
@@ -73,9 +73,9 @@ async def create_completion(body: CompletionRequest, request: Request, state: Sh
         echoes = [""] * len(prompts)
     tokenizer = engine.tokenizer  # the event loop's: logprob token texts, a few per step
     answer_id = serving.response_id(request, "cmpl")
-    model_name = state.config.model_name
+    model_name = served.name
     prompt_ids = [ids for _, ids in prompts]
-    timer = state.metrics.start_request()
+    timer = state.metrics.start_request(served.name)
 
     if body.stream:
 

@@ -36,7 +36,7 @@ router = APIRouter(route_class=StrictJSONRoute)
 
 @router.post("/v1/embeddings", response_model=EmbeddingResponse, responses=engine_responses())
 async def create_embeddings(body: EmbeddingRequest, state: SharedState) -> Response:
-    embedder = embedding_engine(state, body.model)
+    embedder = await embedding_engine(state, body.model)
     inputs = _as_input_list(body.input, "input")
     check_batch_size(state.config, len(inputs), "input")
 
@@ -72,7 +72,7 @@ async def create_embeddings(body: EmbeddingRequest, state: SharedState) -> Respo
 @router.post("/", response_model=EmbedResponse, responses=engine_responses())
 @router.post("/embed", response_model=EmbedResponse, responses=engine_responses())
 async def embed(body: EmbedRequest, state: SharedState) -> Response:
-    embedder = embedding_engine(state, None)
+    embedder = await embedding_engine(state, None)
     inputs = _as_input_list(body.inputs, "inputs")
     check_batch_size(state.config, len(inputs), "inputs")
 

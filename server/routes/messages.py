@@ -25,7 +25,7 @@ from server.http.openapi import anthropic_responses
 from server.openai.params import check_admissible, sampling_params
 from server.openai.prompts import request_chat_prompt
 from server.openai.reasoning import ReasoningPlan
-from server.openai.served_models import generation_engine, request_text
+from server.openai.served_models import generation_model
 from server.openai.structured import compile_structured, structured_output
 from server.openai.tool_stream import ToolReplyStream, builder_events
 from server.openai.tools import ToolPlan, plan_tools
@@ -43,22 +43,24 @@ router = APIRouter(route_class=StrictJSONRoute)
 
 
 async def _prompt(
-    body: MessagesRequest | CountTokensRequest, state: Any
+    body: MessagesRequest | CountTokensRequest, state: Any, admit: bool = True
 ) -> tuple[Any, Any, ToolPlan | None, list[int]]:
-    """(the chat request, the engine, the tool plan, the prompt's token ids) of a Messages request."""
+    """(the chat request, the model, the tool plan, the prompt's token ids) of a Messages request."""
     chat = chat_request(body)
-    engine = generation_engine(state, body.model)
-    tools = plan_tools(chat, engine.tokenizer.tool_call_format)
-    prompt_ids = await request_chat_prompt(state, engine, chat, tools)
-    return chat, engine, tools, prompt_ids
+    served = await generation_model(state, body.model)
+    if admit:
+        served.engine.check_admission()  # a full queue answers 429 before rendering
+    tools = plan_tools(chat, served.engine.tokenizer.tool_call_format)
+    prompt_ids = await request_chat_prompt(state, served, chat, tools)
+    return chat, served, tools, prompt_ids
 
 
 @router.post("/v1/messages", response_model=MessageObject, responses=anthropic_responses(MessagesStreamEvent))
 @serving.abandoned_when_client_leaves
 async def create_message(body: MessagesRequest, request: Request, state: SharedState) -> Response:
-    generation_engine(state, body.model).check_admission()  # a full queue answers 429 before rendering
-    chat, engine, tools, prompt_ids = await _prompt(body, state)
-    reasoning = ReasoningPlan(state.reasoning, prompt_ids) if state.reasoning is not None else None
+    chat, served, tools, prompt_ids = await _prompt(body, state)
+    engine = served.engine
+    reasoning = ReasoningPlan(served.reasoning, prompt_ids) if served.reasoning is not None else None
     spec = tools.spec if tools is not None else structured_output(chat, chat.response_format)
     cache_salt = request_cache_salt(request, None)
     thinking = reasoning.span if reasoning is not None else None
@@ -67,10 +69,10 @@ async def create_message(body: MessagesRequest, request: Request, state: SharedS
     room = engine.max_model_len - len(prompt_ids)
     max_tokens = min(body.max_tokens, room) if room > 0 else body.max_tokens
     params = sampling_params(chat, max_tokens, None, engine.vocab_size, cache_salt, spec, thinking=thinking)
-    await compile_structured(request_text(state), engine, spec)
+    await compile_structured(served.text, engine, spec)
     check_admissible(state.config, [len(prompt_ids)], params, engine.max_model_len, engine.kv_cache_tokens)
-    builder = MessageEvents(f"msg_{request.state.request_id}", state.config.model_name, len(prompt_ids))
-    timer = state.metrics.start_request()
+    builder = MessageEvents(f"msg_{request.state.request_id}", served.name, len(prompt_ids))
+    timer = state.metrics.start_request(served.name)
 
     if body.stream:
         return await serving.named_event_stream(
@@ -136,5 +138,5 @@ async def _events(
 @router.post("/v1/messages/count_tokens", response_model=TokenCount, responses=anthropic_responses(None))
 async def count_tokens(body: CountTokensRequest, state: SharedState) -> TokenCount:
     """The prompt's tokens as /v1/messages would render it (system, messages, tools)."""
-    _, _, _, prompt_ids = await _prompt(body, state)
+    _, _, _, prompt_ids = await _prompt(body, state, admit=False)
     return TokenCount(input_tokens=len(prompt_ids))

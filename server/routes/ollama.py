@@ -18,17 +18,18 @@ from fastapi.responses import JSONResponse, Response
 
 from engine.errors import InvalidRequestError
 from server import serving
+from server.catalogue.served import ServedGeneration
 from server.http.access import request_cache_salt
 from server.http.json_body import AnyContentTypeJSONRoute
 from server.http.openapi import ollama_responses
 from server.ollama.chat_request import chat_messages, chat_request, generate_messages, max_tokens
 from server.ollama.replies import OllamaReply, loaded_line
-from server.ollama.served import served_name
+from server.ollama.served import request_keep_alive, served_name
 from server.openai.logprobs import chat_logprobs
 from server.openai.params import check_admissible, sampling_params
 from server.openai.prompts import request_chat_prompt
 from server.openai.reasoning import ReasoningPlan
-from server.openai.served_models import generation_engine, request_text
+from server.openai.served_models import generation_model, model_entry
 from server.openai.structured import compile_structured, structured_output
 from server.openai.tool_stream import ToolReplyStream
 from server.openai.tools import ToolPlan, plan_tools
@@ -44,25 +45,29 @@ router = APIRouter(route_class=AnyContentTypeJSONRoute)
 @serving.abandoned_when_client_leaves
 async def chat(body: ChatRequest, request: Request, state: SharedState) -> Response:
     model = served_name(state, body.model)
-    engine = generation_engine(state, model)
+    keep_alive = request_keep_alive(body.keep_alive)
     if not body.messages:
-        return JSONResponse(loaded_line(body.model, "chat"))
-    _check_think(body, state)
+        return await _load_or_unload(state, body.model, model, keep_alive, "chat")
+    served = await generation_model(state, model, keep_alive)
+    engine = served.engine
+    _check_think(body, served)
     engine.check_admission()  # a full queue answers 429 before rendering
     chat_body = chat_request(body, chat_messages(body.messages))
     tools = plan_tools(chat_body, engine.tokenizer.tool_call_format)
-    prompt_ids = await request_chat_prompt(state, engine, chat_body, tools)
-    return await _answer(body, "chat", chat_body, tools, prompt_ids, engine, request, state)
+    prompt_ids = await request_chat_prompt(state, served, chat_body, tools)
+    return await _answer(body, "chat", chat_body, tools, prompt_ids, served, request, state)
 
 
 @router.post("/api/generate", response_model=GenerateLine, responses=ollama_responses(GenerateLine))
 @serving.abandoned_when_client_leaves
 async def generate(body: GenerateRequest, request: Request, state: SharedState) -> Response:
     model = served_name(state, body.model)
-    engine = generation_engine(state, model)
+    keep_alive = request_keep_alive(body.keep_alive)
     if not body.prompt and not body.context:
-        return JSONResponse(loaded_line(body.model, "generate"))
-    _check_think(body, state)
+        return await _load_or_unload(state, body.model, model, keep_alive, "generate")
+    served = await generation_model(state, model, keep_alive)
+    engine = served.engine
+    _check_think(body, served)
     if body.raw and (body.system or body.think not in (None, False)):
         raise InvalidRequestError("raw: a raw prompt goes to the model as is, without system or think", "raw")
     engine.check_admission()
@@ -72,23 +77,33 @@ async def generate(body: GenerateRequest, request: Request, state: SharedState) 
         # Ollama's raw prompt is the model's input as it stands: BOS first on a fresh conversation only.
         fresh = not body.context
         prompt = body.prompt or ""
-        ids = await request_text(state).run(len(prompt), _encode, prompt, fresh)
+        ids = await served.text.run(len(prompt), _encode, prompt, fresh)
     else:
-        ids = await request_chat_prompt(state, engine, chat_body, None)
+        ids = await request_chat_prompt(state, served, chat_body, None)
     prompt_ids = [*(body.context or []), *ids]
     if any(token >= engine.vocab_size for token in prompt_ids):
         raise InvalidRequestError(
             f"context: token ids must be below the vocabulary size ({engine.vocab_size})", "context"
         )
-    return await _answer(body, "generate", chat_body, None, prompt_ids, engine, request, state)
+    return await _answer(body, "generate", chat_body, None, prompt_ids, served, request, state)
 
 
 def _encode(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:
     return tokenizer.encode(text, add_special_tokens)
 
 
-def _check_think(body: ChatRequest | GenerateRequest, state: Any) -> None:
-    if body.think not in (None, False) and state.reasoning is None:
+async def _load_or_unload(state: Any, asked: str, model: str, keep_alive: float | None, kind: str) -> Response:
+    """Ollama's requests with nothing to generate: keep_alive 0 unloads the model, anything else loads it."""
+    entry = model_entry(state, model, "generate")
+    if keep_alive == 0:
+        await state.models.unload(entry)
+        return JSONResponse(loaded_line(asked, kind, "unload"))
+    await generation_model(state, model, keep_alive)
+    return JSONResponse(loaded_line(asked, kind))
+
+
+def _check_think(body: ChatRequest | GenerateRequest, served: ServedGeneration) -> None:
+    if body.think not in (None, False) and served.reasoning is None:
         raise InvalidRequestError(
             f"think: {body.model!r} is not served as a thinking model (start the server with --reasoning-parser)",
             "think",
@@ -101,11 +116,12 @@ async def _answer(
     chat_body: ChatCompletionRequest,
     tools: ToolPlan | None,
     prompt_ids: list[int],
-    engine: Any,
+    served: ServedGeneration,
     request: Request,
     state: Any,
 ) -> Response:
-    reasoning = ReasoningPlan(state.reasoning, prompt_ids) if state.reasoning is not None else None
+    engine = served.engine
+    reasoning = ReasoningPlan(served.reasoning, prompt_ids) if served.reasoning is not None else None
     spec = tools.spec if tools is not None else structured_output(chat_body, chat_body.response_format)
     limit = max_tokens(body.options, len(prompt_ids), engine.max_model_len)
     num_top = chat_body.top_logprobs or 0
@@ -113,10 +129,10 @@ async def _answer(
     thinking = reasoning.span if reasoning is not None else None
     cache_salt = request_cache_salt(request, None)
     params = sampling_params(chat_body, limit, logprobs, engine.vocab_size, cache_salt, spec, thinking=thinking)
-    await compile_structured(request_text(state), engine, spec)
+    await compile_structured(served.text, engine, spec)
     check_admissible(state.config, [len(prompt_ids)], params, engine.max_model_len, engine.kv_cache_tokens)
     reply = OllamaReply(body.model, kind, prompt_ids)
-    timer = state.metrics.start_request()
+    timer = state.metrics.start_request(served.name)
     tokenizer = engine.tokenizer
 
     if body.stream:
@@ -131,7 +147,7 @@ async def _answer(
             content, calls = tools.parse(text) if tools is not None else (text, [])
         entries = None
         if logprobs is not None:
-            entries = await request_text(state).run(len(sample.logprobs), chat_logprobs, sample.logprobs, num_top)
+            entries = await served.text.run(len(sample.logprobs), chat_logprobs, sample.logprobs, num_top)
         eval_count = generation.usage().completion_tokens
         first = generation.first_token_time
         return reply.last(

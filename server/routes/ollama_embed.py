@@ -17,7 +17,7 @@ from server import serving
 from server.errors import APIError
 from server.http.json_body import AnyContentTypeJSONRoute
 from server.http.openapi import ollama_info_responses
-from server.ollama.served import served_name
+from server.ollama.served import request_keep_alive, served_name
 from server.openai.params import check_batch_size
 from server.openai.served_models import embedding_engine
 from server.protocol.ollama import EmbeddingsRequest, EmbeddingsResponse, EmbedRequest, EmbedResponse
@@ -29,7 +29,7 @@ router = APIRouter(route_class=AnyContentTypeJSONRoute)
 
 @router.post("/api/embed", response_model=EmbedResponse, responses=ollama_info_responses(400, 404, 429, 504))
 async def embed(body: EmbedRequest, state: SharedState) -> Response:
-    embedder = embedding_engine(state, served_name(state, body.model))
+    embedder = await embedding_engine(state, served_name(state, body.model), request_keep_alive(body.keep_alive))
     inputs = [body.input] if isinstance(body.input, str) else body.input
     if not inputs:
         raise APIError(400, "input must not be empty", param="input")
@@ -60,7 +60,7 @@ async def embed(body: EmbedRequest, state: SharedState) -> Response:
 
 @router.post("/api/embeddings", response_model=EmbeddingsResponse, responses=ollama_info_responses(400, 404, 429, 504))
 async def embeddings(body: EmbeddingsRequest, state: SharedState) -> Response:
-    embedder = embedding_engine(state, served_name(state, body.model))
+    embedder = await embedding_engine(state, served_name(state, body.model), request_keep_alive(body.keep_alive))
 
     async def answer() -> dict:
         result = await embed_observed(

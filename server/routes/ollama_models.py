@@ -1,8 +1,8 @@
 """Ollama's model routes: GET /api/version, GET /api/tags, POST /api/show, GET /api/ps.
 
-Every served model is listed (the generation model once per --served-model-name alias, then the embedding
-model), each as loaded: this server loads its models at start and keeps them, so /api/ps lists the same
-models with an expiry far in the future. `size` is the bytes the weights take in memory; `digest` names
+/api/tags lists every catalogue model (once per name), loaded or not; /api/ps the loaded ones, with what each
+holds (weights plus KV cache) and when it unloads if it stays idle (far in the future for one kept loaded).
+/api/tags' `size` is the bytes the weights take in memory (the files' bytes before a model is loaded); `digest` names
 the model (a hash of its path and name), not its file's bytes. /api/show's `capabilities` are what the
 model is served for here: "completion" and "tools" for the generation model (every chat template takes
 tools: server/openai/tools.py), "thinking" with --reasoning-parser, "embedding" for the embedding model.
@@ -19,6 +19,8 @@ from typing import Any
 from fastapi import APIRouter
 
 from engine import models_hub
+from server.catalogue.pool import ModelStatus
+from server.catalogue.served import ServedGeneration
 from server.errors import APIError, clip
 from server.http.json_body import AnyContentTypeJSONRoute
 from server.http.openapi import ollama_info_responses
@@ -46,12 +48,17 @@ router = APIRouter(route_class=AnyContentTypeJSONRoute)
 class _Served:
     name: str
     path: str
-    task: str  # "generate" or "embed"
-    family: str
-    context_length: int
+    task: str  # "generate", "embed" or "rerank"
+    family: str  # "" until loaded
+    context_length: int  # 0 until loaded
     weight_bytes: int
     num_parameters: int | None
     info: dict[str, Any]
+    quantization: str  # the method the weights run under (auto resolved once loaded)
+    template: str  # the chat template ("" for an encoder, or until loaded)
+    capabilities: list[str]
+    memory_bytes: int  # weights plus KV cache (estimated until loaded)
+    expires_at: str  # when it unloads if idle, Ollama's format (NEVER_EXPIRES: kept)
 
 
 @router.get("/api/version", responses=ollama_info_responses())
@@ -66,15 +73,19 @@ async def tags(state: SharedState) -> ModelList:
 
 @router.get("/api/ps", responses=ollama_info_responses())
 async def running(state: SharedState) -> RunningModels:
-    models = [
-        RunningModel(
-            **_listed(served, state).model_dump(),
-            expires_at=NEVER_EXPIRES,
-            size_vram=served.weight_bytes if served.info.get("device", "cpu").startswith("cuda") else 0,
-            context_length=served.context_length,
+    models = []
+    for served in _served_models(state, loaded_only=True):
+        listed = _listed(served, state).model_dump()
+        listed["size"] = served.memory_bytes
+        on_gpu = served.info.get("device", "cpu").startswith("cuda")
+        models.append(
+            RunningModel(
+                **listed,
+                expires_at=served.expires_at,
+                size_vram=served.memory_bytes if on_gpu else 0,
+                context_length=served.context_length,
+            )
         )
-        for served in _served_models(state)
-    ]
     return RunningModels(models=models)
 
 
@@ -90,10 +101,22 @@ async def show(body: ShowRequest, state: SharedState) -> ShowResponse:
     raise APIError(404, f"model {clip(asked)!r} not found", param="model", code="model_not_found")
 
 
-def _served_models(state: Any) -> list[_Served]:
+def _served_models(state: Any, loaded_only: bool = False) -> list[_Served]:
     found = []
-    if state.engine is not None:
-        info = state.engine.model_info
+    for row in state.models.statuses():
+        if loaded_only and row.status != "loaded":
+            continue
+        served = state.models.loaded(row.entry) if row.status == "loaded" else None
+        for name in row.entry.names:
+            found.append(_described(name, row, served))
+    return found
+
+
+def _described(name: str, row: ModelStatus, served: Any) -> _Served:
+    entry = row.entry
+    expires = _expiry(row.expires_at)
+    if isinstance(served, ServedGeneration):
+        info = served.engine.model_info
         model_info = {
             "general.architecture": info.architecture,
             "general.parameter_count": info.num_parameters,
@@ -106,56 +129,80 @@ def _served_models(state: Any) -> list[_Served]:
         }
         if info.sliding_window is not None:
             model_info[f"{info.architecture}.attention.sliding_window"] = info.sliding_window
-        for name in state.config.model_names:
-            found.append(
-                _Served(
-                    name,
-                    state.config.engine.model,
-                    "generate",
-                    info.architecture,
-                    info.max_model_len,
-                    info.weight_bytes,
-                    info.num_parameters,
-                    model_info,
-                )
-            )
-    embedder = state.embedder
-    if embedder is not None:
-        path = state.config.embedder.model if state.config.embedder is not None else embedder.model_name
-        module = embedder.embedder.model  # the encoder's torch module
-        tensors = [*module.parameters(), *module.buffers()]
-        num_parameters = sum(parameter.numel() for parameter in module.parameters())
-        weight_bytes = sum(tensor.numel() * tensor.element_size() for tensor in tensors)
-        context = {
-            "general.architecture": "bert",
-            "general.parameter_count": num_parameters,
-            "bert.context_length": embedder.max_model_len,
-            "bert.embedding_length": embedder.embedder.hidden_size,
-        }
-        found.append(
-            _Served(
-                embedder.model_name,
-                path,
-                "embed",
-                "bert",
-                embedder.max_model_len,
-                weight_bytes,
-                num_parameters,
-                context,
-            )
+        capabilities = ["completion", "tools", *(["thinking"] if served.reasoning is not None else [])]
+        return _Served(
+            name,
+            entry.config.model,
+            "generate",
+            info.architecture,
+            info.max_model_len,
+            info.weight_bytes,
+            info.num_parameters,
+            model_info,
+            info.quantization,
+            served.engine.tokenizer.chat_template or "",
+            capabilities,
+            row.memory_bytes,
+            expires,
         )
-    return found
+    if served is not None:  # an encoder's batcher
+        module = served.embedder.model if entry.task == "embed" else None  # the encoder's torch module
+        tensors = [*module.parameters(), *module.buffers()] if module is not None else []
+        num_parameters = sum(p.numel() for p in module.parameters()) if module is not None else None
+        weight_bytes = sum(t.numel() * t.element_size() for t in tensors) if module is not None else row.memory_bytes
+        context = {"general.architecture": "bert", "bert.context_length": served.max_model_len}
+        if module is not None:
+            context["general.parameter_count"] = num_parameters
+            context["bert.embedding_length"] = served.embedder.hidden_size
+        return _Served(
+            name,
+            entry.config.model,
+            entry.task,
+            "bert",
+            served.max_model_len,
+            weight_bytes,
+            num_parameters,
+            context,
+            "none",
+            "",
+            ["embedding"],
+            row.memory_bytes,
+            expires,
+        )
+    # Not loaded: what its files say without loading it.
+    capabilities = ["completion", "tools"] if entry.task == "generate" else ["embedding"]
+    quantization = getattr(entry.config, "quantization", "none")
+    return _Served(
+        name,
+        entry.config.model,
+        entry.task,
+        "",
+        0,
+        row.memory_bytes,
+        None,
+        {},
+        quantization,
+        "",
+        capabilities,
+        row.memory_bytes,
+        expires,
+    )
+
+
+def _expiry(expires_at: float | None) -> str:
+    if expires_at is None:
+        return NEVER_EXPIRES
+    return datetime.fromtimestamp(expires_at, UTC).isoformat().replace("+00:00", "Z")
 
 
 def _details(served: _Served, state: Any) -> Details:
     is_gguf = _local_path(served.path).endswith(".gguf")
-    quantization = state.engine.model_info.quantization if served.task == "generate" else "none"
     return Details(
         format="gguf" if is_gguf else "safetensors",
         family=served.family,
-        families=[served.family],
+        families=[served.family] if served.family else [],
         parameter_size=_parameter_size(served.num_parameters),
-        quantization_level=quantization.upper(),
+        quantization_level=served.quantization.upper(),
     )
 
 
@@ -172,19 +219,14 @@ def _listed(served: _Served, state: Any) -> ListedModel:
 
 
 def _shown(served: _Served, state: Any) -> ShowResponse:
-    template = ""
-    capabilities = ["embedding"]
-    if served.task == "generate":
-        template = state.engine.tokenizer.chat_template or ""
-        capabilities = ["completion", "tools", *(["thinking"] if state.reasoning is not None else [])]
     info = {key: value for key, value in served.info.items() if key != "device"}
     return ShowResponse(
         modelfile="",
         parameters="",
-        template=template,
+        template=served.template,
         details=_details(served, state),
         model_info=info,
-        capabilities=capabilities,
+        capabilities=served.capabilities,
         modified_at=_modified_at(served.path),
     )
 

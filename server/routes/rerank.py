@@ -54,7 +54,7 @@ router = APIRouter(route_class=StrictJSONRoute)
 
 @router.post("/rerank", response_model=TEIRerankResponse, responses=engine_responses())
 async def tei_rerank(body: TEIRerankRequest, state: SharedState) -> Response:
-    reranker = rerank_engine(state, None)
+    reranker = await rerank_engine(state, None)
     _check_not_empty(body.texts, "texts")
     check_batch_size(state.config, len(body.texts), "texts")
 
@@ -77,7 +77,7 @@ async def tei_rerank(body: TEIRerankRequest, state: SharedState) -> Response:
 @router.post("/v2/rerank", response_model=RerankResponse, responses=engine_responses())
 @router.post("/v1/rerank", response_model=RerankResponse, responses=engine_responses())
 async def rerank(body: RerankRequest, request: Request, state: SharedState) -> Response:
-    reranker = rerank_engine(state, body.model)
+    reranker = await rerank_engine(state, body.model)
     documents = [d if isinstance(d, str) else d.text for d in body.documents]
     _check_not_empty(documents, "documents")
     check_batch_size(state.config, len(documents), "documents")
@@ -112,7 +112,7 @@ async def rerank(body: RerankRequest, request: Request, state: SharedState) -> R
 
 @router.post("/v1/score", response_model=ScoreResponse, responses=engine_responses())
 async def score(body: ScoreRequest, request: Request, state: SharedState) -> Response:
-    reranker = rerank_engine(state, body.model)
+    reranker = await rerank_engine(state, body.model)
     pairs = _score_pairs(body.text_1, body.text_2)
     check_batch_size(state.config, len(pairs), "text_2")
     activate = _model_score(reranker)

@@ -34,7 +34,7 @@ from server.openai.params import check_admissible, max_tokens_for, reject_unsupp
 from server.openai.prompts import chat_prompt_ids
 from server.openai.reasoning import ReasoningPlan, template_kwargs
 from server.openai.responses_events import ResponseEvents
-from server.openai.served_models import generation_engine, request_text
+from server.openai.served_models import generation_model
 from server.openai.structured import compile_structured
 from server.openai.text import text_size
 from server.openai.tool_stream import ToolReplyStream, builder_events
@@ -80,7 +80,8 @@ async def create_response(body: ResponsesRequest, request: Request, state: Share
 
 
 async def _create_response(body: ResponsesRequest, request: Request, state: SharedState) -> Response:
-    engine = generation_engine(state, body.model)
+    served = await generation_model(state, body.model)
+    engine = served.engine
     if body.previous_response_id is not None:
         raise APIError(400, NOT_STORED, param="previous_response_id", code="unsupported_field")
     reject_unsupported(body.unsupported_fields())
@@ -96,21 +97,21 @@ async def _create_response(body: ResponsesRequest, request: Request, state: Shar
     kwargs = template_kwargs(
         state.config.default_chat_template_kwargs, None, chat.reasoning_effort, engine.tokenizer.chat_template
     )
-    prompt_ids = await request_text(state).run(
+    prompt_ids = await served.text.run(
         text_size(chat.messages), chat_prompt_ids, chat.messages, True, tools, special_in_content, kwargs
     )
-    reasoning = ReasoningPlan(state.reasoning, prompt_ids) if state.reasoning is not None else None
+    reasoning = ReasoningPlan(served.reasoning, prompt_ids) if served.reasoning is not None else None
     spec = tools.spec if tools is not None else structured
     max_tokens = max_tokens_for(body.max_output_tokens, state.config)
     # prompt_cache_key (OpenAI's) keeps its requests' cached prefixes apart as cache_salt (vLLM's) does.
     cache_salt = request_cache_salt(request, body.cache_salt or body.prompt_cache_key)
     thinking = reasoning.span if reasoning is not None else None
     params = sampling_params(chat, max_tokens, None, engine.vocab_size, cache_salt, spec, thinking=thinking)
-    await compile_structured(request_text(state), engine, spec)
+    await compile_structured(served.text, engine, spec)
     check_admissible(state.config, [len(prompt_ids)], params, engine.max_model_len, engine.kv_cache_tokens)
     response_id = f"resp_{request.state.request_id}"  # OpenAI's spelling, with the X-Request-Id as chat's ids
-    builder = ResponseEvents(_base_response(body, chat, params, response_id, state.config.model_name))
-    timer = state.metrics.start_request()
+    builder = ResponseEvents(_base_response(body, chat, params, response_id, served.name))
+    timer = state.metrics.start_request(served.name)
 
     if body.stream:
         return await serving.named_event_stream(

@@ -19,7 +19,7 @@ from server.http.json_body import StrictJSONRoute
 from server.http.openapi import tokenizer_responses
 from server.openai.params import check_token_ids
 from server.openai.prompts import chat_prompt_ids
-from server.openai.served_models import generation_engine, request_text
+from server.openai.served_models import generation_model
 from server.openai.text import text_size
 from server.protocol.tokenize import (
     DetokenizeRequest,
@@ -35,24 +35,25 @@ router = APIRouter(route_class=StrictJSONRoute)
 
 @router.post("/tokenize", response_model=TokenizeResponse, responses=tokenizer_responses())
 async def tokenize(body: TokenizeRequest, state: SharedState) -> Response:
-    engine = generation_engine(state, body.model)
+    served = await generation_model(state, body.model)
+    engine = served.engine
     if (body.prompt is None) == (body.messages is None):
         raise InvalidRequestError("give exactly one of prompt or messages", "prompt")
     size = text_size(body.prompt if body.prompt is not None else body.messages)
     special_in_content = state.config.allow_special_tokens_in_content
-    return _json(await request_text(state).run(size, _tokenize, body, engine.max_model_len, special_in_content))
+    return _json(await served.text.run(size, _tokenize, body, engine.max_model_len, special_in_content))
 
 
 @router.post("/detokenize", response_model=DetokenizeResponse, responses=tokenizer_responses())
 async def detokenize(body: DetokenizeRequest, state: SharedState) -> Response:
-    engine = generation_engine(state, body.model)
-    check_token_ids(body.tokens, engine.vocab_size, "tokens")
-    return _json(await request_text(state).run(len(body.tokens), _detokenize, body.tokens))
+    served = await generation_model(state, body.model)
+    check_token_ids(body.tokens, served.engine.vocab_size, "tokens")
+    return _json(await served.text.run(len(body.tokens), _detokenize, body.tokens))
 
 
 @router.get("/tokenizer_info", responses=tokenizer_responses())
 async def tokenizer_info(state: SharedState, model: str | None = None) -> TokenizerInfo:
-    engine = generation_engine(state, model)
+    engine = (await generation_model(state, model)).engine
     tokenizer = engine.tokenizer
     return TokenizerInfo(
         tokenizer_class=tokenizer.class_name,

@@ -12,6 +12,11 @@ SERVE_FLAGS = (
     "model",
     "embedding_model",
     "rerank_model",
+    "models_dir",
+    "models_file",
+    "keep_alive",
+    "max_loaded_models",
+    "memory_budget",
     "served_model_name",
     "tokenizer",
     "chat_template",
@@ -90,6 +95,7 @@ def test_every_flag_feeds_a_real_config_field_and_every_server_setting_has_a_fla
 
     from engine.config import EmbedderConfig, EngineConfig, RerankerConfig, SpeculativeConfig
     from server import cli
+    from server.catalogue.sources import ModelSources
     from server.config import ServerConfig
 
     classes = {
@@ -98,11 +104,13 @@ def test_every_flag_feeds_a_real_config_field_and_every_server_setting_has_a_fla
         "embedder": EmbedderConfig,
         "reranker": RerankerConfig,
         "speculative": SpeculativeConfig,
+        "catalogue": ModelSources,
     }
     targets = {(config, field) for flag in cli.FLAGS for config, field in flag.targets}
     for config, field in targets:
         assert field in {f.name for f in dataclasses.fields(classes[config])}, (config, field)
-    own_fields = {f.name for f in dataclasses.fields(ServerConfig)} - {"engine", "embedder", "reranker"}
+    # `models` is made of the model flags and the catalogue's sources (server/catalogue/sources.py).
+    own_fields = {f.name for f in dataclasses.fields(ServerConfig)} - {"engine", "embedder", "reranker", "models"}
     assert own_fields == {field for config, field in targets if config == "server"}
 
 

@@ -61,8 +61,7 @@ def _make_app(async_embedder) -> FastAPI:
         max_client_batch_size=MAX_CLIENT_BATCH_SIZE,
     )
     state = ServerState(config=config, is_ready=True)
-    state.engine = types.SimpleNamespace(model_name=GENERATION_MODEL)  # only its name is read here
-    state.embedder = async_embedder
+    state.models.install(state.models.default("embed"), async_embedder)
     state.metrics = _RecordingMetrics()
     attach_state(app, state)
     app.include_router(embedding_routes.router)

@@ -305,7 +305,8 @@ def test_build_app_parses_args_with_the_cli_flags():
 
     args = {"model": "m", "max-num-seqs": 16, "enable_prefix_caching": True, "embedding-model": None}
     namespace = parse_args({**args, "max-replicas": 4, "replicas": 2})
-    assert (namespace.max_num_seqs, namespace.enable_prefix_caching, namespace.embedding_model) == (16, True, None)
+    # A model flag's value is the models it names: none for "none".
+    assert (namespace.max_num_seqs, namespace.enable_prefix_caching, namespace.embedding_model) == (16, True, ())
     assert isinstance(build_app(args), serve.Application)
     with pytest.raises(ValueError, match="unrecognized arguments"):
         parse_args({"no-such-flag": 1})

@@ -22,6 +22,7 @@ from starlette.testclient import TestClient
 from engine.config import EngineConfig, RerankerConfig
 from engine.pooling.reranker import Reranker, sigmoid
 from engine.serving.async_encoder import AsyncEncoder
+from server.catalogue.served import ServedGeneration
 from server.config import ServerConfig
 from server.errors import install_error_handlers
 from server.http.middleware import AdmissionMiddleware
@@ -85,10 +86,12 @@ def _make_app(async_reranker, *, served: bool = True) -> FastAPI:
         kv_cache_dtype="float16",
         kv_bytes_per_token=23040,
     )
-    state.engine = types.SimpleNamespace(
-        model_name=GENERATION_MODEL, max_model_len=128, is_healthy=True, model_info=runtime
+    engine = types.SimpleNamespace(
+        model_name=GENERATION_MODEL, max_model_len=128, is_healthy=True, model_info=runtime, num_active_requests=0
     )
-    state.reranker = async_reranker if served else None
+    state.models.install(state.models.default("generate"), ServedGeneration(GENERATION_MODEL, engine, None, None))
+    if served:
+        state.models.install(state.models.default("rerank"), async_reranker)
     state.metrics = _RecordingMetrics()
     attach_state(app, state)
     app.include_router(rerank_routes.router)
