@@ -36,7 +36,7 @@ from server.openai.text import RequestText
 
 logger = logging.getLogger(__name__)
 
-Status = Literal["loaded", "loading", "unloaded", "failed"]
+Status = Literal["loaded", "loading", "unloading", "unloaded", "failed"]
 RETRY_AFTER_S = 5  # what a request that found no room is told to wait
 _REAPER_TICK_S = 0.25
 
@@ -70,6 +70,7 @@ class _Slot:
         self.entry = entry
         self.served: Served | None = None
         self.loading: asyncio.Task[Served] | None = None
+        self.unloading = False  # its engine is stopping and its memory being freed
         self.keep_alive = keep_alive
         self.leases = 0  # requests holding it (their route picked it; their answer has not ended)
         self.last_used = time.monotonic()
@@ -127,7 +128,15 @@ class ModelPool:
         now, wall = time.monotonic(), time.time()
         rows = []
         for slot in self._slots:
-            status: Status = "loaded" if slot.served else "loading" if slot.loading else "unloaded"
+            status: Status = (
+                "loaded"
+                if slot.served
+                else "loading"
+                if slot.loading
+                else "unloading"
+                if slot.unloading
+                else "unloaded"
+            )
             if status == "unloaded" and slot.error is not None:
                 status = "failed"
             expires_in = slot.expires_in(now)
@@ -217,15 +226,20 @@ class ModelPool:
             raise APIError(
                 503, "the server is not serving models now", type="service_unavailable", code="model_loading"
             )
-        if slot.loading is None:
-            async with self._room:
+        load = slot.loading
+        if load is None:
+            async with self._room:  # waits while another placement evicts and starts its load
                 if slot.served is not None:
                     return slot.served
-                if slot.loading is None:
+                load = slot.loading
+                if load is None:
                     await self._make_room(slot)
-                    slot.loading = asyncio.create_task(self._load_into(slot), name=f"kvserve-load-{slot.entry.name}")
+                    load = asyncio.create_task(self._load_into(slot), name=f"kvserve-load-{slot.entry.name}")
+                    # Its failure is every waiter's; when all of them left, it is still retrieved here.
+                    load.add_done_callback(lambda task: task.cancelled() or task.exception())
+                    slot.loading = load
         # Shielded: a client that leaves stops waiting, the load goes on for the next request.
-        return await asyncio.shield(slot.loading)
+        return await asyncio.shield(load)
 
     async def _load_into(self, slot: _Slot) -> Served:
         entry = slot.entry
@@ -307,10 +321,15 @@ class ModelPool:
             return
         logger.info("unloading %s (%s; it held %s)", slot.entry.name, why, _mib(slot.memory_bytes))
         slot.loaded_at = None
-        await served_model.stop(served)
-        del served
-        # Off the loop: the collection frees the weights and the KV pool, the trim gives the pages back.
-        await asyncio.get_running_loop().run_in_executor(self._loader, _free_memory)
+        slot.unloading = True  # "unloaded" only once nothing here holds its weights
+        try:
+            await served_model.stop(served)
+            del served
+            # Off the loop (and not behind a load on the loader thread): the collection frees the weights and
+            # the KV pool, the trim gives the pages back.
+            await asyncio.get_running_loop().run_in_executor(None, _free_memory)
+        finally:
+            slot.unloading = False
 
     async def _reap(self) -> None:
         while True:

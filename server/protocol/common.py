@@ -227,8 +227,9 @@ class ModelCard(BaseModel):
     task: Literal["generate", "embed", "rerank"]
     runtime: ModelRuntime | None = None  # a loaded generation model's
     loaded: bool = True
-    # "loaded", "loading", "unloaded" (loads on its first request) or "failed" (its last load failed)
-    status: Literal["loaded", "loading", "unloaded", "failed"] = "loaded"
+    # "loaded", "loading", "unloading" (its engine stopping, its memory being freed), "unloaded" (loads on its
+    # first request) or "failed" (its last load failed)
+    status: Literal["loaded", "loading", "unloading", "unloaded", "failed"] = "loaded"
     memory_bytes: int | None = None  # what it holds (weights plus KV cache); estimated when not loaded
     expires_at: int | None = None  # Unix time it unloads if still idle; None: in use, or kept loaded
 

@@ -175,6 +175,8 @@ def test_a_model_loads_on_demand_while_another_keeps_streaming(served):
 
 
 def test_an_idle_model_unloads_after_its_keep_alive_and_its_memory_is_freed(served):
+    refused = httpx.post(f"{served.base_url}/api/generate", json={"model": "tiny-b", "keep_alive": "soon"}, timeout=10)
+    assert refused.status_code == 400 and "keep_alive" in refused.json()["error"]
     answer = httpx.post(
         f"{served.base_url}/api/generate",
         json={"model": "tiny-b", "prompt": PROMPT, "stream": False, "keep_alive": "1s", "options": {"num_predict": 4}},
