@@ -1,8 +1,8 @@
 """ModelPool: the one owner of which catalogue models are loaded.
 
 A request names a model; `acquire` gives its served form, loading it first when it is not loaded (the
-request waits; others, and /health, go on). A load runs on a loader thread of its own, off the event loop
-and off the torch worker, so the loaded models keep stepping while it reads and converts weights; the
+request waits; others, and /health, go on). A load runs on a thread of its own that ends with it, off the
+event loop and off the torch worker, so the loaded models keep stepping while it reads and converts weights; the
 default models load at start on the torch worker itself, as nothing is served yet. Before a load, the
 least recently used idle models are unloaded until the new one fits under --max-loaded-models and
 --memory-budget; a model with a request inside (leased: server/catalogue/leases.py) is never one of them.
@@ -104,7 +104,7 @@ class ModelPool:
         self._limits = RequestLimits(config.max_queued_requests, config.request_timeout)
         self._worker: TorchWorker | None = None
         self._text_worker: TextWorker | None = None
-        self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-load")
+        self._one_load = asyncio.Lock()  # loads on demand run one at a time (each takes every core it can)
         self._reaper: asyncio.Task[None] | None = None
         self._is_stopped = False
 
@@ -175,7 +175,6 @@ class ModelPool:
         for slot in self._slots:
             if slot.served is not None:
                 await served_model.stop(slot.served)
-        self._loader.shutdown(wait=False, cancel_futures=True)
 
     # ---- requests ----
     async def acquire(self, entry: ModelEntry, keep_alive: float | None = None) -> Served:
@@ -348,7 +347,8 @@ class ModelPool:
         async def run(fn: Callable[..., Any], *args: Any) -> Any:
             if on_worker:
                 return await self._worker.run(fn, *args)
-            return await loop.run_in_executor(self._loader, fn, *args)
+            async with self._one_load:
+                return await _on_a_thread_of_its_own(loop, fn, *args)
 
         if entry.task == "generate":
             generation = await run(self._factories.generation, entry.config)
@@ -388,6 +388,18 @@ def _memory_of(device: str) -> int:
 
         return torch.cuda.get_device_properties(torch.device(device)).total_memory
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+async def _on_a_thread_of_its_own(loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any) -> Any:
+    """fn(*args) on a new thread that ends with it. A thread that runs torch ops gets an OpenMP team of its
+    own; while that thread lives, the runtime counts more threads than cores and makes every parallel
+    region of the stepping models wait to be woken (measured: decode at half speed for as long as a
+    long-lived loader thread stayed). A loader that exits takes its team with it."""
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-load")
+    try:
+        return await loop.run_in_executor(executor, fn, *args)
+    finally:
+        executor.shutdown(wait=False)
 
 
 def _free_memory() -> None:

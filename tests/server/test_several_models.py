@@ -172,6 +172,11 @@ def test_a_model_loads_on_demand_while_another_keeps_streaming(served):
     assert len(loading) >= 20, "the stream stalled while the model loaded"
     assert statistics.median(loading) <= 2 * statistics.median(idle), (statistics.median(idle), loading)
     assert max(loading) < SLOW_LOAD_S / 2  # never waited for the load
+    # The load's thread ended with it: a lasting one would keep its OpenMP team and slow every step after.
+    deadline = time.monotonic() + 5
+    while any(t.name.startswith("kvserve-load") for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("kvserve-load")]
 
 
 def test_an_idle_model_unloads_after_its_keep_alive_and_its_memory_is_freed(served):
