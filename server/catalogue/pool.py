@@ -82,6 +82,16 @@ class _Slot:
     def is_idle(self) -> bool:
         return self.served is not None and self.leases == 0 and served_model.num_requests_inside(self.served) == 0
 
+    @property
+    def status(self) -> Status:
+        if self.served is not None:
+            return "loaded"
+        if self.loading is not None:
+            return "loading"
+        if self.unloading:
+            return "unloading"
+        return "failed" if self.error is not None else "unloaded"
+
     def expires_in(self, now: float) -> float | None:
         """Seconds until the reaper unloads it (None: never, or in use)."""
         if not self.is_idle or self.keep_alive == FOREVER:
@@ -128,23 +138,12 @@ class ModelPool:
         now, wall = time.monotonic(), time.time()
         rows = []
         for slot in self._slots:
-            status: Status = (
-                "loaded"
-                if slot.served
-                else "loading"
-                if slot.loading
-                else "unloading"
-                if slot.unloading
-                else "unloaded"
-            )
-            if status == "unloaded" and slot.error is not None:
-                status = "failed"
             expires_in = slot.expires_in(now)
             inside = served_model.num_requests_inside(slot.served) if slot.served is not None else 0
             rows.append(
                 ModelStatus(
                     entry=slot.entry,
-                    status=status,
+                    status=slot.status,
                     memory_bytes=slot.memory_bytes if slot.served else served_model.estimated_bytes(slot.entry),
                     loaded_at=slot.loaded_at if slot.served else None,
                     expires_at=wall + max(expires_in, 0.0) if expires_in is not None else None,
@@ -324,8 +323,7 @@ class ModelPool:
         try:
             await served_model.stop(served)
             del served
-            # Off the loop (and not behind a load on the loader thread): the collection frees the weights and
-            # the KV pool, the trim gives the pages back.
+            # Off the loop: the collection frees the weights and the KV pool, the trim gives the pages back.
             await asyncio.get_running_loop().run_in_executor(None, _free_memory)
         finally:
             slot.unloading = False
