@@ -6,6 +6,23 @@ import threading
 from pathlib import Path
 
 
+def rss_bytes(pid: int) -> int:
+    """The resident memory of process `pid` and its children (0 once it is gone)."""
+    import psutil
+
+    try:
+        proc = psutil.Process(pid)
+        total = proc.memory_info().rss
+        for child in proc.children(recursive=True):
+            try:
+                total += child.memory_info().rss
+            except psutil.Error:
+                pass
+        return total
+    except psutil.Error:
+        return 0
+
+
 class MemorySampler:
     """Samples the RSS of a process and its children in a thread; also reads the kernel's VmHWM."""
 
@@ -17,19 +34,7 @@ class MemorySampler:
         self._thread: threading.Thread | None = None
 
     def _rss(self) -> int:
-        import psutil
-
-        try:
-            proc = psutil.Process(self.pid)
-            total = proc.memory_info().rss
-            for child in proc.children(recursive=True):
-                try:
-                    total += child.memory_info().rss
-                except psutil.Error:
-                    pass
-            return total
-        except psutil.Error:
-            return 0
+        return rss_bytes(self.pid) if self.pid is not None else 0
 
     def _loop(self) -> None:
         while not self._stop.is_set():

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import statistics
 import tempfile
 import threading
@@ -30,9 +29,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
-import psutil
 from tqdm import tqdm
 
+from clients.bench.memory import rss_bytes
 from clients.bench.processes import (
     ensure_llama_server,
     free_port,
@@ -42,8 +41,8 @@ from clients.bench.processes import (
     server_process,
     split_serve_args,
 )
-
-logger = logging.getLogger(__name__)
+from clients.logging_setup import configure_logging
+from clients.sse import iter_sse_data
 
 PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle."
 SWAP = "swap"
@@ -58,8 +57,8 @@ def _stream(base_url: str, model: str, max_tokens: int) -> tuple[float, list[flo
     arrivals: list[float] = []
     with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=600) as answer:
         answer.raise_for_status()
-        for line in answer.iter_lines():
-            if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["text"]:
+        for payload in iter_sse_data(answer.iter_lines()):
+            if json.loads(payload)["choices"][0]["text"]:
                 arrivals.append(time.monotonic())
     return (arrivals[0] - start if arrivals else float("nan")), arrivals
 
@@ -69,8 +68,7 @@ def _gaps(arrivals: list[float], since: float = 0.0, until: float = float("inf")
 
 
 def _rss_mib(pid: int) -> float:
-    process = psutil.Process(pid)
-    return (process.memory_info().rss + sum(c.memory_info().rss for c in process.children(recursive=True))) / 2**20
+    return rss_bytes(pid) / 2**20
 
 
 def _decode_rate(base_url: str, tokens: int) -> float:
@@ -143,7 +141,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--llamacpp", action="store_true", help="time llama.cpp's server start on the same GGUF")
     parser.add_argument("--json", type=Path, help="write the numbers here too")
     args = parser.parse_args(own)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging()
     model = args.model or str(resolve_gguf(DEFAULT_GENERATION_MODEL))
     results = measure(model, args.tokens, serve_args)
     if args.llamacpp:
