@@ -179,7 +179,7 @@ async def _load_models(
         state.is_ready = True
         others = len(state.models.entries) - sum(entry.preload for entry in state.models.entries)
         more = f" (and {others} more model{'s' * (others != 1)} on demand)" if others else ""
-        logger.info("kvserve ready: serving %s%s", state.config.model_name, more)
+        logger.info("kvserve ready: serving %s%s", state.models.entries[0].name, more)
     except asyncio.CancelledError:
         raise
     except Exception as exc:

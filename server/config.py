@@ -7,6 +7,7 @@ rerank model's `RerankerConfig` (engine/config.py validates those) plus the serv
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -133,6 +134,9 @@ class ServerConfig:
     memory_budget: bytes the loaded models may hold, weights plus KV cache (an int), or that fraction of
         the machine's memory (a float in (0, 1]: RAM, or the GPU's memory for models on CUDA); None: no
         budget.
+    only_model: the name of the one catalogue model this server serves (None: all of them). It loads at
+        start and stays loaded until told otherwise, as a default model does: a Ray Serve deployment of one
+        model (server/ray/model_routes.py) is such a server.
     prefix_cache_scope: "api-key": each key's requests share cached prefixes only among themselves
         (a cached prefix answers much faster, so sharing across keys would tell one client what
         another sent); "shared": across all keys, split by the request's cache_salt alone.
@@ -174,6 +178,7 @@ class ServerConfig:
     keep_alive: float = 300.0
     max_loaded_models: int | None = None
     memory_budget: int | float | None = None
+    only_model: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "models", tuple(self.models))
@@ -182,7 +187,10 @@ class ServerConfig:
         if self.max_loaded_models is not None and self.max_loaded_models < 1:
             raise ValueError(f"max_loaded_models must be at least 1, got {self.max_loaded_models}")
         _check_memory_budget(self.memory_budget)
-        _check_unique_names(self.catalogue)
+        _check_unique_names(self._whole_catalogue())
+        if self.only_model is not None and self._only_entry() is None:
+            names = ", ".join(entry.name for entry in self._whole_catalogue())
+            raise ValueError(f"only_model {self.only_model!r} is not in the catalogue ({names})")
         object.__setattr__(self, "max_request_bytes", parse_bytes(self.max_request_bytes))
         if isinstance(self.allowed_origins, str):
             origins = tuple(o.strip() for o in self.allowed_origins.split(",") if o.strip())
@@ -256,7 +264,23 @@ class ServerConfig:
     @property
     def catalogue(self) -> tuple[ModelEntry, ...]:
         """Every model this server serves: the default of each task first (loaded at start, kept until
-        told otherwise), then `models`."""
+        told otherwise), then `models`; with only_model, that one model alone, loaded at start."""
+        if self.only_model is None:
+            return self._whole_catalogue()
+        entry = self._only_entry()
+        assert entry is not None  # checked at construction
+        if isinstance(entry.config, EngineConfig) and entry.config.num_threads is None:
+            # The server's thread count (its replica's share of the machine), which only the default engine's
+            # config carries, and which this model's load would otherwise not set.
+            entry = dataclasses.replace(
+                entry, config=dataclasses.replace(entry.config, num_threads=self.engine.num_threads)
+            )
+        return (dataclasses.replace(entry, keep_alive=FOREVER, preload=True),)
+
+    def _only_entry(self) -> ModelEntry | None:
+        return next((entry for entry in self._whole_catalogue() if self.only_model in entry.names), None)
+
+    def _whole_catalogue(self) -> tuple[ModelEntry, ...]:
         defaults = [ModelEntry(self.model_names, "generate", self.engine, FOREVER, preload=True)]
         if self.embedder is not None:
             defaults.append(ModelEntry((self.embedder.model,), "embed", self.embedder, FOREVER, preload=True))

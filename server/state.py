@@ -40,12 +40,12 @@ class ServerState:
 
     def __post_init__(self) -> None:
         self.models = ModelPool(self.config, Factories(*_default_factories()))
-        embedder = self.config.embedder
+        generation, embedding = self.models.default("generate"), self.models.default("embed")
         self.metrics = ServerMetrics(
-            self.config.model_name,
+            generation.name if generation is not None else self.config.model_name,
             self._engine_stats,
             metrics_names=self.config.metrics_names,
-            embedding_model_name=embedder.model if embedder is not None else None,
+            embedding_model_name=embedding.name if embedding is not None else None,
             more_stats=self._more_stats,
         )
 

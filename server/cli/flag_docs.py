@@ -375,6 +375,13 @@ FLAG_DOCS: dict[str, FlagDoc] = {
             "choices"
         ),
     ),
+    "model_deployments": FlagDoc(
+        (
+            "with `--replicas`: `shared`, every replica serves every catalogue model (loading each when asked); "
+            "`per-model`, each model is a Ray Serve deployment of its own with `--replicas` replicas, and a "
+            "request goes to the one of the model it names (see [Scale-out on Ray Serve](ray-serve.md))"
+        ),
+    ),
     "replica_metrics_port": FlagDoc(
         ("with `--replicas`: port on 127.0.0.1 of the Prometheus endpoint that carries every replica's series"),
         default_note="a free port, logged",

@@ -31,7 +31,7 @@ from server.cli.kinds import (
 )
 from server.config import LOG_LEVELS, METRICS_NAMES, REASONING_PARSERS
 from server.http.access import PREFIX_CACHE_SCOPES
-from server.ray.scale_out import ROUTINGS
+from server.ray.scale_out import MODEL_DEPLOYMENTS, ROUTINGS
 
 ENV_PREFIX = "KVSERVE_"
 
@@ -464,6 +464,14 @@ FLAGS: tuple[Flag, ...] = (
         one_of(*ROUTINGS),
         "with --replicas: prefix (requests sharing a prompt prefix go to one replica, so its prefix cache "
         "pays off; the least-loaded one when that replica is busy) or least-loaded",
+    ),
+    _scale_flag(
+        "model_deployments",
+        "model_deployments",
+        one_of(*MODEL_DEPLOYMENTS),
+        "with --replicas: shared (every replica serves every model, loading them when asked) or per-model "
+        "(each model a Ray Serve deployment of its own with --replicas replicas, routed by the request's "
+        "model name)",
     ),
     _scale_flag(
         "replica_metrics_port",

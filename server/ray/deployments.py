@@ -24,12 +24,13 @@ from ray.serve.config import RequestRouterConfig
 
 from server.config import ServerConfig
 from server.ray.ingress import KVServeIngress
+from server.ray.model_routes import SHARED_DEPLOYMENT, ModelRoutes, model_deployments
 from server.ray.replica import KVServe
 from server.ray.router import PrefixAffineRouter
 from server.ray.scale_out import ScaleOut
 
 APP_NAME = "kvserve"
-REPLICA_DEPLOYMENT = "KVServe"
+REPLICA_DEPLOYMENT = SHARED_DEPLOYMENT
 INGRESS_DEPLOYMENT = "KVServeIngress"
 # The ingress outlives the replicas' grace by this much, so it can end the requests a replica's stop cut.
 INGRESS_EXTRA_GRACE_S = 5.0
@@ -81,8 +82,17 @@ def ingress_options(config: ServerConfig) -> dict[str, Any]:
 
 
 def kvserve_application(config: ServerConfig, scale_out: ScaleOut, num_cpus: float) -> serve.Application:
-    """The application: KVServeIngress (HTTP) -> KVServe (the engines)."""
-    replica = serve.deployment(KVServe).options(**replica_options(config, scale_out, num_cpus))
+    """The application: KVServeIngress (HTTP) -> KVServe (the engines): one deployment serving every model,
+    or with --model-deployments per-model one per catalogue model (server/ray/model_routes.py), each with
+    the replica options above and its model's name."""
     ingress = serve.deployment(KVServeIngress).options(**ingress_options(config))
     affine = scale_out.routing == "prefix"
-    return ingress.bind(replica.bind(config), config, affine)
+    if scale_out.model_deployments == "shared":
+        replica = serve.deployment(KVServe).options(**replica_options(config, scale_out, num_cpus))
+        return ingress.bind(config, affine, None, replica.bind(config))
+    deployments = model_deployments(config)
+    bound = []
+    for deployment in deployments:
+        options = {**replica_options(deployment.config, scale_out, num_cpus), "name": deployment.name}
+        bound.append(serve.deployment(KVServe).options(**options).bind(deployment.config))
+    return ingress.bind(config, affine, ModelRoutes(deployments), *bound)

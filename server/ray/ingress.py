@@ -28,7 +28,7 @@ import sys
 import time
 from typing import Any
 
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from ray import serve
 from ray.exceptions import RayError, RayTaskError
 from ray.serve.exceptions import BackPressureError, RayServeException
@@ -39,6 +39,7 @@ from engine.errors import QueueFullError
 from server.config import ServerConfig
 from server.errors import APIError, api_error_for
 from server.http.middleware import OPEN_PATHS
+from server.ray.model_routes import SHARED_DEPLOYMENT, ModelRoutes, joined_listing
 from server.ray.replica import SCOPE_KEYS
 from server.ray.router import PREFIX_HASHES_KWARG, prefix_hashes
 from server.shutdown import shutting_down_error
@@ -52,10 +53,20 @@ CUT_ENDING_S = 1.0
 
 
 class Forwarder:
-    """The ingress's ASGI app: each HTTP request to a KVServe replica and its answer back."""
+    """The ingress's ASGI app: each HTTP request to a KVServe replica and its answer back.
 
-    def __init__(self, kvserve: DeploymentHandle, max_request_bytes: int, affine: bool) -> None:
-        self._kvserve = kvserve.options(method_name="handle", stream=True)
+    kvserve: the KVServe deployment's handle by deployment name: one, or one per model with `routes`
+    (server/ray/model_routes.py) saying which a request goes to."""
+
+    def __init__(
+        self,
+        kvserve: dict[str, DeploymentHandle],
+        max_request_bytes: int,
+        affine: bool,
+        routes: ModelRoutes | None = None,
+    ) -> None:
+        self._kvserve = {name: handle.options(method_name="handle", stream=True) for name, handle in kvserve.items()}
+        self._routes = routes
         self._max_request_bytes = max_request_bytes
         self._affine = affine  # whether the router reads prefix hashes (else they are not computed)
         self._draining = False
@@ -80,7 +91,29 @@ class Forwarder:
         for key in ("client", "server"):  # (host, port) tuples travel as lists
             head[key] = list(scope[key]) if scope.get(key) else None
         hashes = prefix_hashes(scope["path"], body) if self._affine else []
-        relay = _Relay(self._kvserve.remote(head, body, **{PREFIX_HASHES_KWARG: hashes}), scope, receive, send)
+        method, path = scope["method"], scope["path"]
+        if self._routes is not None and self._routes.is_listing(method, path):
+            await self._join_listings(head, body, scope, receive, send)
+            return
+        if self._routes is not None:
+            name = self._routes.deployment_for(method, path, body)
+        else:
+            name = next(iter(self._kvserve))
+        await self._relay(name, head, body, hashes, scope, receive, send)
+
+    async def _relay(
+        self,
+        name: str,
+        head: dict[str, Any],
+        body: bytes,
+        hashes: list[int],
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+    ) -> None:
+        """The request to deployment `name`, its answer to `send`."""
+        response = self._kvserve[name].remote(head, body, **{PREFIX_HASHES_KWARG: hashes})
+        relay = _Relay(response, scope, receive, send)
         counted = scope["path"] not in OPEN_PATHS
         if counted:
             self._in_flight.add(relay)
@@ -88,6 +121,26 @@ class Forwarder:
             await relay.run()
         finally:
             self._in_flight.discard(relay)
+
+    async def _join_listings(
+        self, head: dict[str, Any], body: bytes, scope: Scope, receive: Receive, send: Send
+    ) -> None:
+        """A list of models from every model's deployment, joined; the first answer that is not a 200
+        (a wrong API key, a deployment that stopped) is the answer as it is."""
+        answers = [_Collected() for _ in self._kvserve]
+        await asyncio.gather(
+            *(
+                self._relay(name, head, body, [], scope, receive, answer.send)
+                for name, answer in zip(self._kvserve, answers, strict=True)
+            )
+        )
+        failed = next((answer for answer in answers if answer.status != 200), None)
+        if failed is not None:
+            for message in failed.messages:
+                await send(message)
+            return
+        joined = joined_listing(scope["path"], [answer.body for answer in answers])
+        await Response(joined, media_type="application/json")(scope, receive, send)
 
     async def drain(self, grace: float) -> int:
         """Refuse new requests, give those in flight `grace` seconds, then cut the rest (each ends with 503
@@ -123,6 +176,24 @@ class Forwarder:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(chunks)
+
+
+class _Collected:
+    """One deployment's whole answer, kept to be joined with the others' (Forwarder._join_listings)."""
+
+    def __init__(self) -> None:
+        self.messages: list[Message] = []
+
+    async def send(self, message: Message) -> None:
+        self.messages.append(message)
+
+    @property
+    def status(self) -> int | None:
+        return next((m["status"] for m in self.messages if m["type"] == "http.response.start"), None)
+
+    @property
+    def body(self) -> bytes:
+        return b"".join(m.get("body", b"") for m in self.messages if m["type"] == "http.response.body")
 
 
 class _Relay:
@@ -237,13 +308,18 @@ async def _lifespan(receive: Receive, send: Send) -> None:
 @serve.ingress()
 class KVServeIngress:
     """The deployment around Forwarder (its options: server/ray/deployments.py). affine: whether KVServe's
-    router is PrefixAffineRouter (else the prefix hashes are not computed)."""
+    router is PrefixAffineRouter (else the prefix hashes are not computed). routes: with per-model deployments,
+    which deployment serves a request; `kvserve` then holds one handle per name in routes.names, in order."""
 
-    def __init__(self, kvserve: DeploymentHandle, config: ServerConfig, affine: bool) -> None:
+    def __init__(
+        self, config: ServerConfig, affine: bool, routes: ModelRoutes | None, *kvserve: DeploymentHandle
+    ) -> None:
         # As in a KVServe replica (server/ray/replica.py): this process's log lines reach Ray's logs.
         logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
         logging.getLogger().setLevel(config.log_level.upper())
-        self._forwarder = Forwarder(kvserve, config.max_request_bytes, affine)
+        names = routes.names if routes is not None else [SHARED_DEPLOYMENT]
+        handles = dict(zip(names, kvserve, strict=True))
+        self._forwarder = Forwarder(handles, config.max_request_bytes, affine, routes)
 
     def __serve_build_asgi_app__(self) -> Forwarder:
         return self._forwarder

@@ -92,10 +92,11 @@ def replica_share(config: ServerConfig, scale_out: ScaleOut) -> tuple[ServerConf
     threads and those processes contend (one replica on 2 cores served half the requests/s with 2 threads
     that it did with 1)."""
     cores = os.cpu_count() or 1
+    most = scale_out.most_replicas * (len(config.catalogue) if scale_out.model_deployments == "per-model" else 1)
     if config.engine.num_threads is None:
-        threads = max(1, int((cores - 1) / scale_out.most_replicas))
+        threads = max(1, int((cores - 1) / most))
         config = dataclasses.replace(config, engine=dataclasses.replace(config.engine, num_threads=threads))
-    return config, cores / scale_out.most_replicas
+    return config, cores / most
 
 
 def private_auth_token(environ: Mapping[str, str]) -> dict[str, str]:
@@ -154,10 +155,12 @@ def _serve(config: ServerConfig, scale_out: ScaleOut, num_cpus: float, signals: 
     # kvserve's replicas write their own access log line per request: Serve's would repeat it twice.
     logging_config = {"log_level": config.log_level.upper(), "enable_access_log": False}
     http_options = {"host": config.host, "port": config.port, "keep_alive_timeout_s": config.timeout_keep_alive}
+    per_model = scale_out.model_deployments == "per-model"
     logger.info(
-        "starting %s replica(s) of %s (%.2f CPUs, %s torch threads each; routing: %s)",
+        "starting %s replica(s) of %s%s (%.2f CPUs, %s torch threads each; routing: %s)",
         scale_out.replicas,
-        config.model_name,
+        "each of " if per_model else "",
+        ", ".join(entry.name for entry in config.catalogue) if per_model else config.model_name,
         num_cpus,
         config.engine.num_threads,
         scale_out.routing,

@@ -84,7 +84,7 @@ class KVServe:
         except BaseException:
             await self._lifespan.__aexit__(None, None, None)
             raise
-        mirror = MetricsMirror(config.model_name, self._engine_stats)
+        mirror = MetricsMirror(config.catalogue[0].name, self._engine_stats)
         self._mirror_task = asyncio.create_task(mirror.run(), name="kvserve-metrics-mirror")
         logger.info("replica %s ready", self._replica_id)
 

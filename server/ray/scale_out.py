@@ -12,6 +12,10 @@ from dataclasses import dataclass
 # prefix: a request goes to the replica its prompt's prefix hashes to (server/ray/router.py), so that
 # replica's prefix cache holds it; least-loaded: Ray Serve's own power-of-two-choices router.
 ROUTINGS = ("prefix", "least-loaded")
+# shared: every replica serves the whole catalogue (server/catalogue/pool.py loads what is asked for);
+# per-model: each catalogue model is a Serve deployment of its own, with its own replicas, and the ingress
+# sends a request to the deployment of the model it names (server/ray/model_routes.py).
+MODEL_DEPLOYMENTS = ("shared", "per-model")
 
 
 @dataclass(frozen=True)
@@ -19,6 +23,7 @@ class ScaleOut:
     """replicas: replicas to run (0: no Ray, one process with plain uvicorn).
     max_replicas: autoscale between `replicas` and this many on ongoing requests (None: exactly `replicas`).
     routing: one of ROUTINGS.
+    model_deployments: one of MODEL_DEPLOYMENTS.
     metrics_port: where the local Ray instance's Prometheus endpoint listens, every replica's series on it
         (0: a free port, logged at start). Used by `kvserve serve --replicas` only; a Ray cluster has its own.
     """
@@ -27,6 +32,7 @@ class ScaleOut:
     max_replicas: int | None = None
     routing: str = "prefix"
     metrics_port: int = 0
+    model_deployments: str = "shared"
 
     def __post_init__(self) -> None:
         if self.replicas < 0:
@@ -38,6 +44,10 @@ class ScaleOut:
                 raise ValueError(f"max_replicas ({self.max_replicas}) must be at least replicas ({self.replicas})")
         if self.routing not in ROUTINGS:
             raise ValueError(f"replica_routing must be one of {ROUTINGS}, got {self.routing!r}")
+        if self.model_deployments not in MODEL_DEPLOYMENTS:
+            raise ValueError(f"model_deployments must be one of {MODEL_DEPLOYMENTS}, got {self.model_deployments!r}")
+        if self.model_deployments == "per-model" and self.replicas == 0:
+            raise ValueError("model_deployments per-model runs on Ray Serve: it needs replicas to be at least 1")
         if not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"replica_metrics_port must be in [0, 65535], got {self.metrics_port}")
 

@@ -73,6 +73,7 @@ SERVE_FLAGS = (
     "replicas",
     "max_replicas",
     "replica_routing",
+    "model_deployments",
     "replica_metrics_port",
 )
 
@@ -109,8 +110,10 @@ def test_every_flag_feeds_a_real_config_field_and_every_server_setting_has_a_fla
     targets = {(config, field) for flag in cli.FLAGS for config, field in flag.targets}
     for config, field in targets:
         assert field in {f.name for f in dataclasses.fields(classes[config])}, (config, field)
-    # `models` is made of the model flags and the catalogue's sources (server/catalogue/sources.py).
-    own_fields = {f.name for f in dataclasses.fields(ServerConfig)} - {"engine", "embedder", "reranker", "models"}
+    # `models` is made of the model flags and the catalogue's sources (server/catalogue/sources.py);
+    # `only_model` is set for each model's own deployment on Ray Serve (server/ray/model_routes.py).
+    not_flags = {"engine", "embedder", "reranker", "models", "only_model"}
+    own_fields = {f.name for f in dataclasses.fields(ServerConfig)} - not_flags
     assert own_fields == {field for config, field in targets if config == "server"}
 
 
