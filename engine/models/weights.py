@@ -18,6 +18,7 @@ import torch
 
 from engine.config import ModelConfig
 from engine.errors import ModelLoadError
+from engine.hub import gguf_cache
 from engine.models import gemma, phi3, registry
 from engine.ops.gguf_linear import BLOCK_TYPES, BlockWeight
 
@@ -142,8 +143,7 @@ def _load_gguf(path: Path, keep_blocks: bool) -> tuple[ModelConfig, dict[str, to
     facts = _read_gguf_facts(path)
     _refuse_unserved_gguf_architecture(path, facts.architecture)
     try:
-        parsed = load_gguf_checkpoint(str(path), return_tensors=False)
-        config_dict = dict(parsed["config"])
+        config_dict = gguf_cache.load_config(path)
         model_type = config_dict.pop("model_type")
         config_dict.pop("_model_name_or_path", None)
         if facts.key_length is not None:

@@ -20,6 +20,7 @@ import logging
 from pathlib import Path
 
 from engine.errors import InvalidRequestError, ModelLoadError
+from engine.hub import gguf_cache
 from engine.structured.grammar import GrammarCompiler
 from engine.text.chat_text import ControlTokens, Markers, PlainTextEncoder, control_tokens, mark
 
@@ -100,7 +101,7 @@ class Tokenizer:
         path = Path(path)
         try:
             if path.suffix == ".gguf":
-                hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+                hf = gguf_cache.load_tokenizer(path)
             else:
                 hf = AutoTokenizer.from_pretrained(str(path))
         except Exception as exc:  # transformers raises many types; one clear message
