@@ -20,6 +20,7 @@ from engine.config import ModelConfig
 from engine.errors import ModelLoadError
 from engine.hub import gguf_cache
 from engine.models import gemma, phi3, registry
+from engine.models.gguf_file import open_gguf
 from engine.ops.gguf_linear import BLOCK_TYPES, BlockWeight
 
 logger = logging.getLogger(__name__)
@@ -60,7 +61,7 @@ _GGUF_ROPE_FREQS = "rope_freqs.weight"
 class _GgufFacts:
     """What the engine reads from a GGUF file itself, beside transformers' reading of its metadata."""
 
-    reader: Any  # the parsed file (gguf.GGUFReader, memory-mapped), for the tensor pass
+    reader: Any  # the parsed file (engine/models/gguf_file.py, memory-mapped), for the tensor pass
     architecture: str | None  # general.architecture
     key_length: int | None  # <architecture>.attention.key_length: the head size, where the file gives it
     rope_freq_factors: tuple[float, ...] | None  # the rope_freqs tensor: one RoPE divisor per rotary pair
@@ -70,7 +71,7 @@ def _read_gguf_facts(path: Path) -> _GgufFacts:
     import gguf
 
     try:
-        reader = gguf.GGUFReader(str(path))
+        reader = open_gguf(path)
         field = reader.get_field("general.architecture")
         architecture = field.contents() if field is not None else None
         key_field = reader.get_field(f"{architecture}.attention.key_length") if architecture else None
@@ -235,7 +236,7 @@ _PERMUTED_QK_ARCHITECTURES = ("llama",)
 def _read_llama_gguf_tensors(
     reader: Any, path: Path, model_config: ModelConfig, architecture: str, keep_blocks: bool = False
 ) -> dict[str, torch.Tensor | BlockWeight] | None:
-    """One pass over a LLaMA-family GGUF's tensors (`reader`: the file as gguf.GGUFReader parsed it;
+    """One pass over a LLaMA-family GGUF's tensors (`reader`: the file as open_gguf read it;
     `architecture`: its general.architecture): dequantize and rename (~3x faster than transformers'
     converter, which parses the file again). None when a tensor is not one we know, so the caller falls
     back to transformers. With `keep_blocks`, matrices of the types in BLOCK_TYPES are copied as the file's
