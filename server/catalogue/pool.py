@@ -27,7 +27,7 @@ from typing import Any, Literal
 from engine import AsyncEncoder, AsyncEngine, ModelLoadError, RequestLimits, TextWorker, TorchWorker
 from server.catalogue import served as served_model
 from server.catalogue.entries import FOREVER, ModelEntry, format_keep_alive
-from server.catalogue.leases import hold
+from server.catalogue.leases import hold, note_load_wait
 from server.catalogue.served import Served, ServedGeneration
 from server.config import ServerConfig
 from server.errors import APIError
@@ -191,7 +191,9 @@ class ModelPool:
             await self._unload(slot, "its engine stopped")
             served = None
         if served is None:
+            waiting_since = time.monotonic_ns()
             served = await self._ensure_loaded(slot)
+            note_load_wait(time.monotonic_ns() - waiting_since)
         slot.leases += 1
         if not hold(lambda: self._release(slot)):
             self._release(slot)  # no request scope (a script, a test harness): nothing to hold it for

@@ -6,7 +6,8 @@ tool calls whole in a line of their own, then a last line with `done: true`, the
 "length"), the token counts and the timings in nanoseconds (generate's with `context`: the prompt's and
 the answer's tokens, to send back with the next prompt). A whole answer is that last line holding the whole
 reply. `prompt_eval_duration` is the time to the first token, `eval_duration` the time from it to the end;
-`load_duration` is 0 (the models are loaded at start).
+`load_duration` is how long the request waited for its model to load (0 when it was loaded), and
+`total_duration` includes it, as Ollama's do.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from engine.outputs import FINISH_LENGTH
+from server.catalogue.leases import load_wait_ns
 from server.errors import APIError
 from server.protocol.chat import ChatLogprobs, ResponseToolCall
 from server.protocol.ollama import AnswerMessage, AnswerToolCall, ChatLine, GenerateLine, ToolCallFunction
@@ -87,10 +89,11 @@ class OllamaReply:
             self._first = int(first_token_time * 1e9)
         end = time.monotonic_ns()
         first = self._first if self._first is not None else end
+        load = load_wait_ns()
         timings = {
             "done_reason": "length" if finish_reason == FINISH_LENGTH else "stop",
-            "total_duration": end - self._start,
-            "load_duration": 0,
+            "total_duration": end - self._start + load,
+            "load_duration": load,
             "prompt_eval_count": len(self.prompt_ids),
             "prompt_eval_duration": first - self._start,
             "eval_count": eval_count,

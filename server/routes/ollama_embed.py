@@ -14,6 +14,7 @@ from fastapi import APIRouter
 from fastapi.responses import Response
 
 from server import serving
+from server.catalogue.leases import load_wait_ns
 from server.errors import APIError
 from server.http.json_body import AnyContentTypeJSONRoute
 from server.http.openapi import ollama_info_responses
@@ -50,8 +51,8 @@ async def embed(body: EmbedRequest, state: SharedState) -> Response:
         return {
             "model": body.model,
             "embeddings": result.vectors.tolist(),
-            "total_duration": time.monotonic_ns() - start,
-            "load_duration": 0,
+            "total_duration": time.monotonic_ns() - start + load_wait_ns(),
+            "load_duration": load_wait_ns(),
             "prompt_eval_count": result.num_prompt_tokens,
         }
 

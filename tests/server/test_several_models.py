@@ -209,6 +209,12 @@ def test_an_idle_model_unloads_after_its_keep_alive_and_its_memory_is_freed(serv
     assert load["done_reason"] == "load" and _cards(served)["tiny-b"]["loaded"]
     unload = httpx.post(f"{served.base_url}/api/generate", json={"model": "tiny-b", "keep_alive": 0}, timeout=60).json()
     assert unload["done_reason"] == "unload" and not _cards(served)["tiny-b"]["loaded"]
+    # Ollama's load_duration: the wait for the load, inside total_duration; 0 once loaded.
+    body = {"model": "tiny-b", "prompt": PROMPT, "stream": False, "options": {"num_predict": 2}}
+    timings = [httpx.post(f"{served.base_url}/api/generate", json=body, timeout=60).json() for _ in range(2)]
+    assert timings[0]["load_duration"] > 0 and timings[0]["total_duration"] > timings[0]["load_duration"]
+    assert timings[1]["load_duration"] == 0
+    httpx.post(f"{served.base_url}/api/generate", json={"model": "tiny-b", "keep_alive": 0}, timeout=60)
 
 
 def test_a_failed_load_fails_only_its_own_requests(served):
