@@ -19,6 +19,7 @@ TASKS: tuple[Task, ...] = ("generate", "embed", "rerank")
 ModelConfig = EngineConfig | EmbedderConfig | RerankerConfig
 
 FOREVER = math.inf  # a keep-alive that never expires
+LATEST = ":latest"  # Ollama's clients name a model `name:tag`; this tag is the name itself
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+-]*")
 
 

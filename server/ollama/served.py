@@ -5,10 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from engine.errors import InvalidRequestError
-from server.catalogue.entries import parse_keep_alive
+from server.catalogue.entries import LATEST, parse_keep_alive
 from server.openai.served_models import embedding_model_names, generation_model_names
-
-LATEST = ":latest"
 
 
 def served_name(state: Any, name: str) -> str:

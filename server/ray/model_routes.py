@@ -26,12 +26,11 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote
 
-from server.catalogue.entries import ModelEntry, Task
+from server.catalogue.entries import LATEST, ModelEntry, Task
 from server.config import ServerConfig
 
 SHARED_DEPLOYMENT = "KVServe"  # the one deployment serving every model (--model-deployments shared)
 DEPLOYMENT_PREFIX = SHARED_DEPLOYMENT + "-"
-LATEST = ":latest"
 MODEL_PATH = re.compile(r"^/v1/models/(?P<id>.+?)(?:/(?:load|unload))?$")
 # path -> the key of its answer's list of models
 LISTING_PATHS = {"/v1/models": "data", "/api/tags": "models", "/api/ps": "models"}
