@@ -57,12 +57,23 @@ rm -rf "$DEST"
 mv "$SRC" "$DEST"
 echo "source: $(basename "$SDIST") -> $DEST"
 
+# Every instruction set this CPU has (-march=native), but on a CPU with AMX: there llama.cpp's AMX matrix
+# products stop the server with SIGILL at its first product (tilezero before a tile configuration), so the
+# build names the same features one by one, AMX left out (its AVX-512 and VNNI kernels and repacking stay).
+ISA_FLAGS=(-DGGML_NATIVE=ON)
+if grep -qw amx_int8 /proc/cpuinfo 2>/dev/null; then
+    has() { grep -qw "$1" /proc/cpuinfo && echo ON || echo OFF; }
+    ISA_FLAGS=(-DGGML_NATIVE=OFF -DGGML_SSE42=ON -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
+        -DGGML_BMI2="$(has bmi2)" -DGGML_AVX512="$(has avx512f)" -DGGML_AVX512_VBMI="$(has avx512vbmi)"
+        -DGGML_AVX512_VNNI="$(has avx512_vnni)" -DGGML_AVX512_BF16="$(has avx512_bf16)"
+        -DGGML_AVX_VNNI="$(has avx_vnni)" -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF)
+fi
 cmake -S "$DEST" -B "$DEST/build" \
     -DCMAKE_BUILD_TYPE=Release \
     -DLLAMA_BUILD_SERVER=ON \
     -DLLAMA_BUILD_TESTS=OFF \
     -DLLAMA_BUILD_EXAMPLES=OFF \
-    -DGGML_NATIVE=ON \
+    "${ISA_FLAGS[@]}" \
     -DLLAMA_CURL=OFF \
     -DBUILD_SHARED_LIBS=OFF
 # llama-quantize writes the K-quant test files (tests/engine/test_llama_quantize.py); llama-perplexity measures

@@ -2,7 +2,8 @@
 
     python -m engine.bench.gguf_linear [--shape 11264,2048] [--types Q4_0,Q4_1,Q8_0] [--rows 1,8,64,128,512]
 
-For each block type and row count: the integer kernel (`gguf_linear_native`), the tiled dequantize-and-BLAS
+For each block type and row count: the integer kernel (`gguf_linear_native`: the register-tiled one over
+interleaved rows where the CPU has AVX-512 VNNI, and then the row kernel beside it), the tiled dequantize-and-BLAS
 path (`gguf_linear_tiled`, in float32 and in bfloat16: `--prefill-dtype`), float32 BLAS on the dequantized
 weight (the baseline) and the per-channel int8 kernel (up to its 48 rows), best of --repeats, with GMAC/s and
 the speed-up over float32. The default shape is a 1.1B LLaMA's fused gate/up projection (TinyLlama's FFN 5632
@@ -40,6 +41,7 @@ def best_ms(fn: Callable[[], object], repeats: int) -> float:
 def _time_paths(
     x: torch.Tensor,
     weight: gguf_linear.PackedWeight,
+    row_weight: gguf_linear.PackedWeight,
     dequantized: torch.Tensor,
     quantized: torch.Tensor,
     scale: torch.Tensor,
@@ -50,6 +52,9 @@ def _time_paths(
     return {
         "kernel_ms": best_ms(lambda: gguf_linear.gguf_linear_native(x, weight, None), repeats)
         if gguf_linear.available()
+        else None,
+        "row_kernel_ms": best_ms(lambda: gguf_linear.gguf_linear_native(x, row_weight, None), repeats)
+        if gguf_linear.available() and row_weight is not weight
         else None,
         "tiled_ms": best_ms(lambda: gguf_linear.gguf_linear_tiled(x, weight, None), repeats),
         "tiled_bf16_ms": best_ms(lambda: gguf_linear.gguf_linear_tiled(x, weight, None, torch.bfloat16), repeats),
@@ -74,11 +79,14 @@ def measure(
             raw = random_blocks(np.random.default_rng(0), qtype, out_features, in_features, 1.0)
         else:
             raw = gguf.quants.quantize(dense.numpy(), gguf.GGMLQuantizationType[qtype])
-        weight = pack(BlockWeight(qtype, torch.from_numpy(raw.copy()), in_features))
+        blocks = BlockWeight(qtype, torch.from_numpy(raw.copy()), in_features)
+        weight = pack(blocks)
+        row_weight = pack(blocks, interleaved=False) if weight.is_interleaved else weight
         dequantized = gguf_linear.dequantize_rows(weight)
         for rows in row_counts:
             row = {"type": qtype, "rows": rows, "macs": rows * out_features * in_features}
-            row.update(_time_paths(torch.randn(rows, in_features), weight, dequantized, quantized, scale, repeats))
+            x = torch.randn(rows, in_features)
+            row.update(_time_paths(x, weight, row_weight, dequantized, quantized, scale, repeats))
             results.append(row)
     return results
 
@@ -90,13 +98,15 @@ def markdown(results: list[dict[str, float | int | str | None]]) -> str:
         return f"{ms:.2f} ({macs / ms / 1e6:.0f} GMAC/s, {baseline / ms:.2f}×)"
 
     lines = [
-        "| type | rows | GGUF kernel | GGUF tiled | GGUF tiled bfloat16 | float32 BLAS | int8 kernel |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| type | rows | GGUF kernel | GGUF row kernel | GGUF tiled | GGUF tiled bfloat16 | float32 BLAS "
+        "| int8 kernel |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in results:
         macs, base = int(r["macs"]), float(r["float32_ms"])
         lines.append(
-            f"| {r['type']} | {r['rows']} | {cell(r['kernel_ms'], macs, base)} | {cell(r['tiled_ms'], macs, base)} "
+            f"| {r['type']} | {r['rows']} | {cell(r['kernel_ms'], macs, base)} "
+            f"| {cell(r['row_kernel_ms'], macs, base)} | {cell(r['tiled_ms'], macs, base)} "
             f"| {cell(r['tiled_bf16_ms'], macs, base)} "
             f"| {cell(r['float32_ms'], macs, base)} | {cell(r['int8_ms'], macs, base)} |"
         )

@@ -198,6 +198,8 @@ static int check_shape(int type, int64_t K) {
     return 0;
 }
 
+#include "gguf_interleaved.c"
+
 /* One activation row -> its blocks in `act` (from block first_block on), as `type`'s products read them. */
 static void quantize_act_row(int type, const float *x, int64_t K, const Activations *act, int64_t first_block) {
     const int64_t block = weights_per_block(type);
@@ -384,6 +386,7 @@ int kv_gguf_uses_vnni(void) { return KV_VNNI; }
  * or a K the type cannot hold. */
 int kv_gguf_gemm(const float *x, int64_t M, int64_t K, int type, const uint8_t *w, const float *bias, float *y,
                  int64_t N, int num_threads) {
+    if (type & KV_INTERLEAVED) return interleaved_gemm(x, M, K, type & ~KV_INTERLEAVED, w, bias, y, N, num_threads);
     if (check_shape(type, K)) return 2;
     int64_t nb = K / weights_per_block(type), row_bytes = nb * bytes_per_block(type);
     Activations act;
@@ -506,7 +509,8 @@ static void dequantize_row(int type, const uint8_t *row, int64_t K, float *dst) 
  * torch rounds float32 to bfloat16), each row dequantized in float32 first in a buffer of its thread. */
 static int dequantize_rows_to(int type, const uint8_t *w, int64_t K, const int64_t *rows, int64_t num_rows, float *out,
                               uint16_t *out_bf16, int num_threads) {
-    if (check_shape(type, K)) return 2;
+    const int interleaved = (type & KV_INTERLEAVED) != 0;
+    if (interleaved ? !is_interleavable(type & ~KV_INTERLEAVED) || K % QK != 0 : check_shape(type, K)) return 2;
     int64_t row_bytes = K / weights_per_block(type) * bytes_per_block(type);
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
@@ -519,9 +523,12 @@ static int dequantize_rows_to(int type, const uint8_t *w, int64_t K, const int64
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < num_rows; i++) {
             if (!out && !scratch) continue;
-            const uint8_t *row = w + (rows ? rows[i] : i) * row_bytes;
+            const int64_t n = rows ? rows[i] : i;
             float *dst = out ? out + i * K : scratch;
-            dequantize_row(type, row, K, dst);
+            if (interleaved)
+                dequantize_interleaved_row(type & ~KV_INTERLEAVED, w, K, n, dst);
+            else
+                dequantize_row(type, w + n * row_bytes, K, dst);
             if (out_bf16)
                 for (int64_t k = 0; k < K; k++) {
                     uint32_t bits;

@@ -10,15 +10,18 @@ Q4_K, Q5_K and Q6_K (4.5, 5.5 and 6.5625 bits) hold blocks of 256 weights with 6
 and IQ4_XS (4.25 bits, blocks of 256 with 6-bit scales per 32) hold 4-bit indices into a fixed grid of
 16 values (IQ4_VALUES). The model runs the file's numbers, not a re-quantization of them.
 
-At load, 4-bit blocks are repacked in pairs (`pack`: the same bytes and numbers,
-arranged so the kernel unpacks 64 weights with two masks); Q8_0 stays as is.
+At load (`pack`), on a CPU with AVX-512 VNNI the 32-weight types (INTERLEAVED_TYPES) are interleaved in groups
+of 16 rows (`interleave`: the same bytes and numbers, arranged so one 512-bit register holds the same 4 weights
+of 16 rows, engine/ops/gguf_interleaved.c); elsewhere 4-bit blocks are repacked in pairs (the same bytes and
+numbers, arranged so the kernel unpacks 64 weights with two masks); Q8_0 stays as is.
 
 Products: each activation row is rounded to blocks of 32 int8 values with one
 scale per block (the layout of Q8_0; blocks of 256 for the K-quant types, as
 llama.cpp rounds them for each type), then
 - decode-sized batches (M <= MAX_KERNEL_ROWS) run integer dot products in the
   AVX2 kernel `engine/ops/gguf_blocks.c` (`gguf_linear_native`), which reads the
-  4-bit blocks straight from memory;
+  4-bit blocks straight from memory; interleaved weights run every batch in the register-tiled
+  kernel (16 weight rows times up to 8 activation rows per pass), which beats float32 BLAS at every M;
 - larger ones (prefill) are compute-bound: the weight is dequantized one tile of
   rows at a time into a small float32 buffer and multiplied in BLAS with the same
   rounded activations (`gguf_linear_tiled`), so a row gets the kernel's numbers,
@@ -63,6 +66,12 @@ BLOCK = 32
 SUPER_BLOCK = 256  # weights per block of the K-quants and IQ4_XS
 # The kernel's flag for 4-bit blocks repacked in pairs (gguf_blocks.c KV_PAIRED).
 PAIRED = 0x100
+# The kernel's flag for blocks interleaved in groups of GROUP_ROWS weight rows for the AVX-512 VNNI register-tiled
+# products (gguf_interleaved.c KV_INTERLEAVED); the last group is padded with zero rows.
+INTERLEAVED = 0x200
+GROUP_ROWS = 16
+# The 32-weight types with an interleaved layout.
+INTERLEAVED_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL")
 # Up to this many rows the integer kernel beats dequantize-and-BLAS: on 2 AVX2 cores, an
 # [11264, 2048] Q4_0 product took 25 ms in the kernel and 27 ms tiled at 64 rows, 55 and 43 at 128.
 MAX_KERNEL_ROWS = 64
@@ -233,17 +242,24 @@ def gguf_linear_reference(x: torch.Tensor, weight: BlockWeight, bias: torch.Tens
 
 @dataclass(frozen=True)
 class PackedWeight:
-    """A BlockWeight in the layout the kernel reads: `kernel_type` is the GGML type id, with PAIRED
-    set when 4-bit blocks were repacked in pairs (then only the native functions can read `blocks`)."""
+    """A BlockWeight in the layout the kernel reads: `kernel_type` is the GGML type id, with PAIRED set when
+    4-bit blocks were repacked in pairs, or INTERLEAVED when rows were interleaved in groups (then only the native
+    functions can read `blocks`, and an interleaved `blocks` has the rows of whole groups: `out_features` or
+    more)."""
 
     qtype: str
     blocks: torch.Tensor
     in_features: int
     kernel_type: int
+    out_features: int = -1  # -1: blocks' row count
+
+    def __post_init__(self) -> None:
+        if self.out_features < 0:
+            object.__setattr__(self, "out_features", self.blocks.shape[0])
 
     @property
-    def out_features(self) -> int:
-        return self.blocks.shape[0]
+    def is_interleaved(self) -> bool:
+        return bool(self.kernel_type & INTERLEAVED)
 
     @property
     def activation_block(self) -> int:
@@ -262,6 +278,21 @@ def _gemm_kernel():
 def _repack_kernel():
     """kv_gguf_repack(type, source, target, rows, inner, threads) -> status, or None."""
     return bind("gguf_blocks", "kv_gguf_repack", [ctypes.c_int, PTR, PTR, I64, I64, ctypes.c_int], ctypes.c_int)
+
+
+@functools.cache
+def _interleave_kernel():
+    """kv_gguf_interleave(type, source, target, rows, inner, threads) -> status, or None."""
+    return bind("gguf_blocks", "kv_gguf_interleave", [ctypes.c_int, PTR, PTR, I64, I64, ctypes.c_int], ctypes.c_int)
+
+
+@functools.cache
+def interleaved_available() -> bool:
+    """Whether the register-tiled products over interleaved rows run here: the native kernels load and the CPU
+    has AVX-512 F, BW, VL and VNNI (the kernel's own check of the CPU, which holds where /proc/cpuinfo cannot be
+    read)."""
+    supported = bind("gguf_blocks", "kv_gguf_interleaved_supported", [], ctypes.c_int)
+    return supported is not None and bool(supported())
 
 
 @functools.cache
@@ -291,9 +322,32 @@ def _check(status: int, what: str) -> None:
         raise ValueError(f"the GGUF block kernel refused {what} (unknown type or a size it cannot hold)")
 
 
-def pack(weight: BlockWeight) -> PackedWeight:
-    """The weight in the kernel's layout: 4-bit blocks repacked in pairs where the kernel loads and
-    a row holds an even number of blocks; otherwise the file's layout, unchanged."""
+def interleave(weight: BlockWeight) -> PackedWeight:
+    """The weight interleaved in groups of GROUP_ROWS rows for the register-tiled products (interleaved_available()
+    and a INTERLEAVED_TYPES type): the same bytes per row, the last group padded with zero rows."""
+    groups = -(-weight.out_features // GROUP_ROWS)
+    source = weight.blocks.contiguous()
+    target = torch.empty(groups * GROUP_ROWS, source.shape[1], dtype=torch.uint8)
+    status = _interleave_kernel()(
+        weight.type_id,
+        source.data_ptr(),
+        target.data_ptr(),
+        weight.out_features,
+        weight.in_features,
+        torch.get_num_threads(),
+    )
+    _check(status, "interleaving")
+    return PackedWeight(weight.qtype, target, weight.in_features, weight.type_id | INTERLEAVED, weight.out_features)
+
+
+def pack(weight: BlockWeight, interleaved: bool | None = None) -> PackedWeight:
+    """The weight in the kernel's layout: interleaved (`interleave`) where the CPU runs the register-tiled
+    products and the type has that layout (`interleaved` False: never); else 4-bit blocks repacked in pairs
+    where the kernel loads and a row holds an even number of blocks; otherwise the file's layout, unchanged."""
+    if interleaved is None:
+        interleaved = interleaved_available()
+    if interleaved and weight.qtype in INTERLEAVED_TYPES and interleaved_available():
+        return interleave(weight)
     type_id = weight.type_id
     if not (available() and weight.qtype in ("Q4_0", "Q4_1") and weight.in_features % (2 * BLOCK) == 0):
         return PackedWeight(weight.qtype, weight.blocks, weight.in_features, type_id)
@@ -340,6 +394,8 @@ def dequantize_rows(
     if kernel is None:  # then `pack` kept the file's layout
         picked = weight.blocks[rows] if rows is not None else weight.blocks[start:stop]
         return dequantize_reference(BlockWeight(weight.qtype, picked, weight.in_features)).to(dtype)
+    if rows is None and weight.is_interleaved:  # an interleaved row's bytes are spread over its group: name the rows
+        rows = torch.arange(start, weight.out_features if stop is None else stop)
     if rows is not None:
         rows = rows.to(torch.int64).contiguous()
         num_rows, source, row_pointer = rows.shape[0], weight.blocks, rows.data_ptr()
@@ -384,8 +440,12 @@ def gguf_linear_tiled(
 def gguf_linear_forward(
     x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None, prefill_dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
-    """x [M, K] float32 -> [M, N]: the integer kernel for decode-sized batches where it loads, the tiled
-    path in `prefill_dtype` otherwise (float32: the kernel's numbers)."""
-    if x.shape[0] <= MAX_KERNEL_ROWS and available():
+    """x [M, K] float32 -> [M, N]: the integer kernel for decode-sized batches where it loads, and for every
+    batch over interleaved rows unless a faster `prefill_dtype` is asked for; the tiled path in `prefill_dtype`
+    otherwise (float32: the kernel's numbers)."""
+    rows = x.shape[0]
+    if weight.is_interleaved and (rows <= MAX_KERNEL_ROWS or prefill_dtype == torch.float32):
+        return gguf_linear_native(x, weight, bias)
+    if rows <= MAX_KERNEL_ROWS and available():
         return gguf_linear_native(x, weight, bias)
     return gguf_linear_tiled(x, weight, bias, prefill_dtype)

@@ -38,7 +38,7 @@ class _BlockBuffers(nn.Module):
 
     @property
     def packed(self) -> PackedWeight:
-        return PackedWeight(self.qtype, self.blocks, self.in_features, self.kernel_type)
+        return PackedWeight(self.qtype, self.blocks, self.in_features, self.kernel_type, self.out_features)
 
 
 class GgufLinear(_BlockBuffers):

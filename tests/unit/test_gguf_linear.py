@@ -1,5 +1,6 @@
 """GGUF-block linear layers (engine/ops/gguf_linear.py, engine/quantization/gguf.py): the blocks decode as
-the `gguf` package decodes them, and the AVX2 kernel, the tiled BLAS path and the torch reference agree."""
+the `gguf` package decodes them, and the AVX2 kernel, the register-tiled kernel over interleaved rows (where the
+CPU has AVX-512 VNNI), the tiled BLAS path and the torch reference agree."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from engine.bench.random_gguf import RANDOM_BLOCK_TYPES, random_blocks
 from engine.ops import gguf_linear
 from engine.ops.gguf_linear import (
     BLOCK_TYPES,
+    GROUP_ROWS,
+    INTERLEAVED_TYPES,
     PAIRED,
     BlockWeight,
     cat_weights,
@@ -37,6 +40,16 @@ needs_kernel = pytest.mark.skipif(
 K_QUANTS = ["Q4_K", "Q5_K", "Q6_K"]
 
 
+def _layouts(weight: BlockWeight) -> list[gguf_linear.PackedWeight]:
+    """The weight in each layout this machine's kernels read: the row kernel's (file or paired), and the
+    interleaved one where the CPU runs the register-tiled kernel and the type has that layout."""
+    layouts = [pack(weight, interleaved=False)]
+    if gguf_linear.interleaved_available() and weight.qtype in INTERLEAVED_TYPES:
+        layouts.append(pack(weight, interleaved=True))
+        assert layouts[-1].is_interleaved and pack(weight).is_interleaved  # the default where it runs
+    return layouts
+
+
 def _in_features(qtype: str, blocks: int) -> int:
     return blocks * BLOCK_TYPES[qtype][2]
 
@@ -47,13 +60,16 @@ def test_blocks_decode_as_the_gguf_package_decodes_them(qtype, blocks):
     in_features = _in_features(qtype, blocks)
     weight, decoded = block_weight(qtype, 41, in_features)
     assert torch.equal(dequantize_reference(weight), decoded)
-    packed = pack(weight)
-    paired = gguf_linear.available() and qtype in ("Q4_0", "Q4_1") and blocks == 4
-    assert bool(packed.kernel_type & PAIRED) == paired and packed.blocks.nbytes == weight.blocks.nbytes
-    assert torch.equal(dequantize_rows(packed), decoded)  # native where the kernel loads
-    assert torch.equal(dequantize_rows(packed, start=7, stop=19), decoded[7:19])
-    picked = torch.tensor([40, 0, 5, 5])
-    assert torch.equal(dequantize_rows(packed, rows=picked), decoded[picked])
+    for packed in _layouts(weight):
+        if packed.is_interleaved:  # 41 rows: two whole groups of 16 and one padded with 7 zero rows
+            assert packed.out_features == 41 and packed.blocks.nbytes == 48 * weight.blocks.shape[1]
+        else:
+            paired = gguf_linear.available() and qtype in ("Q4_0", "Q4_1") and blocks == 4
+            assert bool(packed.kernel_type & PAIRED) == paired and packed.blocks.nbytes == weight.blocks.nbytes
+        assert torch.equal(dequantize_rows(packed), decoded)  # native where the kernel loads
+        assert torch.equal(dequantize_rows(packed, start=7, stop=19), decoded[7:19])
+        picked = torch.tensor([40, 0, 5, 5])
+        assert torch.equal(dequantize_rows(packed, rows=picked), decoded[picked])
 
 
 @pytest.mark.parametrize("qtype", [q for q in BLOCK_TYPES if q not in RANDOM_BLOCK_TYPES])
@@ -71,12 +87,13 @@ def test_the_extremes_of_each_scale_decode_and_multiply_as_the_reference(qtype):
     weight = BlockWeight(qtype, torch.from_numpy(raw.copy()), 256)
     decoded = torch.from_numpy(gguf.quants.dequantize(raw, kind).copy())
     assert torch.equal(dequantize_reference(weight), decoded)
-    assert torch.equal(dequantize_rows(pack(weight)), decoded)
-    if gguf_linear.available():
-        x = torch.randn(3, 256)
-        expected = gguf_linear_reference(x, weight, None)
-        scale = expected.abs().max()
-        assert (gguf_linear_native(x, pack(weight), None) - expected).abs().max() <= 1e-5 * scale
+    for packed in _layouts(weight):
+        assert torch.equal(dequantize_rows(packed), decoded)
+        if gguf_linear.available():
+            x = torch.randn(3, 256)
+            expected = gguf_linear_reference(x, weight, None)
+            scale = expected.abs().max()
+            assert (gguf_linear_native(x, packed, None) - expected).abs().max() <= 1e-5 * scale
 
 
 def _k_block_fields(qtype: str, blocks: np.ndarray) -> dict[str, np.ndarray]:
@@ -93,12 +110,13 @@ def _assert_decode_and_products_follow_the_reference(qtype: str, raw: np.ndarray
     decoded = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype]).copy())
     assert torch.isfinite(decoded).all()
     assert torch.equal(dequantize_reference(weight), decoded)
-    assert torch.equal(dequantize_rows(pack(weight)), decoded)
-    if gguf_linear.available():
-        x = torch.randn(3, 512)
-        expected = gguf_linear_reference(x, weight, None)
-        scale = expected.abs().amax(dim=0, keepdim=True).clamp_min(1e-30)
-        assert ((gguf_linear_native(x, pack(weight), None) - expected).abs() <= 1e-5 * scale).all()
+    for packed in _layouts(weight):
+        assert torch.equal(dequantize_rows(packed), decoded)
+        if gguf_linear.available():
+            x = torch.randn(3, 512)
+            expected = gguf_linear_reference(x, weight, None)
+            scale = expected.abs().amax(dim=0, keepdim=True).clamp_min(1e-30)
+            assert ((gguf_linear_native(x, packed, None) - expected).abs() <= 1e-5 * scale).all()
 
 
 @pytest.mark.parametrize("qtype", K_QUANTS)
@@ -166,25 +184,43 @@ def test_the_kernel_matches_the_reference(qtype, rows, blocks):
     x = torch.randn(rows, in_features)
     bias = torch.randn(70)
     expected = gguf_linear_reference(x, weight, bias)
-    packed = pack(weight)
-    assert torch.allclose(gguf_linear_native(x, packed, bias), expected, rtol=1e-5, atol=1e-4)
-    assert torch.allclose(gguf_linear_tiled(x, packed, bias), expected, rtol=1e-5, atol=1e-4)
+    for packed in _layouts(weight):
+        assert torch.allclose(gguf_linear_native(x, packed, bias), expected, rtol=1e-5, atol=1e-4)
+        assert torch.allclose(gguf_linear_tiled(x, packed, bias), expected, rtol=1e-5, atol=1e-4)
 
 
 @needs_kernel
 @pytest.mark.parametrize("qtype", list(BLOCK_TYPES))
 def test_a_rows_result_does_not_depend_on_its_batch(qtype):
-    """Rows go through the kernel in groups of up to 4; each is summed in the same order in any group."""
-    packed = pack(block_weight(qtype, 33, 512, seed=1)[0])
-    x = torch.randn(11, 512)
-    batched = gguf_linear_native(x, packed, None)
-    one_by_one = torch.cat([gguf_linear_native(x[i : i + 1], packed, None) for i in range(11)])
-    assert torch.equal(batched, one_by_one)
+    """Rows go through the row kernel in groups of up to 4 and through the register-tiled one in passes of up to
+    8; each is summed in the same order in any group."""
+    for packed in _layouts(block_weight(qtype, 33, 512, seed=1)[0]):
+        x = torch.randn(11, 512)
+        batched = gguf_linear_native(x, packed, None)
+        one_by_one = torch.cat([gguf_linear_native(x[i : i + 1], packed, None) for i in range(11)])
+        assert torch.equal(batched, one_by_one)
+
+
+@pytest.mark.skipif(not gguf_linear.interleaved_available(), reason="the CPU lacks AVX-512 F/BW/VL or VNNI")
+@pytest.mark.parametrize("qtype", INTERLEAVED_TYPES)
+def test_interleaved_weights_take_the_integer_kernel_for_every_batch_unless_bfloat16_is_asked(qtype):
+    """A prompt of any length and a decode row get the same numbers for the same input (batch invariance from
+    prefill to decode), and --prefill-dtype bfloat16 still reaches the many-row products."""
+    weight, _ = block_weight(qtype, 2 * GROUP_ROWS + 3, 128, seed=4)
+    layer = GgufLinear(pack(weight), torch.randn(2 * GROUP_ROWS + 3))
+    assert layer.packed.is_interleaved and layer.out_features == 2 * GROUP_ROWS + 3
+    many = torch.randn(gguf_linear.MAX_KERNEL_ROWS + 9, 128)
+    out = layer(many)
+    assert out.shape == (gguf_linear.MAX_KERNEL_ROWS + 9, 2 * GROUP_ROWS + 3)
+    assert torch.equal(out[-3:], layer(many[-3:])) and torch.equal(out[:1], layer(many[:1]))
+    assert torch.allclose(out, gguf_linear_reference(many, weight, layer.bias), rtol=1e-5, atol=1e-4)
+    layer.prefill_dtype = torch.bfloat16
+    assert not torch.equal(layer(many), out) and torch.equal(layer(many[:1]), out[:1])
 
 
 def test_the_layer_takes_the_kernel_for_few_rows_and_tiles_for_many(monkeypatch):
     weight, decoded = block_weight("Q4_1", 300, 64)
-    layer = GgufLinear(pack(weight))
+    layer = GgufLinear(pack(weight, interleaved=False))
     monkeypatch.setattr(gguf_linear, "TILE_BYTES", 64 * 4 * 50)  # 50-row tiles: several tiles and a ragged end
     many = torch.randn(gguf_linear.MAX_KERNEL_ROWS + 3, 64)
     expected = gguf_linear_reference(many, weight, None)
