@@ -33,10 +33,10 @@ enum { KV_INTERLEAVED = 0x200 };
 #define GROUP_ROWS 16 /* weight rows per group: one 512-bit register of int32 sums */
 #define TILE_MAX_R 8 /* activation rows multiplied per pass over a group's unpacked blocks */
 
-/* The 32-weight types with an interleaved layout. */
+/* The types with an interleaved layout: the 32-weight ones here, the 256-weight ones in gguf_interleaved_k.c. */
 static inline int is_interleavable(int base) {
     return base == KV_Q4_0 || base == KV_Q4_1 || base == KV_Q5_0 || base == KV_Q5_1 || base == KV_Q8_0 ||
-           base == KV_IQ4_NL;
+           base == KV_IQ4_NL || is_k_type(base);
 }
 
 static inline int interleaved_has_offset(int base) { return base == KV_Q4_1 || base == KV_Q5_1; }
@@ -67,9 +67,15 @@ static inline int interleaved_weight(int base, const uint8_t *qh, const uint8_t 
     return q;
 }
 
+#include "gguf_interleaved_k.c"
+
 /* Row n (0-based over the whole weight) of interleaved blocks -> K float32 weights, rounded as dequantize_row
  * rounds the file's layout. */
 static void dequantize_interleaved_row(int base, const uint8_t *w, int64_t K, int64_t n, float *dst) {
+    if (is_k_type(base)) {
+        dequantize_interleaved_k_row(base, w, K, n, dst);
+        return;
+    }
     const int64_t nb = K / QK, stride = interleaved_block_bytes(base);
     const uint8_t *group = w + (n / GROUP_ROWS) * nb * stride;
     const int lane = (int)(n % GROUP_ROWS);
@@ -104,7 +110,11 @@ static void dequantize_interleaved_row(int base, const uint8_t *w, int64_t K, in
 /* Rows of file-layout blocks of an interleavable type -> the interleaved layout; the last group's missing rows are zero
  * (scale 0). dst holds ceil(rows / 16) * 16 rows' bytes. Returns 2 for a type with no interleaved layout. */
 int kv_gguf_interleave(int type, const uint8_t *src, uint8_t *dst, int64_t rows, int64_t K, int num_threads) {
-    if (!is_interleavable(type) || K % QK != 0) return 2;
+    if (!is_interleavable(type) || K % weights_per_block(type) != 0) return 2;
+    if (is_k_type(type)) {
+        interleave_k(type, src, dst, rows, K, num_threads);
+        return 0;
+    }
     const int64_t nb = K / QK, block_bytes = bytes_per_block(type), row_bytes = nb * block_bytes;
     const int64_t groups = (rows + GROUP_ROWS - 1) / GROUP_ROWS, stride = interleaved_block_bytes(type);
     const int offset = interleaved_has_offset(type), five_bit = interleaved_is_5bit(type);
@@ -252,7 +262,8 @@ static inline __attribute__((always_inline)) void interleaved_gemm_type(int base
  * no interleaved layout or a CPU without the instructions. */
 static int interleaved_gemm(const float *x, int64_t M, int64_t K, int base, const uint8_t *w, const float *bias, float *y,
                       int64_t N, int num_threads) {
-    if (!is_interleavable(base) || K % QK != 0 || !kv_gguf_interleaved_supported()) return 2;
+    if (!is_interleavable(base) || K % weights_per_block(base) != 0 || !kv_gguf_interleaved_supported()) return 2;
+    if (is_k_type(base)) return interleaved_k_gemm(x, M, K, base, w, bias, y, N, num_threads);
     const int64_t nb = K / QK;
     size_t q_bytes = ((size_t)(M * K) + 63) & ~(size_t)63, per_block = (size_t)(M * nb) * 4;
     uint8_t *buffer = aligned_alloc(64, q_bytes + 3 * ((per_block + 63) & ~(size_t)63));

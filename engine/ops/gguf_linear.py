@@ -70,8 +70,8 @@ PAIRED = 0x100
 # products (gguf_interleaved.c KV_INTERLEAVED); the last group is padded with zero rows.
 INTERLEAVED = 0x200
 GROUP_ROWS = 16
-# The 32-weight types with an interleaved layout.
-INTERLEAVED_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL")
+# The types with an interleaved layout (every type with a block kernel).
+INTERLEAVED_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS")
 # Up to this many rows the integer kernel beats dequantize-and-BLAS: on 2 AVX2 cores, an
 # [11264, 2048] Q4_0 product took 25 ms in the kernel and 27 ms tiled at 64 rows, 55 and 43 at 128.
 MAX_KERNEL_ROWS = 64

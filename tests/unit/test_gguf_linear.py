@@ -206,10 +206,11 @@ def test_a_rows_result_does_not_depend_on_its_batch(qtype):
 def test_interleaved_weights_take_the_integer_kernel_for_every_batch_unless_bfloat16_is_asked(qtype):
     """A prompt of any length and a decode row get the same numbers for the same input (batch invariance from
     prefill to decode), and --prefill-dtype bfloat16 still reaches the many-row products."""
-    weight, _ = block_weight(qtype, 2 * GROUP_ROWS + 3, 128, seed=4)
+    in_features = _in_features(qtype, 2 if BLOCK_TYPES[qtype][2] == 256 else 6)
+    weight, _ = block_weight(qtype, 2 * GROUP_ROWS + 3, in_features, seed=4)
     layer = GgufLinear(pack(weight), torch.randn(2 * GROUP_ROWS + 3))
     assert layer.packed.is_interleaved and layer.out_features == 2 * GROUP_ROWS + 3
-    many = torch.randn(gguf_linear.MAX_KERNEL_ROWS + 9, 128)
+    many = torch.randn(gguf_linear.MAX_KERNEL_ROWS + 9, in_features)
     out = layer(many)
     assert out.shape == (gguf_linear.MAX_KERNEL_ROWS + 9, 2 * GROUP_ROWS + 3)
     assert torch.equal(out[-3:], layer(many[-3:])) and torch.equal(out[:1], layer(many[:1]))
