@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.ops.loader import I64, PTR, bind
+from engine.ops.loader import I64, PTR, avx512_kernels_allowed, bind
 
 # GGML type name -> (type id as in GGUF files, bytes per block, weights per block).
 BLOCK_TYPES = {
@@ -288,9 +288,11 @@ def _interleave_kernel():
 
 @functools.cache
 def interleaved_available() -> bool:
-    """Whether the register-tiled products over interleaved rows run here: the native kernels load and the CPU
+    """Whether the register-tiled products over interleaved rows run here: the native kernels load, the CPU
     has AVX-512 F, BW, VL and VNNI (the kernel's own check of the CPU, which holds where /proc/cpuinfo cannot be
-    read)."""
+    read), and KVSERVE_NATIVE_ISA does not name a 256-bit build."""
+    if not avx512_kernels_allowed():
+        return False
     supported = bind("gguf_blocks", "kv_gguf_interleaved_supported", [], ctypes.c_int)
     return supported is not None and bool(supported())
 

@@ -84,6 +84,12 @@ def chosen_isa() -> str:
     return [isa for isa in ISA_BUILDS if isa == BASELINE_ISA or _runs_here(isa)][-1]
 
 
+def avx512_kernels_allowed() -> bool:
+    """Whether KVSERVE_NATIVE_ISA leaves the kernels that use 512-bit registers on (the register-tiled GGUF
+    products): unset, or naming the avx512vnni build. Naming a 256-bit build keeps every product in it."""
+    return os.environ.get(ISA_ENV, "") in ("", "avx512vnni")
+
+
 def build_flags(isa: str) -> tuple[str, ...]:
     return (*CFLAGS, *ISA_BUILDS[isa][0])
 

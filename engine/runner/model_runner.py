@@ -127,6 +127,11 @@ class ModelRunner:
         if self.device.type != "cpu":
             return ""
         build = f"; kernels built for {loader.chosen_isa()}" if self.decode_plan.native_ops else ""
+        if any(
+            getattr(module, "packed", None) is not None and module.packed.is_interleaved
+            for module in self.model.modules()
+        ):
+            build += "; GGUF weights interleaved for the AVX-512 VNNI register-tiled products"
         prefill = f"; prefill products in {self.prefill_dtype}" if self.prefill_dtype is not None else ""
         return f"; CPU {' '.join(cpu_features()) or 'features unknown'}{build}{prefill}"
 

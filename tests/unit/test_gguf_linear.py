@@ -333,3 +333,21 @@ def test_the_benchmark_times_every_path_beside_float32(capsys):
     table = capsys.readouterr().out
     assert table.count("| Q4_0 |") == 2 and table.count("| Q8_0 |") == 2
     assert "| Q8_0 | 100 |" in table and table.rstrip().endswith("| — |")  # 100 rows: past the int8 kernel's 48
+
+
+def test_naming_a_256_bit_kernel_build_keeps_every_product_off_the_interleaved_kernel(monkeypatch):
+    weight, decoded = block_weight("Q4_0", 20, 128)
+    gguf_linear.interleaved_available.cache_clear()
+    try:
+        for build in ("avx2", "avxvnni"):
+            monkeypatch.setenv("KVSERVE_NATIVE_ISA", build)
+            gguf_linear.interleaved_available.cache_clear()
+            assert not gguf_linear.interleaved_available() and not pack(weight).is_interleaved
+        monkeypatch.setenv("KVSERVE_NATIVE_ISA", "avx512vnni")
+        gguf_linear.interleaved_available.cache_clear()
+        packed = pack(weight)
+        assert packed.is_interleaved == gguf_linear.interleaved_available()
+        assert torch.equal(dequantize_rows(packed), decoded)
+    finally:
+        monkeypatch.delenv("KVSERVE_NATIVE_ISA")
+        gguf_linear.interleaved_available.cache_clear()
