@@ -510,6 +510,7 @@ static void dequantize_row(int type, const uint8_t *row, int64_t K, float *dst) 
 static int dequantize_rows_to(int type, const uint8_t *w, int64_t K, const int64_t *rows, int64_t num_rows, float *out,
                               uint16_t *out_bf16, int num_threads) {
     const int interleaved = (type & KV_INTERLEAVED) != 0;
+    type &= ~KV_NARROW;
     if (interleaved ? !is_interleavable(type & ~KV_INTERLEAVED) || K % weights_per_block(type & ~KV_INTERLEAVED) != 0
                     : check_shape(type, K))
         return 2;

@@ -28,10 +28,9 @@
  * tiled, so a row's result does not depend on its batch.
  */
 
-enum { KV_INTERLEAVED = 0x200 };
+enum { KV_INTERLEAVED = 0x200, KV_NARROW = 0x400 }; /* NARROW: the 256-bit kernel even where the 512-bit one runs */
 
 #define GROUP_ROWS 16 /* weight rows per group: one 512-bit register of int32 sums */
-#define TILE_MAX_R 8 /* activation rows multiplied per pass over a group's unpacked blocks */
 
 /* The types with an interleaved layout: the 32-weight ones here, the 256-weight ones in gguf_interleaved_k.c. */
 static inline int is_interleavable(int base) {
@@ -147,151 +146,201 @@ int kv_gguf_interleave(int type, const uint8_t *src, uint8_t *dst, int64_t rows,
     return 0;
 }
 
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni")
-
-/* 1 when this CPU runs the interleaved kernels. */
+/* 1 when this CPU runs the 512-bit kernels (AVX-512 F, BW, VL and VNNI). */
 int kv_gguf_interleaved_supported(void) {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
 }
 
-/* Activation rows rounded to blocks of 32 for the interleaved products: q int8 [M*K], and per block d (scale),
- * s (d * sum q: the offset types' term) and start (-centre * sum q: where the integer sums begin). */
+/* Activation rows rounded to blocks of 32 for the 32-weight types: q int8 [M*K], and per block d (scale), s (d *
+ * sum q: the offset types' term) and start (-centre * sum q: where the integer sums begin). */
 typedef struct {
     int8_t *q;
     float *d, *s;
     int32_t *start;
 } InterleavedActivations;
 
-/* One block of the group: the 8 quads' weight bytes of the 16 rows, their scales and offsets. */
+/* Activation rows rounded per 256 values for the 256-weight types: q int8 [M*K]; d per 256; sum16 and sum32, the
+ * integer sums of each 16 and 32 values. */
 typedef struct {
-    __m512i w[8];
-    __m512 d, m;
-} InterleavedBlock;
+    int8_t *q;
+    float *d;
+    int32_t *sum16, *sum32;
+} KActivations;
 
-static inline __attribute__((always_inline)) void unpack_interleaved(int base, const uint8_t *p, InterleavedBlock *t) {
-    t->d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
-    p += 2 * GROUP_ROWS;
-    if (interleaved_has_offset(base)) {
-        t->m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
-        p += 2 * GROUP_ROWS;
-    }
-    if (base == KV_Q8_0) {
-        for (int v = 0; v < 8; v++) t->w[v] = _mm512_loadu_si512(p + 64 * v);
-        return;
-    }
-    __m512i high = _mm512_setzero_si512();
-    if (interleaved_is_5bit(base)) {
-        high = _mm512_loadu_si512(p);
-        p += 64;
-    }
-    const __m512i low4 = _mm512_set1_epi8(0x0F);
-    for (int c = 0; c < 4; c++) {
-        __m512i raw = _mm512_loadu_si512(p + 64 * c);
-        t->w[c] = _mm512_and_si512(raw, low4);
-        t->w[c + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
-    }
-    if (base == KV_IQ4_NL) { /* indices -> grid values + 128, one byte shuffle per quad */
-        const __m512i grid = _mm512_broadcast_i32x4(
-            _mm_xor_si128(_mm_loadu_si128((const __m128i *)IQ4_VALUES), _mm_set1_epi8((char)0x80)));
-        for (int v = 0; v < 8; v++) t->w[v] = _mm512_shuffle_epi8(grid, t->w[v]);
-    } else if (interleaved_is_5bit(base)) { /* quad v's fifth bits: bit v of each qh byte, moved to bit 4 */
-        const __m512i bit4 = _mm512_set1_epi8(0x10);
-        for (int v = 0; v < 8; v++) {
-            __m512i moved = v <= 4 ? _mm512_slli_epi16(high, 4 - v) : _mm512_srli_epi16(high, v - 4);
-            t->w[v] = _mm512_or_si512(t->w[v], _mm512_and_si512(moved, bit4));
-        }
-    }
+/* Lanes 0 .. count-1 of a 256-bit float vector, as the mask maskload / maskstore take. */
+static inline __m256i column_mask_256(int64_t count) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)count), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
-/* y[m0 .. m0+R, n0 .. n0+16] for one group of 16 weight rows (nb blocks from w) and R activation rows. */
-static inline __attribute__((always_inline)) void interleaved_dot(int base, const uint8_t *w, int64_t nb,
-                                                            const InterleavedActivations *act, int64_t m0, const int R,
-                                                            const float *bias, float *y, int64_t N, int64_t n0) {
-    __m512 acc[TILE_MAX_R];
-    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
-    const int64_t stride = interleaved_block_bytes(base);
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *p = w + b * stride;
-        __builtin_prefetch(p + PREFETCH_BYTES);
-        __builtin_prefetch(p + PREFETCH_BYTES + 256);
-        InterleavedBlock t;
-        unpack_interleaved(base, p, &t);
-        for (int r = 0; r < R; r++) {
-            const int64_t i = (m0 + r) * nb + b;
-            const int32_t *quads = (const int32_t *)(act->q + i * QK);
-            __m512i sums = _mm512_set1_epi32(act->start[i]);
-            for (int v = 0; v < 8; v++) sums = _mm512_dpbusd_epi32(sums, t.w[v], _mm512_set1_epi32(quads[v]));
-            __m512 scale = _mm512_mul_ps(t.d, _mm512_set1_ps(act->d[i]));
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), scale, acc[r]);
-            if (interleaved_has_offset(base)) acc[r] = _mm512_fmadd_ps(t.m, _mm512_set1_ps(act->s[i]), acc[r]);
-        }
-    }
-    const __mmask16 valid = N - n0 >= GROUP_ROWS ? (__mmask16)0xFFFF : (__mmask16)((1u << (N - n0)) - 1);
-    const __m512 b = bias ? _mm512_maskz_loadu_ps(valid, bias + n0) : _mm512_setzero_ps();
-    for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(y + (m0 + r) * N + n0, valid, _mm512_add_ps(acc[r], b));
+/* The 256-bit kernels: this build's instructions (dot4: vpdpbusd with VNNI, else vpmaddubsw + vpmaddwd). */
+#define V_NAME(name) name##_256
+#define V_LANES 8
+#define V_HALVES 2
+#define V_MAX_R 4   /* activation rows per pass of the 32-weight types (16 registers) */
+#define V_I __m256i
+#define V_F __m256
+#define V_LOADU(p) _mm256_loadu_si256((const __m256i *)(p))
+#define V_AND _mm256_and_si256
+#define V_OR _mm256_or_si256
+#define V_SRLI16 _mm256_srli_epi16
+#define V_SLLI16 _mm256_slli_epi16
+#define V_SRLI32 _mm256_srli_epi32
+#define V_SLLI32 _mm256_slli_epi32
+#define V_SRAI32 _mm256_srai_epi32
+#define V_SET8(x) _mm256_set1_epi8((char)(x))
+#define V_SET32 _mm256_set1_epi32
+#define V_SETF _mm256_set1_ps
+#define V_ZEROI _mm256_setzero_si256()
+#define V_ZEROF _mm256_setzero_ps()
+#define V_DOT dot4
+#define V_CVT _mm256_cvtepi32_ps
+#define V_MULF _mm256_mul_ps
+#define V_ADDF _mm256_add_ps
+#define V_FMA _mm256_fmadd_ps
+#define V_FNMA _mm256_fnmadd_ps
+#define V_ADD32 _mm256_add_epi32
+#define V_SUB32 _mm256_sub_epi32
+#define V_MULLO _mm256_mullo_epi32
+#define V_SHUF8 _mm256_shuffle_epi8
+#define V_GRID _mm256_broadcastsi128_si256
+#define V_HALFS(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+#define V_U16(p) _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p)))
+#define V_LOAD_COLUMNS(p, n) _mm256_maskload_ps((p), column_mask_256(n))
+#define V_STORE_COLUMNS(p, n, v) _mm256_maskstore_ps((p), column_mask_256(n), (v))
+#include "gguf_interleaved_kernels.c"
+#undef V_NAME
+#undef V_LANES
+#undef V_HALVES
+#undef V_MAX_R
+#undef V_I
+#undef V_F
+#undef V_LOADU
+#undef V_AND
+#undef V_OR
+#undef V_SRLI16
+#undef V_SLLI16
+#undef V_SRLI32
+#undef V_SLLI32
+#undef V_SRAI32
+#undef V_SET8
+#undef V_SET32
+#undef V_SETF
+#undef V_ZEROI
+#undef V_ZEROF
+#undef V_DOT
+#undef V_CVT
+#undef V_MULF
+#undef V_ADDF
+#undef V_FMA
+#undef V_FNMA
+#undef V_ADD32
+#undef V_SUB32
+#undef V_MULLO
+#undef V_SHUF8
+#undef V_GRID
+#undef V_HALFS
+#undef V_U16
+#undef V_LOAD_COLUMNS
+#undef V_STORE_COLUMNS
+
+/* The 512-bit kernels, compiled into every build and called only where kv_gguf_interleaved_supported(). */
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni")
+static inline __mmask16 column_mask_512(int64_t count) { return (__mmask16)((1u << count) - 1); }
+#define V_NAME(name) name##_512
+#define V_LANES 16
+#define V_HALVES 1
+#define V_MAX_R 8
+#define V_MAX_R_K 4 /* and of the 256-weight types */
+#define V_I __m512i
+#define V_F __m512
+#define V_LOADU(p) _mm512_loadu_si512((const void *)(p))
+#define V_AND _mm512_and_si512
+#define V_OR _mm512_or_si512
+#define V_SRLI16 _mm512_srli_epi16
+#define V_SLLI16 _mm512_slli_epi16
+#define V_SRLI32 _mm512_srli_epi32
+#define V_SLLI32 _mm512_slli_epi32
+#define V_SRAI32 _mm512_srai_epi32
+#define V_SET8(x) _mm512_set1_epi8((char)(x))
+#define V_SET32 _mm512_set1_epi32
+#define V_SETF _mm512_set1_ps
+#define V_ZEROI _mm512_setzero_si512()
+#define V_ZEROF _mm512_setzero_ps()
+#define V_DOT _mm512_dpbusd_epi32
+#define V_CVT _mm512_cvtepi32_ps
+#define V_MULF _mm512_mul_ps
+#define V_ADDF _mm512_add_ps
+#define V_FMA _mm512_fmadd_ps
+#define V_FNMA _mm512_fnmadd_ps
+#define V_ADD32 _mm512_add_epi32
+#define V_SUB32 _mm512_sub_epi32
+#define V_MULLO _mm512_mullo_epi32
+#define V_SHUF8 _mm512_shuffle_epi8
+#define V_GRID _mm512_broadcast_i32x4
+#define V_HALFS(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
+#define V_U16(p) _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p)))
+#define V_LOAD_COLUMNS(p, n) _mm512_maskz_loadu_ps(column_mask_512(n), (p))
+#define V_STORE_COLUMNS(p, n, v) _mm512_mask_storeu_ps((p), column_mask_512(n), (v))
+#include "gguf_interleaved_kernels.c"
+#pragma GCC pop_options
+
+/* Whether the 256-bit kernel multiplies `base`: the 32-weight types, and of those Q8_0 and IQ4_NL only with VNNI
+ * (their weight bytes, plus 128, go up to 255, which vpmaddubsw's pair sums of 2 * 255 * 127 would saturate). */
+static inline int narrow_takes(int base) {
+    return !is_k_type(base) && (KV_VNNI || !(base == KV_Q8_0 || base == KV_IQ4_NL));
 }
 
-/* The interleaved pass for one base type (a constant at each call, so each type's loops compile on their own). */
-static inline __attribute__((always_inline)) void interleaved_gemm_type(int base, const uint8_t *w, int64_t M, int64_t nb,
-                                                                  const InterleavedActivations *act, const float *bias,
-                                                                  float *y, int64_t N, int num_threads) {
-    const int64_t groups = (N + GROUP_ROWS - 1) / GROUP_ROWS, group_bytes = nb * interleaved_block_bytes(base);
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t g = 0; g < groups; g++) {
-        const uint8_t *group = w + g * group_bytes;
-        for (int64_t m0 = 0; m0 < M; m0 += TILE_MAX_R) {
-            const int R = (int)(M - m0 < TILE_MAX_R ? M - m0 : TILE_MAX_R);
-            switch (R) {
-            case 8: interleaved_dot(base, group, nb, act, m0, 8, bias, y, N, g * GROUP_ROWS); break;
-            case 7: interleaved_dot(base, group, nb, act, m0, 7, bias, y, N, g * GROUP_ROWS); break;
-            case 6: interleaved_dot(base, group, nb, act, m0, 6, bias, y, N, g * GROUP_ROWS); break;
-            case 5: interleaved_dot(base, group, nb, act, m0, 5, bias, y, N, g * GROUP_ROWS); break;
-            case 4: interleaved_dot(base, group, nb, act, m0, 4, bias, y, N, g * GROUP_ROWS); break;
-            case 3: interleaved_dot(base, group, nb, act, m0, 3, bias, y, N, g * GROUP_ROWS); break;
-            case 2: interleaved_dot(base, group, nb, act, m0, 2, bias, y, N, g * GROUP_ROWS); break;
-            default: interleaved_dot(base, group, nb, act, m0, 1, bias, y, N, g * GROUP_ROWS); break;
-            }
-        }
-    }
-}
+/* 1 when the 256-bit kernel of this build multiplies `type` (the 512-bit one takes every interleaved type). */
+int kv_gguf_interleaved_narrow_takes(int type) { return is_interleavable(type) && narrow_takes(type); }
 
-/* y [M, N] = x [M, K] times interleaved blocks of `base` (+ bias). Returns 0, 1 when out of memory, 2 for a type with
- * no interleaved layout or a CPU without the instructions. */
-static int interleaved_gemm(const float *x, int64_t M, int64_t K, int base, const uint8_t *w, const float *bias, float *y,
-                      int64_t N, int num_threads) {
-    if (!is_interleavable(base) || K % weights_per_block(base) != 0 || !kv_gguf_interleaved_supported()) return 2;
-    if (is_k_type(base)) return interleaved_k_gemm(x, M, K, base, w, bias, y, N, num_threads);
-    const int64_t nb = K / QK;
-    size_t q_bytes = ((size_t)(M * K) + 63) & ~(size_t)63, per_block = (size_t)(M * nb) * 4;
-    uint8_t *buffer = aligned_alloc(64, q_bytes + 3 * ((per_block + 63) & ~(size_t)63));
+/* y [M, N] = x [M, K] times interleaved blocks (+ bias): the 512-bit kernel where the CPU has it, unless `type`
+ * carries KV_NARROW; the 256-bit one otherwise. Returns 0, 1 when out of memory, 2 for a type with no interleaved
+ * layout or that the chosen kernel cannot take. */
+static int interleaved_gemm(const float *x, int64_t M, int64_t K, int type, const uint8_t *w, const float *bias,
+                            float *y, int64_t N, int num_threads) {
+    const int base = type & ~KV_NARROW;
+    const int wide = !(type & KV_NARROW) && kv_gguf_interleaved_supported();
+    if (!is_interleavable(base) || K % weights_per_block(base) != 0 || (!wide && !narrow_takes(base))) return 2;
+    const int64_t block = weights_per_block(base), nb = K / block;
+    const size_t q_bytes = ((size_t)(M * K) + 63) & ~(size_t)63, per_block = ((size_t)(M * nb) * 4 + 63) & ~(size_t)63;
+    const size_t sums_bytes = is_k_type(base) ? 2 * (((size_t)(M * K / 16) * 4 + 63) & ~(size_t)63) : 2 * per_block;
+    uint8_t *buffer = aligned_alloc(64, q_bytes + per_block + sums_bytes);
     if (!buffer) return 1;
-    InterleavedActivations act = {(int8_t *)buffer, (float *)(buffer + q_bytes),
-                            (float *)(buffer + q_bytes + ((per_block + 63) & ~(size_t)63)),
-                            (int32_t *)(buffer + q_bytes + 2 * ((per_block + 63) & ~(size_t)63))};
-    const int centre = interleaved_centre(base);
+    int8_t *q = (int8_t *)buffer;
+    float *d = (float *)(buffer + q_bytes);
+    uint8_t *sums = buffer + q_bytes + per_block;
+    if (is_k_type(base)) {
+        KActivations act = {q, d, (int32_t *)sums, (int32_t *)(sums + sums_bytes / 2)};
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (M > 1)
-    for (int64_t m = 0; m < M; m++) {
-        for (int64_t b = 0; b < nb; b++) {
-            const int64_t i = m * nb + b;
-            int sum;
-            act.d[i] = round_block(x + m * K + b * QK, QK, act.q + i * QK, &sum);
-            act.s[i] = act.d[i] * (float)sum;
-            act.start[i] = -centre * sum;
+        for (int64_t i = 0; i < M * nb; i++) {
+            int total;
+            act.d[i] = round_block(x + i * QK_K, QK_K, act.q + i * QK_K, &total);
+            for (int g = 0; g < 16; g++) {
+                int sum16 = 0;
+                for (int k = 16 * g; k < 16 * g + 16; k++) sum16 += act.q[i * QK_K + k];
+                act.sum16[i * 16 + g] = sum16;
+            }
+            for (int j = 0; j < 8; j++) act.sum32[i * 8 + j] = act.sum16[i * 16 + 2 * j] + act.sum16[i * 16 + 2 * j + 1];
         }
-    }
-    switch (base) {
-    case KV_Q4_0: interleaved_gemm_type(KV_Q4_0, w, M, nb, &act, bias, y, N, num_threads); break;
-    case KV_Q4_1: interleaved_gemm_type(KV_Q4_1, w, M, nb, &act, bias, y, N, num_threads); break;
-    case KV_Q5_0: interleaved_gemm_type(KV_Q5_0, w, M, nb, &act, bias, y, N, num_threads); break;
-    case KV_Q5_1: interleaved_gemm_type(KV_Q5_1, w, M, nb, &act, bias, y, N, num_threads); break;
-    case KV_Q8_0: interleaved_gemm_type(KV_Q8_0, w, M, nb, &act, bias, y, N, num_threads); break;
-    default: interleaved_gemm_type(KV_IQ4_NL, w, M, nb, &act, bias, y, N, num_threads); break;
+        gemm_k_512(base, w, M, nb, &act, bias, y, N, num_threads); /* wide: narrow_takes refused them otherwise */
+    } else {
+        InterleavedActivations act = {q, d, (float *)sums, (int32_t *)(sums + per_block)};
+        const int centre = interleaved_centre(base);
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (M > 1)
+        for (int64_t i = 0; i < M * nb; i++) {
+            int total;
+            act.d[i] = round_block(x + i * QK, QK, act.q + i * QK, &total);
+            act.s[i] = act.d[i] * (float)total;
+            act.start[i] = -centre * total;
+        }
+        if (wide)
+            gemm_512(base, w, M, nb, &act, bias, y, N, num_threads);
+        else
+            gemm_256(base, w, M, nb, &act, bias, y, N, num_threads);
     }
     free(buffer);
     return 0;
 }
-
-#pragma GCC pop_options

@@ -10,10 +10,11 @@ Q4_K, Q5_K and Q6_K (4.5, 5.5 and 6.5625 bits) hold blocks of 256 weights with 6
 and IQ4_XS (4.25 bits, blocks of 256 with 6-bit scales per 32) hold 4-bit indices into a fixed grid of
 16 values (IQ4_VALUES). The model runs the file's numbers, not a re-quantization of them.
 
-At load (`pack`), on a CPU with AVX-512 VNNI the 32-weight types (INTERLEAVED_TYPES) are interleaved in groups
-of 16 rows (`interleave`: the same bytes and numbers, arranged so one 512-bit register holds the same 4 weights
-of 16 rows, engine/ops/gguf_interleaved.c); elsewhere 4-bit blocks are repacked in pairs (the same bytes and
-numbers, arranged so the kernel unpacks 64 weights with two masks); Q8_0 stays as is.
+At load (`pack`), weights are interleaved in groups of 16 rows (`interleave`: the same bytes and numbers,
+arranged so one 512-bit register holds the same 4 weights of 16 rows, or a 256-bit one those of 8;
+engine/ops/gguf_interleaved.c): every type on a CPU with AVX-512 VNNI, the 32-weight types on the others
+(`interleaved_types`); the rest keep the row kernel's layout: 4-bit blocks repacked in pairs (the same bytes
+and numbers, arranged so the kernel unpacks 64 weights with two masks), the others as the file stores them.
 
 Products: each activation row is rounded to blocks of 32 int8 values with one
 scale per block (the layout of Q8_0; blocks of 256 for the K-quant types, as
@@ -21,7 +22,8 @@ llama.cpp rounds them for each type), then
 - decode-sized batches (M <= MAX_KERNEL_ROWS) run integer dot products in the
   AVX2 kernel `engine/ops/gguf_blocks.c` (`gguf_linear_native`), which reads the
   4-bit blocks straight from memory; interleaved weights run every batch in the register-tiled
-  kernel (16 weight rows times up to 8 activation rows per pass), which beats float32 BLAS at every M;
+  kernel (16 or 8 weight rows times up to 8 or 4 activation rows per pass), which keeps up with
+  float32 BLAS at large M and runs 2-5x the row kernel at 8-128 rows;
 - larger ones (prefill) are compute-bound: the weight is dequantized one tile of
   rows at a time into a small float32 buffer and multiplied in BLAS with the same
   rounded activations (`gguf_linear_tiled`), so a row gets the kernel's numbers,
@@ -66,9 +68,12 @@ BLOCK = 32
 SUPER_BLOCK = 256  # weights per block of the K-quants and IQ4_XS
 # The kernel's flag for 4-bit blocks repacked in pairs (gguf_blocks.c KV_PAIRED).
 PAIRED = 0x100
-# The kernel's flag for blocks interleaved in groups of GROUP_ROWS weight rows for the AVX-512 VNNI register-tiled
-# products (gguf_interleaved.c KV_INTERLEAVED); the last group is padded with zero rows.
+# The kernel's flag for blocks interleaved in groups of GROUP_ROWS weight rows for the register-tiled products
+# (gguf_interleaved.c KV_INTERLEAVED: 512-bit with AVX-512 VNNI, else 256-bit); the last group is padded with zero
+# rows.
 INTERLEAVED = 0x200
+# With INTERLEAVED: the 256-bit kernel, even where the CPU runs the 512-bit one (gguf_interleaved.c KV_NARROW).
+NARROW = 0x400
 GROUP_ROWS = 16
 # The types with an interleaved layout (every type with a block kernel).
 INTERLEAVED_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS")
@@ -287,14 +292,29 @@ def _interleave_kernel():
 
 
 @functools.cache
-def interleaved_available() -> bool:
-    """Whether the register-tiled products over interleaved rows run here: the native kernels load, the CPU
-    has AVX-512 F, BW, VL and VNNI (the kernel's own check of the CPU, which holds where /proc/cpuinfo cannot be
-    read), and KVSERVE_NATIVE_ISA does not name a 256-bit build."""
+def wide_products() -> bool:
+    """Whether interleaved weights run in the 512-bit kernel: the native kernels load, the CPU has AVX-512 F, BW,
+    VL and VNNI (the kernel's own check of the CPU, which holds where /proc/cpuinfo cannot be read), and
+    KVSERVE_NATIVE_ISA does not name a 256-bit build."""
     if not avx512_kernels_allowed():
         return False
     supported = bind("gguf_blocks", "kv_gguf_interleaved_supported", [], ctypes.c_int)
     return supported is not None and bool(supported())
+
+
+@functools.cache
+def interleaved_types(wide: bool | None = None) -> tuple[str, ...]:
+    """The types whose weights are interleaved for the register-tiled products on this machine: every
+    INTERLEAVED_TYPES type for the 512-bit kernel (`wide`; default: wide_products()); for the 256-bit one, the
+    32-weight types its build's instructions sum without saturating (AVX2 without VNNI leaves Q8_0 and IQ4_NL,
+    whose weight bytes reach 255, to the row kernel; the 256-weight types measured no faster there); none where
+    the native kernels do not load."""
+    if wide is None:
+        wide = wide_products()
+    takes = bind("gguf_blocks", "kv_gguf_interleaved_narrow_takes", [ctypes.c_int], ctypes.c_int)
+    if takes is None:
+        return ()
+    return tuple(t for t in INTERLEAVED_TYPES if wide or takes(BLOCK_TYPES[t][0]))
 
 
 @functools.cache
@@ -324,9 +344,14 @@ def _check(status: int, what: str) -> None:
         raise ValueError(f"the GGUF block kernel refused {what} (unknown type or a size it cannot hold)")
 
 
-def interleave(weight: BlockWeight) -> PackedWeight:
-    """The weight interleaved in groups of GROUP_ROWS rows for the register-tiled products (interleaved_available()
-    and a INTERLEAVED_TYPES type): the same bytes per row, the last group padded with zero rows."""
+def interleave(weight: BlockWeight, wide: bool | None = None) -> PackedWeight:
+    """The weight interleaved in groups of GROUP_ROWS rows for the register-tiled products, in the 512-bit kernel
+    (`wide`; default: wide_products()) or the 256-bit one (a type of interleaved_types(wide)): the same bytes per
+    row, the last group padded with zero rows."""
+    if wide is None:
+        wide = wide_products()
+    if weight.qtype not in interleaved_types(wide):
+        raise ValueError(f"{weight.qtype} weights are not interleaved on this machine")
     groups = -(-weight.out_features // GROUP_ROWS)
     source = weight.blocks.contiguous()
     target = torch.empty(groups * GROUP_ROWS, source.shape[1], dtype=torch.uint8)
@@ -339,16 +364,15 @@ def interleave(weight: BlockWeight) -> PackedWeight:
         torch.get_num_threads(),
     )
     _check(status, "interleaving")
-    return PackedWeight(weight.qtype, target, weight.in_features, weight.type_id | INTERLEAVED, weight.out_features)
+    kernel_type = weight.type_id | INTERLEAVED | (0 if wide else NARROW)
+    return PackedWeight(weight.qtype, target, weight.in_features, kernel_type, weight.out_features)
 
 
 def pack(weight: BlockWeight, interleaved: bool | None = None) -> PackedWeight:
-    """The weight in the kernel's layout: interleaved (`interleave`) where the CPU runs the register-tiled
-    products and the type has that layout (`interleaved` False: never); else 4-bit blocks repacked in pairs
+    """The weight in the kernel's layout: interleaved (`interleave`) where the native kernels load and take the
+    type (interleaved_types(); `interleaved` False: never); else 4-bit blocks repacked in pairs
     where the kernel loads and a row holds an even number of blocks; otherwise the file's layout, unchanged."""
-    if interleaved is None:
-        interleaved = interleaved_available()
-    if interleaved and weight.qtype in INTERLEAVED_TYPES and interleaved_available():
+    if interleaved is not False and weight.qtype in interleaved_types():
         return interleave(weight)
     type_id = weight.type_id
     if not (available() and weight.qtype in ("Q4_0", "Q4_1") and weight.in_features % (2 * BLOCK) == 0):

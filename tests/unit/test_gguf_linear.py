@@ -15,6 +15,7 @@ from engine.ops.gguf_linear import (
     BLOCK_TYPES,
     GROUP_ROWS,
     INTERLEAVED_TYPES,
+    NARROW,
     PAIRED,
     BlockWeight,
     cat_weights,
@@ -41,12 +42,16 @@ K_QUANTS = ["Q4_K", "Q5_K", "Q6_K"]
 
 
 def _layouts(weight: BlockWeight) -> list[gguf_linear.PackedWeight]:
-    """The weight in each layout this machine's kernels read: the row kernel's (file or paired), and the
-    interleaved one where the CPU runs the register-tiled kernel and the type has that layout."""
+    """The weight in each layout and kernel this machine runs: the row kernel's layout (file or paired), and the
+    interleaved one for the 512-bit register-tiled kernel (where the CPU has AVX-512 VNNI) and for the 256-bit
+    one (where its build's instructions take the type)."""
     layouts = [pack(weight, interleaved=False)]
-    if gguf_linear.interleaved_available() and weight.qtype in INTERLEAVED_TYPES:
-        layouts.append(pack(weight, interleaved=True))
-        assert layouts[-1].is_interleaved and pack(weight).is_interleaved  # the default where it runs
+    if gguf_linear.wide_products():
+        layouts.append(gguf_linear.interleave(weight, wide=True))
+    if weight.qtype in gguf_linear.interleaved_types(wide=False):
+        layouts.append(gguf_linear.interleave(weight, wide=False))
+        assert layouts[-1].kernel_type & NARROW
+    assert pack(weight).is_interleaved == (weight.qtype in gguf_linear.interleaved_types())  # the default
     return layouts
 
 
@@ -201,11 +206,12 @@ def test_a_rows_result_does_not_depend_on_its_batch(qtype):
         assert torch.equal(batched, one_by_one)
 
 
-@pytest.mark.skipif(not gguf_linear.interleaved_available(), reason="the CPU lacks AVX-512 F/BW/VL or VNNI")
 @pytest.mark.parametrize("qtype", INTERLEAVED_TYPES)
 def test_interleaved_weights_take_the_integer_kernel_for_every_batch_unless_bfloat16_is_asked(qtype):
     """A prompt of any length and a decode row get the same numbers for the same input (batch invariance from
     prefill to decode), and --prefill-dtype bfloat16 still reaches the many-row products."""
+    if qtype not in gguf_linear.interleaved_types():
+        pytest.skip(f"{qtype} is not interleaved on this machine")
     in_features = _in_features(qtype, 2 if BLOCK_TYPES[qtype][2] == 256 else 6)
     weight, _ = block_weight(qtype, 2 * GROUP_ROWS + 3, in_features, seed=4)
     layer = GgufLinear(pack(weight), torch.randn(2 * GROUP_ROWS + 3))
@@ -335,19 +341,24 @@ def test_the_benchmark_times_every_path_beside_float32(capsys):
     assert "| Q8_0 | 100 |" in table and table.rstrip().endswith("| — |")  # 100 rows: past the int8 kernel's 48
 
 
-def test_naming_a_256_bit_kernel_build_keeps_every_product_off_the_interleaved_kernel(monkeypatch):
+def test_naming_a_256_bit_kernel_build_keeps_the_products_off_the_512_bit_kernel(monkeypatch):
     weight, decoded = block_weight("Q4_0", 20, 128)
-    gguf_linear.interleaved_available.cache_clear()
+    x = torch.randn(3, 128)
+    expected = gguf_linear_reference(x, weight, None)
     try:
-        for build in ("avx2", "avxvnni"):
+        for build in ("avx2", "avxvnni", "avx512vnni"):
             monkeypatch.setenv("KVSERVE_NATIVE_ISA", build)
-            gguf_linear.interleaved_available.cache_clear()
-            assert not gguf_linear.interleaved_available() and not pack(weight).is_interleaved
-        monkeypatch.setenv("KVSERVE_NATIVE_ISA", "avx512vnni")
-        gguf_linear.interleaved_available.cache_clear()
-        packed = pack(weight)
-        assert packed.is_interleaved == gguf_linear.interleaved_available()
-        assert torch.equal(dequantize_rows(packed), decoded)
+            gguf_linear.wide_products.cache_clear()
+            gguf_linear.interleaved_types.cache_clear()
+            packed = pack(weight)
+            if build != "avx512vnni":
+                assert not gguf_linear.wide_products()
+            assert packed.is_interleaved == gguf_linear.available()
+            assert bool(packed.kernel_type & NARROW) == (packed.is_interleaved and not gguf_linear.wide_products())
+            assert torch.equal(dequantize_rows(packed), decoded)
+            if gguf_linear.available():
+                assert torch.allclose(gguf_linear_native(x, packed, None), expected, rtol=1e-5, atol=1e-4)
     finally:
         monkeypatch.delenv("KVSERVE_NATIVE_ISA")
-        gguf_linear.interleaved_available.cache_clear()
+        gguf_linear.wide_products.cache_clear()
+        gguf_linear.interleaved_types.cache_clear()

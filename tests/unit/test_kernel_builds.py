@@ -81,18 +81,23 @@ def test_a_vnni_build_gives_the_avx2_builds_numbers_bit_for_bit(isa):
     for qtype in BLOCK_TYPES:
         in_features = 512 if BLOCK_TYPES[qtype][2] == 256 else 32 * 7  # 7 blocks: the file layout; 8: paired
         for width in (in_features, 512):
-            packed = pack(block_weight(qtype, 37, width, seed=1)[0])
+            weight = block_weight(qtype, 37, width, seed=1)[0]
+            layouts = [pack(weight, interleaved=False), pack(weight)]
+            # the 256-bit register-tiled kernel, where the AVX2 build takes the type (no VNNI: 4- to 6-bit weights)
+            if libraries[0].kv_gguf_interleaved_narrow_takes(BLOCK_TYPES[qtype][0]):
+                layouts.append(gguf_linear.interleave(weight, wide=False))
             x = torch.randn(9, width) * 3
             bias = torch.randn(37)
-            outputs = []
-            for gemm in (baseline, vnni):
-                y = torch.empty(9, 37)
-                args = (x.data_ptr(), 9, width, packed.kernel_type, packed.blocks.data_ptr(), bias.data_ptr())
-                assert gemm(*args, y.data_ptr(), 37, 2) == 0
-                outputs.append(y)
-            assert torch.equal(outputs[0], outputs[1]), (qtype, width)
-            if gguf_linear.available() and loader.chosen_isa() == isa:  # the build the layers run
-                assert torch.equal(outputs[1], gguf_linear.gguf_linear_native(x, packed, bias))
+            for packed in layouts:
+                outputs = []
+                for gemm in (baseline, vnni):
+                    y = torch.empty(9, 37)
+                    args = (x.data_ptr(), 9, width, packed.kernel_type, packed.blocks.data_ptr(), bias.data_ptr())
+                    assert gemm(*args, y.data_ptr(), 37, 2) == 0
+                    outputs.append(y)
+                assert torch.equal(outputs[0], outputs[1]), (qtype, width, packed.kernel_type)
+                if gguf_linear.available() and loader.chosen_isa() == isa:  # the build the layers run
+                    assert torch.equal(outputs[1], gguf_linear.gguf_linear_native(x, packed, bias))
 
 
 @needs_kernels

@@ -1,0 +1,276 @@
+/* The register-tiled products over interleaved GGUF blocks, written once for two register widths: gguf_interleaved.c
+ * includes this file twice, with the V_* macros naming 512-bit (AVX-512 VNNI: a vector is a whole group of 16
+ * weight rows) or 256-bit operations (AVX2, with VNNI where the build has it: a vector is half a group, 8 rows,
+ * and a group is two passes; the 32-weight types only). The layout is the same for both: a half's bytes are the second 32 of each 64-byte
+ * vector and the second 8 of each 16-entry array of the group's block.
+ *
+ * Every function here is named through V_NAME (suffix _512 or _256). Shapes: a vector holds V_LANES weight rows'
+ * int32 sums or float outputs; "quad v" of a 32-weight run is its weights 4v .. 4v+3.
+ */
+
+/* Where half h of a group's block starts: in its 64-byte vectors, and in its 16-entry fp16 / uint16 arrays. */
+#define V_VECTOR_HALF(h) (32 * (h) * (V_HALVES - 1))
+#define V_ARRAY_HALF(h) (16 * (h) * (V_HALVES - 1))
+
+/* A 32-weight block of V_LANES rows: the 8 quads' unsigned weight bytes, the rows' scales and offsets. */
+typedef struct {
+    V_I w[8];
+    V_F d, m;
+} V_NAME(Block);
+
+static inline __attribute__((always_inline)) void V_NAME(unpack)(int base, const uint8_t *p, int h, V_NAME(Block) *t) {
+    t->d = V_HALFS(p + V_ARRAY_HALF(h));
+    p += 2 * GROUP_ROWS;
+    if (interleaved_has_offset(base)) {
+        t->m = V_HALFS(p + V_ARRAY_HALF(h));
+        p += 2 * GROUP_ROWS;
+    }
+    if (base == KV_Q8_0) {
+        for (int v = 0; v < 8; v++) t->w[v] = V_LOADU(p + 64 * v + V_VECTOR_HALF(h));
+        return;
+    }
+    V_I high = V_ZEROI;
+    if (interleaved_is_5bit(base)) {
+        high = V_LOADU(p + V_VECTOR_HALF(h));
+        p += 64;
+    }
+    const V_I low4 = V_SET8(0x0F);
+    for (int c = 0; c < 4; c++) {
+        V_I raw = V_LOADU(p + 64 * c + V_VECTOR_HALF(h));
+        t->w[c] = V_AND(raw, low4);
+        t->w[c + 4] = V_AND(V_SRLI16(raw, 4), low4);
+    }
+    if (base == KV_IQ4_NL) { /* indices -> grid values + 128, one byte shuffle per quad */
+        const V_I grid = V_GRID(_mm_xor_si128(_mm_loadu_si128((const __m128i *)IQ4_VALUES), _mm_set1_epi8((char)0x80)));
+        for (int v = 0; v < 8; v++) t->w[v] = V_SHUF8(grid, t->w[v]);
+    } else if (interleaved_is_5bit(base)) { /* quad v's fifth bits: bit v of each qh byte, moved to bit 4 */
+        const V_I bit4 = V_SET8(0x10);
+        for (int v = 0; v < 8; v++) {
+            V_I moved = v <= 4 ? V_SLLI16(high, 4 - v) : V_SRLI16(high, v - 4);
+            t->w[v] = V_OR(t->w[v], V_AND(moved, bit4));
+        }
+    }
+}
+
+/* y[m0 .. m0+R, n0 .. n0+V_LANES] (columns past N left alone) for half h of one group (nb blocks from w) and R
+ * activation rows. */
+static inline __attribute__((always_inline)) void V_NAME(dot)(int base, const uint8_t *w, int h, int64_t nb,
+                                                               const InterleavedActivations *act, int64_t m0,
+                                                               const int R, const float *bias, float *y, int64_t N,
+                                                               int64_t n0) {
+    V_F acc[V_MAX_R];
+    for (int r = 0; r < R; r++) acc[r] = V_ZEROF;
+    const int64_t stride = interleaved_block_bytes(base);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *p = w + b * stride;
+        __builtin_prefetch(p + PREFETCH_BYTES);
+        __builtin_prefetch(p + PREFETCH_BYTES + 256);
+        V_NAME(Block) t;
+        V_NAME(unpack)(base, p, h, &t);
+        for (int r = 0; r < R; r++) {
+            const int64_t i = (m0 + r) * nb + b;
+            const int32_t *quads = (const int32_t *)(act->q + i * QK);
+            V_I sums = V_SET32(act->start[i]);
+            for (int v = 0; v < 8; v++) sums = V_DOT(sums, t.w[v], V_SET32(quads[v]));
+            acc[r] = V_FMA(V_CVT(sums), V_MULF(t.d, V_SETF(act->d[i])), acc[r]);
+            if (interleaved_has_offset(base)) acc[r] = V_FMA(t.m, V_SETF(act->s[i]), acc[r]);
+        }
+    }
+    const int64_t columns = N - n0 < V_LANES ? N - n0 : V_LANES;
+    const V_F b = bias ? V_LOAD_COLUMNS(bias + n0, columns) : V_ZEROF;
+    for (int r = 0; r < R; r++) V_STORE_COLUMNS(y + (m0 + r) * N + n0, columns, V_ADDF(acc[r], b));
+}
+
+/* The pass for one 32-weight type (a constant at each call, so each type's loops compile on their own). */
+static inline __attribute__((always_inline)) void V_NAME(gemm_type)(int base, const uint8_t *w, int64_t M, int64_t nb,
+                                                                     const InterleavedActivations *act,
+                                                                     const float *bias, float *y, int64_t N,
+                                                                     int num_threads) {
+    const int64_t groups = (N + GROUP_ROWS - 1) / GROUP_ROWS, group_bytes = nb * interleaved_block_bytes(base);
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t g = 0; g < groups; g++) {
+        for (int h = 0; h < V_HALVES && g * GROUP_ROWS + h * V_LANES < N; h++) {
+            const int64_t n0 = g * GROUP_ROWS + h * V_LANES;
+            const uint8_t *group = w + g * group_bytes;
+            for (int64_t m0 = 0; m0 < M; m0 += V_MAX_R) {
+                const int R = (int)(M - m0 < V_MAX_R ? M - m0 : V_MAX_R);
+                switch (R) {
+#if V_MAX_R > 4
+                case 8: V_NAME(dot)(base, group, h, nb, act, m0, 8, bias, y, N, n0); break;
+                case 7: V_NAME(dot)(base, group, h, nb, act, m0, 7, bias, y, N, n0); break;
+                case 6: V_NAME(dot)(base, group, h, nb, act, m0, 6, bias, y, N, n0); break;
+                case 5: V_NAME(dot)(base, group, h, nb, act, m0, 5, bias, y, N, n0); break;
+#endif
+                case 4: V_NAME(dot)(base, group, h, nb, act, m0, 4, bias, y, N, n0); break;
+                case 3: V_NAME(dot)(base, group, h, nb, act, m0, 3, bias, y, N, n0); break;
+                case 2: V_NAME(dot)(base, group, h, nb, act, m0, 2, bias, y, N, n0); break;
+                default: V_NAME(dot)(base, group, h, nb, act, m0, 1, bias, y, N, n0); break;
+                }
+            }
+        }
+    }
+}
+
+static void V_NAME(gemm)(int base, const uint8_t *w, int64_t M, int64_t nb, const InterleavedActivations *act,
+                         const float *bias, float *y, int64_t N, int num_threads) {
+    switch (base) {
+    case KV_Q4_0: V_NAME(gemm_type)(KV_Q4_0, w, M, nb, act, bias, y, N, num_threads); break;
+    case KV_Q4_1: V_NAME(gemm_type)(KV_Q4_1, w, M, nb, act, bias, y, N, num_threads); break;
+    case KV_Q5_0: V_NAME(gemm_type)(KV_Q5_0, w, M, nb, act, bias, y, N, num_threads); break;
+    case KV_Q5_1: V_NAME(gemm_type)(KV_Q5_1, w, M, nb, act, bias, y, N, num_threads); break;
+    case KV_Q8_0: V_NAME(gemm_type)(KV_Q8_0, w, M, nb, act, bias, y, N, num_threads); break;
+    default: V_NAME(gemm_type)(KV_IQ4_NL, w, M, nb, act, bias, y, N, num_threads); break;
+    }
+}
+
+#if V_LANES == 16 /* The 256-weight types on 512-bit registers only: in 256-bit ones they measured no faster than the
+                    row kernel (dot_row_k), whose 16-bit products already carry their sub-block scales. */
+/* Sub-block j's 32 weights (8 quads) of half h of the group's 256-weight block at p, unsigned; *scale: each row's
+ * integer scale of the sub-block, *second the second 16's (Q6_K), *minimum its minimum (Q4_K, Q5_K). */
+static inline __attribute__((always_inline)) void V_NAME(unpack_k)(int type, const uint8_t *p, int h, int j,
+                                                                    V_I w[8], V_I *scale, V_I *second,
+                                                                    V_I *minimum) {
+    const V_I low4 = V_SET8(0x0F), byte = V_SET32(0xFF);
+    const int half = V_VECTOR_HALF(h);
+    if (type == KV_Q6_K) {
+        const int part = j / 4, g = j % 4;
+        const uint8_t *ql = p + 288 + 64 * (16 * part + 8 * (g % 2)), *qh = p + 288 + 2048 + 64 * 8 * part;
+        const V_I top2 = V_SET8(0x30);
+        for (int v = 0; v < 8; v++) {
+            V_I lo = V_LOADU(ql + 64 * v + half), hi = V_LOADU(qh + 64 * v + half);
+            lo = g < 2 ? V_AND(lo, low4) : V_AND(V_SRLI16(lo, 4), low4);
+            hi = g < 3 ? V_SLLI16(hi, 4 - 2 * g) : V_SRLI16(hi, 2);
+            w[v] = V_OR(lo, V_AND(hi, top2));
+        }
+        /* sub-blocks 2j and 2j + 1: bytes (2j) % 4 and (2j + 1) % 4 of scale word (2j) / 4, sign-extended */
+        V_I words = V_LOADU(p + 32 + 64 * (j / 2) + half);
+        const int first = (2 * j) % 4;
+        *scale = V_SRAI32(V_SLLI32(words, 24 - 8 * first), 24);
+        *second = V_SRAI32(V_SLLI32(words, 16 - 8 * first), 24);
+        return;
+    }
+    if (type == KV_IQ4_XS) {
+        const V_I grid = V_GRID(_mm_xor_si128(_mm_loadu_si128((const __m128i *)IQ4_VALUES), _mm_set1_epi8((char)0x80)));
+        for (int c = 0; c < 4; c++) {
+            V_I raw = V_LOADU(p + 128 + 64 * (4 * j + c) + half);
+            w[c] = V_SHUF8(grid, V_AND(raw, low4));
+            w[c + 4] = V_SHUF8(grid, V_AND(V_SRLI16(raw, 4), low4));
+        }
+        /* the low 4 bits from nibble j of the scales_l word, the top 2 from bits 2j, 2j + 1 of scales_h */
+        V_I low = V_AND(V_SRLI32(V_LOADU(p + 64 + half), 4 * j), V_SET32(0x0F));
+        V_I high = V_U16(p + 32 + V_ARRAY_HALF(h));
+        high = V_SLLI32(V_AND(V_SRLI32(high, 2 * j), V_SET32(3)), 4);
+        *scale = V_SUB32(V_OR(low, high), V_SET32(32));
+        return;
+    }
+    /* Q4_K, Q5_K: the packed scales' three words per row, decoded as k_scales_and_mins_vector does */
+    const V_I a = V_LOADU(p + 64 + half), b = V_LOADU(p + 128 + half), c = V_LOADU(p + 192 + half);
+    const V_I six = V_SET8(0x3F), two = V_SET8(0x03);
+    V_I scales, minimums;
+    if (j < 4) {
+        scales = V_AND(a, six);
+        minimums = V_AND(b, six);
+    } else {
+        scales = V_OR(V_AND(c, low4), V_SLLI32(V_AND(V_SRLI32(a, 6), two), 4));
+        minimums = V_OR(V_AND(V_SRLI32(c, 4), low4), V_SLLI32(V_AND(V_SRLI32(b, 6), two), 4));
+    }
+    *scale = V_AND(V_SRLI32(scales, 8 * (j % 4)), byte);
+    *minimum = V_AND(V_SRLI32(minimums, 8 * (j % 4)), byte);
+    const int five_bit = type == KV_Q5_K;
+    const uint8_t *qs = p + (five_bit ? 768 : 256) + 64 * 8 * (j / 2);
+    for (int v = 0; v < 8; v++) {
+        V_I raw = V_LOADU(qs + 64 * v + half);
+        w[v] = j % 2 ? V_AND(V_SRLI16(raw, 4), low4) : V_AND(raw, low4);
+        if (five_bit) { /* bit j of the quad's qh bytes, moved to bit 4 */
+            V_I qh = V_LOADU(p + 256 + 64 * v + half);
+            qh = j <= 4 ? V_SLLI16(qh, 4 - j) : V_SRLI16(qh, j - 4);
+            w[v] = V_OR(w[v], V_AND(qh, V_SET8(0x10)));
+        }
+    }
+}
+
+/* y[m0 .. m0+R, n0 .. n0+V_LANES] for half h of one group of 256-weight blocks (nb blocks from w). */
+static inline __attribute__((always_inline)) void V_NAME(dot_k)(int type, const uint8_t *w, int h, int64_t nb,
+                                                                 const KActivations *act, int64_t m0, const int R,
+                                                                 const float *bias, float *y, int64_t N, int64_t n0) {
+    V_F acc[V_MAX_R_K];
+    for (int r = 0; r < R; r++) acc[r] = V_ZEROF;
+    const int64_t stride = GROUP_ROWS * bytes_per_k_block(type);
+    const int has_min = type == KV_Q4_K || type == KV_Q5_K;
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *p = w + b * stride;
+        for (int64_t ahead = 0; ahead < stride; ahead += 512) __builtin_prefetch(p + PREFETCH_BYTES + ahead);
+        V_I sums[V_MAX_R_K], mins[V_MAX_R_K];
+        for (int r = 0; r < R; r++) sums[r] = mins[r] = V_ZEROI;
+        for (int j = 0; j < 8; j++) {
+            V_I q[8], scale, second = V_ZEROI, minimum = V_ZEROI;
+            V_NAME(unpack_k)(type, p, h, j, q, &scale, &second, &minimum);
+            for (int r = 0; r < R; r++) {
+                const int64_t i = (m0 + r) * nb + b;
+                const int32_t *quads = (const int32_t *)(act->q + i * QK_K + 32 * j);
+                if (type == KV_Q6_K) { /* two sub-blocks of 16, each centred at 32 */
+                    V_I s0 = V_SET32(-32 * act->sum16[i * 16 + 2 * j]);
+                    V_I s1 = V_SET32(-32 * act->sum16[i * 16 + 2 * j + 1]);
+                    for (int v = 0; v < 4; v++) {
+                        s0 = V_DOT(s0, q[v], V_SET32(quads[v]));
+                        s1 = V_DOT(s1, q[v + 4], V_SET32(quads[v + 4]));
+                    }
+                    sums[r] = V_ADD32(sums[r], V_ADD32(V_MULLO(s0, scale), V_MULLO(s1, second)));
+                    continue;
+                }
+                V_I s = V_SET32(type == KV_IQ4_XS ? -128 * act->sum32[i * 8 + j] : 0);
+                for (int v = 0; v < 8; v++) s = V_DOT(s, q[v], V_SET32(quads[v]));
+                sums[r] = V_ADD32(sums[r], V_MULLO(s, scale));
+                if (has_min) mins[r] = V_ADD32(mins[r], V_MULLO(minimum, V_SET32(act->sum32[i * 8 + j])));
+            }
+        }
+        const V_F d = V_HALFS(p + V_ARRAY_HALF(h));
+        const V_F dmin = has_min ? V_HALFS(p + 32 + V_ARRAY_HALF(h)) : d;
+        for (int r = 0; r < R; r++) {
+            const V_F dx = V_SETF(act->d[(m0 + r) * nb + b]);
+            acc[r] = V_FMA(V_CVT(sums[r]), V_MULF(d, dx), acc[r]);
+            if (has_min) acc[r] = V_FNMA(V_CVT(mins[r]), V_MULF(dmin, dx), acc[r]);
+        }
+    }
+    const int64_t columns = N - n0 < V_LANES ? N - n0 : V_LANES;
+    const V_F b = bias ? V_LOAD_COLUMNS(bias + n0, columns) : V_ZEROF;
+    for (int r = 0; r < R; r++) V_STORE_COLUMNS(y + (m0 + r) * N + n0, columns, V_ADDF(acc[r], b));
+}
+
+static inline __attribute__((always_inline)) void V_NAME(gemm_k_type)(int type, const uint8_t *w, int64_t M,
+                                                                       int64_t nb, const KActivations *act,
+                                                                       const float *bias, float *y, int64_t N,
+                                                                       int num_threads) {
+    const int64_t groups = (N + GROUP_ROWS - 1) / GROUP_ROWS, group_bytes = nb * GROUP_ROWS * bytes_per_k_block(type);
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t g = 0; g < groups; g++) {
+        for (int h = 0; h < V_HALVES && g * GROUP_ROWS + h * V_LANES < N; h++) {
+            const int64_t n0 = g * GROUP_ROWS + h * V_LANES;
+            const uint8_t *group = w + g * group_bytes;
+            for (int64_t m0 = 0; m0 < M; m0 += V_MAX_R_K) {
+                const int R = (int)(M - m0 < V_MAX_R_K ? M - m0 : V_MAX_R_K);
+                switch (R) {
+                case 4: V_NAME(dot_k)(type, group, h, nb, act, m0, 4, bias, y, N, n0); break;
+                case 3: V_NAME(dot_k)(type, group, h, nb, act, m0, 3, bias, y, N, n0); break;
+                case 2: V_NAME(dot_k)(type, group, h, nb, act, m0, 2, bias, y, N, n0); break;
+                default: V_NAME(dot_k)(type, group, h, nb, act, m0, 1, bias, y, N, n0); break;
+                }
+            }
+        }
+    }
+}
+
+static void V_NAME(gemm_k)(int type, const uint8_t *w, int64_t M, int64_t nb, const KActivations *act,
+                           const float *bias, float *y, int64_t N, int num_threads) {
+    switch (type) {
+    case KV_Q4_K: V_NAME(gemm_k_type)(KV_Q4_K, w, M, nb, act, bias, y, N, num_threads); break;
+    case KV_Q5_K: V_NAME(gemm_k_type)(KV_Q5_K, w, M, nb, act, bias, y, N, num_threads); break;
+    case KV_Q6_K: V_NAME(gemm_k_type)(KV_Q6_K, w, M, nb, act, bias, y, N, num_threads); break;
+    default: V_NAME(gemm_k_type)(KV_IQ4_XS, w, M, nb, act, bias, y, N, num_threads); break;
+    }
+}
+
+#endif
+
+#undef V_VECTOR_HALF
+#undef V_ARRAY_HALF
