@@ -81,45 +81,47 @@ static inline __attribute__((always_inline)) void V_NAME(dot)(int base, const ui
     for (int r = 0; r < R; r++) V_STORE_COLUMNS(y + (m0 + r) * N + n0, columns, V_ADDF(acc[r], b));
 }
 
-/* The pass for one 32-weight type (a constant at each call, so each type's loops compile on their own). */
-static inline __attribute__((always_inline)) void V_NAME(gemm_type)(int base, const uint8_t *w, int64_t M, int64_t nb,
-                                                                     const InterleavedActivations *act,
-                                                                     const float *bias, float *y, int64_t N,
-                                                                     int num_threads) {
-    const int64_t groups = (N + GROUP_ROWS - 1) / GROUP_ROWS, group_bytes = nb * interleaved_block_bytes(base);
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t g = 0; g < groups; g++) {
-        for (int h = 0; h < V_HALVES && g * GROUP_ROWS + h * V_LANES < N; h++) {
-            const int64_t n0 = g * GROUP_ROWS + h * V_LANES;
-            const uint8_t *group = w + g * group_bytes;
-            for (int64_t m0 = 0; m0 < M; m0 += V_MAX_R) {
-                const int R = (int)(M - m0 < V_MAX_R ? M - m0 : V_MAX_R);
-                switch (R) {
+/* Every half and activation tile of group g, for one 32-weight type (a constant at each call: each type's loops
+ * compile on their own). */
+static inline __attribute__((always_inline)) void V_NAME(group)(int base, const uint8_t *w, int64_t g, int64_t M,
+                                                                 int64_t nb, const InterleavedActivations *act,
+                                                                 const float *bias, float *y, int64_t N) {
+    const uint8_t *group = w + g * nb * interleaved_block_bytes(base);
+    for (int h = 0; h < V_HALVES && g * GROUP_ROWS + h * V_LANES < N; h++) {
+        const int64_t n0 = g * GROUP_ROWS + h * V_LANES;
+        for (int64_t m0 = 0; m0 < M; m0 += V_MAX_R) {
+            const int R = (int)(M - m0 < V_MAX_R ? M - m0 : V_MAX_R);
+            switch (R) {
 #if V_MAX_R > 4
-                case 8: V_NAME(dot)(base, group, h, nb, act, m0, 8, bias, y, N, n0); break;
-                case 7: V_NAME(dot)(base, group, h, nb, act, m0, 7, bias, y, N, n0); break;
-                case 6: V_NAME(dot)(base, group, h, nb, act, m0, 6, bias, y, N, n0); break;
-                case 5: V_NAME(dot)(base, group, h, nb, act, m0, 5, bias, y, N, n0); break;
+            case 8: V_NAME(dot)(base, group, h, nb, act, m0, 8, bias, y, N, n0); break;
+            case 7: V_NAME(dot)(base, group, h, nb, act, m0, 7, bias, y, N, n0); break;
+            case 6: V_NAME(dot)(base, group, h, nb, act, m0, 6, bias, y, N, n0); break;
+            case 5: V_NAME(dot)(base, group, h, nb, act, m0, 5, bias, y, N, n0); break;
 #endif
-                case 4: V_NAME(dot)(base, group, h, nb, act, m0, 4, bias, y, N, n0); break;
-                case 3: V_NAME(dot)(base, group, h, nb, act, m0, 3, bias, y, N, n0); break;
-                case 2: V_NAME(dot)(base, group, h, nb, act, m0, 2, bias, y, N, n0); break;
-                default: V_NAME(dot)(base, group, h, nb, act, m0, 1, bias, y, N, n0); break;
-                }
+            case 4: V_NAME(dot)(base, group, h, nb, act, m0, 4, bias, y, N, n0); break;
+            case 3: V_NAME(dot)(base, group, h, nb, act, m0, 3, bias, y, N, n0); break;
+            case 2: V_NAME(dot)(base, group, h, nb, act, m0, 2, bias, y, N, n0); break;
+            default: V_NAME(dot)(base, group, h, nb, act, m0, 1, bias, y, N, n0); break;
             }
         }
     }
 }
 
+/* The groups split over the threads; the type is switched on inside the parallel loop, so that each case's calls
+ * have it as a constant (a parallel region is outlined before inlining: its own variables are not constants). */
 static void V_NAME(gemm)(int base, const uint8_t *w, int64_t M, int64_t nb, const InterleavedActivations *act,
                          const float *bias, float *y, int64_t N, int num_threads) {
-    switch (base) {
-    case KV_Q4_0: V_NAME(gemm_type)(KV_Q4_0, w, M, nb, act, bias, y, N, num_threads); break;
-    case KV_Q4_1: V_NAME(gemm_type)(KV_Q4_1, w, M, nb, act, bias, y, N, num_threads); break;
-    case KV_Q5_0: V_NAME(gemm_type)(KV_Q5_0, w, M, nb, act, bias, y, N, num_threads); break;
-    case KV_Q5_1: V_NAME(gemm_type)(KV_Q5_1, w, M, nb, act, bias, y, N, num_threads); break;
-    case KV_Q8_0: V_NAME(gemm_type)(KV_Q8_0, w, M, nb, act, bias, y, N, num_threads); break;
-    default: V_NAME(gemm_type)(KV_IQ4_NL, w, M, nb, act, bias, y, N, num_threads); break;
+    const int64_t groups = (N + GROUP_ROWS - 1) / GROUP_ROWS;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t g = 0; g < groups; g++) {
+        switch (base) {
+        case KV_Q4_0: V_NAME(group)(KV_Q4_0, w, g, M, nb, act, bias, y, N); break;
+        case KV_Q4_1: V_NAME(group)(KV_Q4_1, w, g, M, nb, act, bias, y, N); break;
+        case KV_Q5_0: V_NAME(group)(KV_Q5_0, w, g, M, nb, act, bias, y, N); break;
+        case KV_Q5_1: V_NAME(group)(KV_Q5_1, w, g, M, nb, act, bias, y, N); break;
+        case KV_Q8_0: V_NAME(group)(KV_Q8_0, w, g, M, nb, act, bias, y, N); break;
+        default: V_NAME(group)(KV_IQ4_NL, w, g, M, nb, act, bias, y, N); break;
+        }
     }
 }
 
@@ -237,36 +239,34 @@ static inline __attribute__((always_inline)) void V_NAME(dot_k)(int type, const 
     for (int r = 0; r < R; r++) V_STORE_COLUMNS(y + (m0 + r) * N + n0, columns, V_ADDF(acc[r], b));
 }
 
-static inline __attribute__((always_inline)) void V_NAME(gemm_k_type)(int type, const uint8_t *w, int64_t M,
-                                                                       int64_t nb, const KActivations *act,
-                                                                       const float *bias, float *y, int64_t N,
-                                                                       int num_threads) {
-    const int64_t groups = (N + GROUP_ROWS - 1) / GROUP_ROWS, group_bytes = nb * GROUP_ROWS * bytes_per_k_block(type);
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t g = 0; g < groups; g++) {
-        for (int h = 0; h < V_HALVES && g * GROUP_ROWS + h * V_LANES < N; h++) {
-            const int64_t n0 = g * GROUP_ROWS + h * V_LANES;
-            const uint8_t *group = w + g * group_bytes;
-            for (int64_t m0 = 0; m0 < M; m0 += V_MAX_R_K) {
-                const int R = (int)(M - m0 < V_MAX_R_K ? M - m0 : V_MAX_R_K);
-                switch (R) {
-                case 4: V_NAME(dot_k)(type, group, h, nb, act, m0, 4, bias, y, N, n0); break;
-                case 3: V_NAME(dot_k)(type, group, h, nb, act, m0, 3, bias, y, N, n0); break;
-                case 2: V_NAME(dot_k)(type, group, h, nb, act, m0, 2, bias, y, N, n0); break;
-                default: V_NAME(dot_k)(type, group, h, nb, act, m0, 1, bias, y, N, n0); break;
-                }
-            }
+/* Every activation tile of group g, for one 256-weight type (a constant at each call). */
+static inline __attribute__((always_inline)) void V_NAME(group_k)(int type, const uint8_t *w, int64_t g, int64_t M,
+                                                                   int64_t nb, const KActivations *act,
+                                                                   const float *bias, float *y, int64_t N) {
+    const uint8_t *group = w + g * nb * GROUP_ROWS * bytes_per_k_block(type);
+    const int64_t n0 = g * GROUP_ROWS;
+    for (int64_t m0 = 0; m0 < M; m0 += V_MAX_R_K) {
+        const int R = (int)(M - m0 < V_MAX_R_K ? M - m0 : V_MAX_R_K);
+        switch (R) {
+        case 4: V_NAME(dot_k)(type, group, 0, nb, act, m0, 4, bias, y, N, n0); break;
+        case 3: V_NAME(dot_k)(type, group, 0, nb, act, m0, 3, bias, y, N, n0); break;
+        case 2: V_NAME(dot_k)(type, group, 0, nb, act, m0, 2, bias, y, N, n0); break;
+        default: V_NAME(dot_k)(type, group, 0, nb, act, m0, 1, bias, y, N, n0); break;
         }
     }
 }
 
 static void V_NAME(gemm_k)(int type, const uint8_t *w, int64_t M, int64_t nb, const KActivations *act,
                            const float *bias, float *y, int64_t N, int num_threads) {
-    switch (type) {
-    case KV_Q4_K: V_NAME(gemm_k_type)(KV_Q4_K, w, M, nb, act, bias, y, N, num_threads); break;
-    case KV_Q5_K: V_NAME(gemm_k_type)(KV_Q5_K, w, M, nb, act, bias, y, N, num_threads); break;
-    case KV_Q6_K: V_NAME(gemm_k_type)(KV_Q6_K, w, M, nb, act, bias, y, N, num_threads); break;
-    default: V_NAME(gemm_k_type)(KV_IQ4_XS, w, M, nb, act, bias, y, N, num_threads); break;
+    const int64_t groups = (N + GROUP_ROWS - 1) / GROUP_ROWS;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t g = 0; g < groups; g++) {
+        switch (type) {
+        case KV_Q4_K: V_NAME(group_k)(KV_Q4_K, w, g, M, nb, act, bias, y, N); break;
+        case KV_Q5_K: V_NAME(group_k)(KV_Q5_K, w, g, M, nb, act, bias, y, N); break;
+        case KV_Q6_K: V_NAME(group_k)(KV_Q6_K, w, g, M, nb, act, bias, y, N); break;
+        default: V_NAME(group_k)(KV_IQ4_XS, w, g, M, nb, act, bias, y, N); break;
+        }
     }
 }
 
