@@ -1,13 +1,13 @@
-/* Register-tiled products over 32-weight GGUF blocks interleaved by rows, on AVX-512 VNNI CPUs, for
- * gguf_blocks.c, which includes this file. Compiled into every build (the functions carry their own target) and
- * called only for weights interleaved by kv_gguf_interleave, which the Python side does only where the CPU has
- * AVX-512 F/BW/VL and VNNI.
+/* GGUF blocks interleaved by rows and the register-tiled products over them, for gguf_blocks.c, which includes this
+ * file: the layout of the 32-weight types here and of the 256-weight types in gguf_interleaved_k.c, the products
+ * in gguf_interleaved_kernels.c (written once, included below for 256-bit registers in this build's instructions
+ * and for 512-bit ones with their own target, called only where the CPU has AVX-512 F/BW/VL and VNNI).
  *
  * Why: the row kernel (dot_row) multiplies one weight row at a time, so every 32 products pay for a scale
  * broadcast, a conversion and a horizontal sum, and batched decode and prefill ran at the 1-row rate per
- * row. Here a 512-bit register holds the same 4 weights of 16 weight rows, so one vpdpbusd with one 4-byte
- * activation quad broadcast adds 64 products into 16 output columns, and a block's scales are a vector of
- * the 16 rows' fp16 scales. Unpacking a block (nibbles to bytes) is paid once per tile of up to TILE_MAX_R
+ * row. Here a 512-bit register holds the same 4 weights of 16 weight rows (a 256-bit one of 8), so one vpdpbusd
+ * with one 4-byte activation quad broadcast adds 64 products into 16 output columns, and a block's scales are a
+ * vector of the rows' fp16 scales. Unpacking a block (nibbles to bytes) is paid once per tile of up to V_MAX_R
  * activation rows.
  *
  * The interleaved layout (type | KV_INTERLEAVED): rows in groups of 16 (the last group padded with zero rows); per
