@@ -23,7 +23,7 @@ from engine.core.scheduler import ScheduledBatch
 from engine.core.sequence import Sequence
 from engine.models import registry
 from engine.models.fused_decode import FusedDecode, decode_rows, token_rows
-from engine.ops import kv_format, loader
+from engine.ops import gguf_linear, kv_format, loader
 from engine.ops.cpu_features import cpu_features
 from engine.outputs import EmittedTokens, TokenLogprob
 from engine.runner.decode_path import DecodePath, choose_decode_path
@@ -127,11 +127,11 @@ class ModelRunner:
         if self.device.type != "cpu":
             return ""
         build = f"; kernels built for {loader.chosen_isa()}" if self.decode_plan.native_ops else ""
-        if any(
-            getattr(module, "packed", None) is not None and module.packed.is_interleaved
-            for module in self.model.modules()
-        ):
-            build += "; GGUF weights interleaved for the AVX-512 VNNI register-tiled products"
+        kernel_types = [getattr(module, "kernel_type", 0) for module in self.model.modules()]
+        interleaved = [t for t in kernel_types if t & gguf_linear.INTERLEAVED]
+        if interleaved:
+            widths = sorted({"256-bit" if t & gguf_linear.NARROW else "512-bit" for t in interleaved})
+            build += f"; GGUF weights interleaved for the {' and '.join(widths)} register-tiled products"
         prefill = f"; prefill products in {self.prefill_dtype}" if self.prefill_dtype is not None else ""
         return f"; CPU {' '.join(cpu_features()) or 'features unknown'}{build}{prefill}"
 
