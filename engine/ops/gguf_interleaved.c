@@ -162,11 +162,12 @@ typedef struct {
 } InterleavedActivations;
 
 /* Activation rows rounded per 256 values for the 256-weight types: q int8 [M*K]; d per 256; sum16 and sum32, the
- * integer sums of each 16 and 32 values. */
+ * integer sums of each 16 and 32 values; min_pairs, 4 words per 256 values, the sum32s as int16 pairs in the
+ * order the Q4_K / Q5_K minimums are paired: (0, 2), (1, 3), (4, 6), (5, 7) (a sum of 32 int8 fits 16 bits). */
 typedef struct {
     int8_t *q;
     float *d;
-    int32_t *sum16, *sum32;
+    int32_t *sum16, *sum32, *min_pairs;
 } KActivations;
 
 /* Lanes 0 .. count-1 of a 256-bit float vector, as the mask maskload / maskstore take. */
@@ -253,7 +254,7 @@ static inline __mmask16 column_mask_512(int64_t count) { return (__mmask16)((1u 
 #define V_LANES 16
 #define V_HALVES 1
 #define V_MAX_R 8
-#define V_MAX_R_K 4 /* and of the 256-weight types */
+#define V_MAX_R_K 8 /* and of the 256-weight types */
 #define V_I __m512i
 #define V_F __m512
 #define V_LOADU(p) _mm512_loadu_si512((const void *)(p))
@@ -270,6 +271,7 @@ static inline __mmask16 column_mask_512(int64_t count) { return (__mmask16)((1u 
 #define V_ZEROI _mm512_setzero_si512()
 #define V_ZEROF _mm512_setzero_ps()
 #define V_DOT _mm512_dpbusd_epi32
+#define V_DOT16 _mm512_dpwssd_epi32
 #define V_CVT _mm512_cvtepi32_ps
 #define V_MULF _mm512_mul_ps
 #define V_ADDF _mm512_add_ps
@@ -306,14 +308,16 @@ static int interleaved_gemm(const float *x, int64_t M, int64_t K, int type, cons
     if (!is_interleavable(base) || K % weights_per_block(base) != 0 || (!wide && !narrow_takes(base))) return 2;
     const int64_t block = weights_per_block(base), nb = K / block;
     const size_t q_bytes = ((size_t)(M * K) + 63) & ~(size_t)63, per_block = ((size_t)(M * nb) * 4 + 63) & ~(size_t)63;
-    const size_t sums_bytes = is_k_type(base) ? 2 * (((size_t)(M * K / 16) * 4 + 63) & ~(size_t)63) : 2 * per_block;
+    const size_t sum16_bytes = ((size_t)(M * K / 16) * 4 + 63) & ~(size_t)63;
+    const size_t sums_bytes = is_k_type(base) ? sum16_bytes + sum16_bytes / 2 + sum16_bytes / 4 + 64 : 2 * per_block;
     uint8_t *buffer = aligned_alloc(64, q_bytes + per_block + sums_bytes);
     if (!buffer) return 1;
     int8_t *q = (int8_t *)buffer;
     float *d = (float *)(buffer + q_bytes);
     uint8_t *sums = buffer + q_bytes + per_block;
     if (is_k_type(base)) {
-        KActivations act = {q, d, (int32_t *)sums, (int32_t *)(sums + sums_bytes / 2)};
+        KActivations act = {q, d, (int32_t *)sums, (int32_t *)(sums + sum16_bytes),
+                            (int32_t *)(sums + sum16_bytes + sum16_bytes / 2)};
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (M > 1)
         for (int64_t i = 0; i < M * nb; i++) {
             int total;
@@ -324,6 +328,10 @@ static int interleaved_gemm(const float *x, int64_t M, int64_t K, int type, cons
                 act.sum16[i * 16 + g] = sum16;
             }
             for (int j = 0; j < 8; j++) act.sum32[i * 8 + j] = act.sum16[i * 16 + 2 * j] + act.sum16[i * 16 + 2 * j + 1];
+            static const int PAIRED[4][2] = {{0, 2}, {1, 3}, {4, 6}, {5, 7}};
+            for (int k = 0; k < 4; k++)
+                act.min_pairs[i * 4 + k] = (int32_t)((uint32_t)(uint16_t)act.sum32[i * 8 + PAIRED[k][0]] |
+                                                     (uint32_t)(uint16_t)act.sum32[i * 8 + PAIRED[k][1]] << 16);
         }
         gemm_k_512(base, w, M, nb, &act, bias, y, N, num_threads); /* wide: narrow_takes refused them otherwise */
     } else {

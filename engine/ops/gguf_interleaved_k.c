@@ -12,9 +12,10 @@
  *   IQ4_XS: d[16] | scales_h[16] | scales_l as a vector of words | qs per sub-block j and quad c, as IQ4_NL's
  * A block's products: per sub-block (32 weights; Q6_K: two sub-blocks of 16) an int32 sum per row from 8
  * vpdpbusd, times the row's integer sub-block scale (vpmulld), summed over the block in int32, then scaled by
- * d * d_x once; Q4_K's and Q5_K's minimums add dmin * m_j * sum(x over sub-block j) the same way, and Q6_K's
- * centre 32 and IQ4_XS's 128 (its grid values are kept unsigned, plus 128) are subtracted in the integer
- * sums. Activations are rounded per 256, as for the row kernel.
+ * d * d_x once; Q4_K's and Q5_K's minimums subtract dmin * d_x * sum_j m_j * sum(x over sub-block j), the sum
+ * over the block's 8 sub-blocks taken once per block by 4 vpdpwssd on int16 pairs of minimums and activation
+ * sums (no per-sub-block multiply), and Q6_K's centre 32 and IQ4_XS's 128 (its grid values are kept unsigned,
+ * plus 128) are subtracted in the integer sums. Activations are rounded per 256, as for the row kernel.
  */
 
 /* Where file byte o (0 .. block bytes - 1) of lane l's block goes within a group's block (16 blocks' bytes). */

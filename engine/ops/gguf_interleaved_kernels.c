@@ -128,10 +128,9 @@ static void V_NAME(gemm)(int base, const uint8_t *w, int64_t M, int64_t nb, cons
 #if V_LANES == 16 /* The 256-weight types on 512-bit registers only: in 256-bit ones they measured no faster than the
                     row kernel (dot_row_k), whose 16-bit products already carry their sub-block scales. */
 /* Sub-block j's 32 weights (8 quads) of half h of the group's 256-weight block at p, unsigned; *scale: each row's
- * integer scale of the sub-block, *second the second 16's (Q6_K), *minimum its minimum (Q4_K, Q5_K). */
+ * integer scale of the sub-block, *second the second 16's (Q6_K). */
 static inline __attribute__((always_inline)) void V_NAME(unpack_k)(int type, const uint8_t *p, int h, int j,
-                                                                    V_I w[8], V_I *scale, V_I *second,
-                                                                    V_I *minimum) {
+                                                                    V_I w[8], V_I *scale, V_I *second) {
     const V_I low4 = V_SET8(0x0F), byte = V_SET32(0xFF);
     const int half = V_VECTOR_HALF(h);
     if (type == KV_Q6_K) {
@@ -166,18 +165,11 @@ static inline __attribute__((always_inline)) void V_NAME(unpack_k)(int type, con
         return;
     }
     /* Q4_K, Q5_K: the packed scales' three words per row, decoded as k_scales_and_mins_vector does */
-    const V_I a = V_LOADU(p + 64 + half), b = V_LOADU(p + 128 + half), c = V_LOADU(p + 192 + half);
-    const V_I six = V_SET8(0x3F), two = V_SET8(0x03);
-    V_I scales, minimums;
-    if (j < 4) {
-        scales = V_AND(a, six);
-        minimums = V_AND(b, six);
-    } else {
-        scales = V_OR(V_AND(c, low4), V_SLLI32(V_AND(V_SRLI32(a, 6), two), 4));
-        minimums = V_OR(V_AND(V_SRLI32(c, 4), low4), V_SLLI32(V_AND(V_SRLI32(b, 6), two), 4));
-    }
+    const V_I a = V_LOADU(p + 64 + half);
+    const V_I scales = j < 4 ? V_AND(a, V_SET8(0x3F))
+                             : V_OR(V_AND(V_LOADU(p + 192 + half), low4),
+                                    V_SLLI32(V_AND(V_SRLI32(a, 6), V_SET8(0x03)), 4));
     *scale = V_AND(V_SRLI32(scales, 8 * (j % 4)), byte);
-    *minimum = V_AND(V_SRLI32(minimums, 8 * (j % 4)), byte);
     const int five_bit = type == KV_Q5_K;
     const uint8_t *qs = p + (five_bit ? 768 : 256) + 64 * 8 * (j / 2);
     for (int v = 0; v < 8; v++) {
@@ -191,6 +183,19 @@ static inline __attribute__((always_inline)) void V_NAME(unpack_k)(int type, con
     }
 }
 
+/* Q4_K, Q5_K: each row's 8 six-bit sub-block minimums of the block at p as int16 pairs, vpdpwssd's operand:
+ * pairs[k] holds sub-blocks (0, 2), (1, 3), (4, 6), (5, 7) for k = 0..3, the order of KActivations' min_pairs. */
+static inline __attribute__((always_inline)) void V_NAME(minimum_pairs)(const uint8_t *p, int h, V_I pairs[4]) {
+    const int half = V_VECTOR_HALF(h);
+    const V_I b = V_LOADU(p + 128 + half), c = V_LOADU(p + 192 + half), even = V_SET32(0x00FF00FF);
+    const V_I first = V_AND(b, V_SET8(0x3F)); /* minimums 0..3, one byte each */
+    const V_I last = V_OR(V_AND(V_SRLI32(c, 4), V_SET8(0x0F)), V_SLLI32(V_AND(V_SRLI32(b, 6), V_SET8(0x03)), 4));
+    pairs[0] = V_AND(first, even);
+    pairs[1] = V_AND(V_SRLI32(first, 8), even);
+    pairs[2] = V_AND(last, even);
+    pairs[3] = V_AND(V_SRLI32(last, 8), even);
+}
+
 /* y[m0 .. m0+R, n0 .. n0+V_LANES] for half h of one group of 256-weight blocks (nb blocks from w). */
 static inline __attribute__((always_inline)) void V_NAME(dot_k)(int type, const uint8_t *w, int h, int64_t nb,
                                                                  const KActivations *act, int64_t m0, const int R,
@@ -202,11 +207,11 @@ static inline __attribute__((always_inline)) void V_NAME(dot_k)(int type, const 
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *p = w + b * stride;
         for (int64_t ahead = 0; ahead < stride; ahead += 512) __builtin_prefetch(p + PREFETCH_BYTES + ahead);
-        V_I sums[V_MAX_R_K], mins[V_MAX_R_K];
-        for (int r = 0; r < R; r++) sums[r] = mins[r] = V_ZEROI;
+        V_I sums[V_MAX_R_K];
+        for (int r = 0; r < R; r++) sums[r] = V_ZEROI;
         for (int j = 0; j < 8; j++) {
-            V_I q[8], scale, second = V_ZEROI, minimum = V_ZEROI;
-            V_NAME(unpack_k)(type, p, h, j, q, &scale, &second, &minimum);
+            V_I q[8], scale, second = V_ZEROI;
+            V_NAME(unpack_k)(type, p, h, j, q, &scale, &second);
             for (int r = 0; r < R; r++) {
                 const int64_t i = (m0 + r) * nb + b;
                 const int32_t *quads = (const int32_t *)(act->q + i * QK_K + 32 * j);
@@ -223,15 +228,24 @@ static inline __attribute__((always_inline)) void V_NAME(dot_k)(int type, const 
                 V_I s = V_SET32(type == KV_IQ4_XS ? -128 * act->sum32[i * 8 + j] : 0);
                 for (int v = 0; v < 8; v++) s = V_DOT(s, q[v], V_SET32(quads[v]));
                 sums[r] = V_ADD32(sums[r], V_MULLO(s, scale));
-                if (has_min) mins[r] = V_ADD32(mins[r], V_MULLO(minimum, V_SET32(act->sum32[i * 8 + j])));
             }
         }
         const V_F d = V_HALFS(p + V_ARRAY_HALF(h));
-        const V_F dmin = has_min ? V_HALFS(p + 32 + V_ARRAY_HALF(h)) : d;
+        if (!has_min) {
+            for (int r = 0; r < R; r++) acc[r] = V_FMA(V_CVT(sums[r]), V_MULF(d, V_SETF(act->d[(m0 + r) * nb + b])), acc[r]);
+            continue;
+        }
+        /* the minimums' term, sum over j of minimum_j * sum32_j: four int16 pair products per row */
+        V_I pairs[4];
+        V_NAME(minimum_pairs)(p, h, pairs);
+        const V_F dmin = V_HALFS(p + 32 + V_ARRAY_HALF(h));
         for (int r = 0; r < R; r++) {
-            const V_F dx = V_SETF(act->d[(m0 + r) * nb + b]);
+            const int64_t i = (m0 + r) * nb + b;
+            V_I mins = V_ZEROI;
+            for (int k = 0; k < 4; k++) mins = V_DOT16(mins, pairs[k], V_SET32(act->min_pairs[i * 4 + k]));
+            const V_F dx = V_SETF(act->d[i]);
             acc[r] = V_FMA(V_CVT(sums[r]), V_MULF(d, dx), acc[r]);
-            if (has_min) acc[r] = V_FNMA(V_CVT(mins[r]), V_MULF(dmin, dx), acc[r]);
+            acc[r] = V_FNMA(V_CVT(mins), V_MULF(dmin, dx), acc[r]);
         }
     }
     const int64_t columns = N - n0 < V_LANES ? N - n0 : V_LANES;
@@ -248,6 +262,10 @@ static inline __attribute__((always_inline)) void V_NAME(group_k)(int type, cons
     for (int64_t m0 = 0; m0 < M; m0 += V_MAX_R_K) {
         const int R = (int)(M - m0 < V_MAX_R_K ? M - m0 : V_MAX_R_K);
         switch (R) {
+        case 8: V_NAME(dot_k)(type, group, 0, nb, act, m0, 8, bias, y, N, n0); break;
+        case 7: V_NAME(dot_k)(type, group, 0, nb, act, m0, 7, bias, y, N, n0); break;
+        case 6: V_NAME(dot_k)(type, group, 0, nb, act, m0, 6, bias, y, N, n0); break;
+        case 5: V_NAME(dot_k)(type, group, 0, nb, act, m0, 5, bias, y, N, n0); break;
         case 4: V_NAME(dot_k)(type, group, 0, nb, act, m0, 4, bias, y, N, n0); break;
         case 3: V_NAME(dot_k)(type, group, 0, nb, act, m0, 3, bias, y, N, n0); break;
         case 2: V_NAME(dot_k)(type, group, 0, nb, act, m0, 2, bias, y, N, n0); break;
