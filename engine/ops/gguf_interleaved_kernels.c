@@ -63,8 +63,9 @@ static inline __attribute__((always_inline)) void V_NAME(dot)(int base, const ui
     const int64_t stride = interleaved_block_bytes(base);
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *p = w + b * stride;
-        __builtin_prefetch(p + PREFETCH_BYTES);
-        __builtin_prefetch(p + PREFETCH_BYTES + 256);
+        /* every 64-byte line of the block PREFETCH_BYTES ahead: with a hint for only some of them, a 2-core EPYC
+         * streamed the weights of 8-row products at 12-18 GB/s instead of 25-55 */
+        for (int64_t ahead = 0; ahead < stride; ahead += 64) __builtin_prefetch(p + PREFETCH_BYTES + ahead);
         V_NAME(Block) t;
         V_NAME(unpack)(base, p, h, &t);
         for (int r = 0; r < R; r++) {
@@ -206,7 +207,7 @@ static inline __attribute__((always_inline)) void V_NAME(dot_k)(int type, const 
     const int has_min = type == KV_Q4_K || type == KV_Q5_K;
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *p = w + b * stride;
-        for (int64_t ahead = 0; ahead < stride; ahead += 512) __builtin_prefetch(p + PREFETCH_BYTES + ahead);
+        for (int64_t ahead = 0; ahead < stride; ahead += 64) __builtin_prefetch(p + PREFETCH_BYTES + ahead);
         V_I sums[V_MAX_R_K];
         for (int r = 0; r < R; r++) sums[r] = V_ZEROI;
         for (int j = 0; j < 8; j++) {

@@ -83,7 +83,7 @@ static inline int64_t bytes_per_k_block(int type) {
 
 static inline __attribute__((always_inline)) void unpack_k_block(int type, const uint8_t *bytes, KBlock *out) {
     const __m256i low4 = _mm256_set1_epi8(0x0F);
-    __builtin_prefetch(bytes + PREFETCH_BYTES);
+    for (int64_t ahead = 0; ahead < bytes_per_k_block(type); ahead += 64) __builtin_prefetch(bytes + PREFETCH_BYTES + ahead);
     if (type == KV_IQ4_XS) {
         const BlockIQ4_XS *block = (const BlockIQ4_XS *)bytes;
         out->d = fp16_to_float(block->d), out->dmin = 0.0f;
