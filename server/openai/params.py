@@ -151,11 +151,25 @@ def max_tokens_for(asked: int | None, config: ServerConfig, route_default: int |
     return config.default_max_tokens if config.default_max_tokens is not None else route_default
 
 
+def check_before_load(
+    body: SamplingFields,
+    max_tokens: int | None,
+    logprobs: int | None,
+    cache_salt: str | None = None,
+    prompt_logprobs: int | None = None,
+) -> None:
+    """400 for what a generation request gets wrong on its body alone (its sampling fields, their ranges and
+    combinations), checked before its model is acquired: a request that cannot be served neither loads a
+    model that is not loaded nor waits for one. What needs the model (token ids against its vocabulary, the
+    prompt against its context) is checked once it is there."""
+    sampling_params(body, max_tokens, logprobs, None, cache_salt, prompt_logprobs=prompt_logprobs)
+
+
 def sampling_params(
     body: SamplingFields,
     max_tokens: int | None,
     logprobs: int | None,
-    vocab_size: int,
+    vocab_size: int | None,
     cache_salt: str | None = None,
     structured: StructuredOutput | None = None,
     prompt_logprobs: int | None = None,
@@ -165,7 +179,8 @@ def sampling_params(
 
     prompt_logprobs: top alternatives wanted per prompt token, beside the request's own
     `prompt_logprobs` field (the larger wins; completions' echo asks through this). thinking: a reasoning
-    model's thinking, which `structured` leaves free (kept only where there is a structured output)."""
+    model's thinking, which `structured` leaves free (kept only where there is a structured output).
+    vocab_size None: logit_bias's token ids are not held to a vocabulary (check_before_load)."""
     logit_bias = None
     if body.logit_bias:
         logit_bias = {}
@@ -173,7 +188,8 @@ def sampling_params(
             if not _TOKEN_ID_KEY.fullmatch(key):
                 raise InvalidRequestError(f"logit_bias: keys must be token ids, got {key[:32]!r}", "logit_bias")
             logit_bias[int(key)] = bias
-        check_token_ids(list(logit_bias), vocab_size, "logit_bias")
+        if vocab_size is not None:
+            check_token_ids(list(logit_bias), vocab_size, "logit_bias")
     if body.stream_options is not None and not body.stream:
         raise InvalidRequestError("stream_options: only allowed when stream is true", "stream_options")
     if body.prompt_logprobs is not None and body.stream:

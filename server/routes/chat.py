@@ -17,7 +17,13 @@ from server.http.access import request_cache_salt
 from server.http.json_body import StrictJSONRoute
 from server.http.openapi import generation_responses
 from server.openai.logprobs import chat_logprobs, prompt_logprobs_entries
-from server.openai.params import check_admissible, max_tokens_for, reject_unsupported, sampling_params
+from server.openai.params import (
+    check_admissible,
+    check_before_load,
+    max_tokens_for,
+    reject_unsupported,
+    sampling_params,
+)
 from server.openai.prompts import chat_prompt_ids
 from server.openai.reasoning import ReasoningPlan, check_template_kwargs, template_kwargs
 from server.openai.served_models import generation_model
@@ -50,14 +56,22 @@ NOT_STORED = "store: this server stores no completions; send store false or leav
 )
 @serving.abandoned_when_client_leaves
 async def create_chat_completion(body: ChatCompletionRequest, request: Request, state: SharedState) -> Response:
-    served = await generation_model(state, body.model)
-    engine = served.engine
     reject_unsupported(body.unsupported_fields())
     if body.store:
         raise APIError(400, NOT_STORED, param="store", code="unsupported_field")
     check_template_kwargs(body.chat_template_kwargs)
     if body.top_logprobs is not None and not body.logprobs:
         raise InvalidRequestError("top_logprobs: requires logprobs to be true", "top_logprobs")
+    asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    max_tokens = max_tokens_for(asked, state.config)
+    num_top = body.top_logprobs or 0
+    logprobs = num_top if body.logprobs else None
+    structured = structured_output(body, body.response_format)  # plan_tools refuses response_format with tools
+    # prompt_cache_key (OpenAI's) keeps its requests' cached prefixes apart as cache_salt (vLLM's) does.
+    cache_salt = request_cache_salt(request, body.cache_salt or body.prompt_cache_key)
+    check_before_load(body, max_tokens, logprobs, cache_salt)
+    served = await generation_model(state, body.model)
+    engine = served.engine
     engine.check_admission()  # a full queue answers 429 before the messages are rendered
     tools = plan_tools(body, engine.tokenizer.tool_call_format)
     kwargs = template_kwargs(
@@ -77,17 +91,10 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     )
     reasoning = ReasoningPlan(served.reasoning, prompt_ids) if served.reasoning is not None else None
     tokenizer = engine.tokenizer  # the event loop's: logprob token texts, a few per step
-    asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    max_tokens = max_tokens_for(asked, state.config)
-    num_top = body.top_logprobs or 0
-    logprobs = num_top if body.logprobs else None
-    structured = structured_output(body, body.response_format)  # plan_tools refused response_format with tools
     if tools is not None:
         if structured is not None:
             raise InvalidRequestError("tools: cannot be combined with structured_outputs or guided_*", "tools")
         structured = tools.spec
-    # prompt_cache_key (OpenAI's) keeps its requests' cached prefixes apart as cache_salt (vLLM's) does.
-    cache_salt = request_cache_salt(request, body.cache_salt or body.prompt_cache_key)
     thinking = reasoning.span if reasoning is not None else None
     params = sampling_params(body, max_tokens, logprobs, engine.vocab_size, cache_salt, structured, thinking=thinking)
     await compile_structured(served.text, engine, structured)

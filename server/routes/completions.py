@@ -13,7 +13,13 @@ from server.http.access import request_cache_salt
 from server.http.json_body import StrictJSONRoute
 from server.http.openapi import generation_responses
 from server.openai.logprobs import completion_logprobs, echo_logprobs, joined, prompt_logprobs_entries
-from server.openai.params import check_admissible, max_tokens_for, reject_unsupported, sampling_params
+from server.openai.params import (
+    check_admissible,
+    check_before_load,
+    max_tokens_for,
+    reject_unsupported,
+    sampling_params,
+)
 from server.openai.prompts import completion_prompts, echoed_prompts
 from server.openai.served_models import generation_model
 from server.openai.structured import compile_structured, structured_output
@@ -37,21 +43,17 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's, when neither the request nor --
 @serving.abandoned_when_client_leaves
 async def create_completion(body: CompletionRequest, request: Request, state: SharedState) -> Response:
     reject_unsupported(body.unsupported_fields())
-    served = await generation_model(state, body.model)
-    engine, text = served.engine, served.text
-    engine.check_admission()  # a full queue answers 429 before any prompt is tokenized
     structured = structured_output(body)
     # echo with logprobs scores the echoed prompt too (what lm-evaluation-harness's loglikelihood reads)
     echo_logprobs_top = body.logprobs if body.echo else None
     max_tokens = max_tokens_for(body.max_tokens, state.config, COMPLETIONS_DEFAULT_MAX_TOKENS)
+    cache_salt = request_cache_salt(request, body.cache_salt)
+    check_before_load(body, max_tokens, body.logprobs, cache_salt, echo_logprobs_top)
+    served = await generation_model(state, body.model)
+    engine, text = served.engine, served.text
+    engine.check_admission()  # a full queue answers 429 before any prompt is tokenized
     params = sampling_params(
-        body,
-        max_tokens,
-        body.logprobs,
-        engine.vocab_size,
-        request_cache_salt(request, body.cache_salt),
-        structured,
-        prompt_logprobs=echo_logprobs_top,
+        body, max_tokens, body.logprobs, engine.vocab_size, cache_salt, structured, prompt_logprobs=echo_logprobs_top
     )
     await compile_structured(text, engine, structured)
     if has_text(body.prompt):

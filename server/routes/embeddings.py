@@ -36,9 +36,9 @@ router = APIRouter(route_class=StrictJSONRoute)
 
 @router.post("/v1/embeddings", response_model=EmbeddingResponse, responses=engine_responses())
 async def create_embeddings(body: EmbeddingRequest, state: SharedState) -> Response:
-    embedder = await embedding_engine(state, body.model)
     inputs = _as_input_list(body.input, "input")
     check_batch_size(state.config, len(inputs), "input")
+    embedder = await embedding_engine(state, body.model)
 
     async def answer() -> dict:
         result = await embed_observed(
@@ -72,9 +72,9 @@ async def create_embeddings(body: EmbeddingRequest, state: SharedState) -> Respo
 @router.post("/", response_model=EmbedResponse, responses=engine_responses())
 @router.post("/embed", response_model=EmbedResponse, responses=engine_responses())
 async def embed(body: EmbedRequest, state: SharedState) -> Response:
-    embedder = await embedding_engine(state, None)
     inputs = _as_input_list(body.inputs, "inputs")
     check_batch_size(state.config, len(inputs), "inputs")
+    embedder = await embedding_engine(state, None)
 
     async def answer() -> list[list[float]]:
         result = await embed_observed(

@@ -22,7 +22,7 @@ from server.anthropic.message_events import MessageEvents
 from server.http.access import request_cache_salt
 from server.http.json_body import StrictJSONRoute
 from server.http.openapi import anthropic_responses
-from server.openai.params import check_admissible, sampling_params
+from server.openai.params import check_admissible, check_before_load, sampling_params
 from server.openai.prompts import request_chat_prompt
 from server.openai.reasoning import ReasoningPlan
 from server.openai.served_models import generation_model
@@ -47,6 +47,8 @@ async def _prompt(
 ) -> tuple[Any, Any, ToolPlan | None, list[int]]:
     """(the chat request, the model, the tool plan, the prompt's token ids) of a Messages request."""
     chat = chat_request(body)
+    if isinstance(body, MessagesRequest):  # its sampling fields, before its model is acquired
+        check_before_load(chat, body.max_tokens, None)
     served = await generation_model(state, body.model)
     if admit:
         served.engine.check_admission()  # a full queue answers 429 before rendering

@@ -26,7 +26,7 @@ from server.ollama.chat_request import chat_messages, chat_request, generate_mes
 from server.ollama.replies import OllamaReply, loaded_line
 from server.ollama.served import request_keep_alive, served_name
 from server.openai.logprobs import chat_logprobs
-from server.openai.params import check_admissible, sampling_params
+from server.openai.params import check_admissible, check_before_load, sampling_params
 from server.openai.prompts import request_chat_prompt
 from server.openai.reasoning import ReasoningPlan
 from server.openai.served_models import generation_model, model_entry
@@ -48,11 +48,12 @@ async def chat(body: ChatRequest, request: Request, state: SharedState) -> Respo
     keep_alive = request_keep_alive(body.keep_alive)
     if not body.messages:
         return await _load_or_unload(state, body.model, model, keep_alive, "chat")
+    chat_body = chat_request(body, chat_messages(body.messages))
+    _check_before_load(chat_body)
     served = await generation_model(state, model, keep_alive)
     engine = served.engine
     _check_think(body, served)
     engine.check_admission()  # a full queue answers 429 before rendering
-    chat_body = chat_request(body, chat_messages(body.messages))
     tools = plan_tools(chat_body, engine.tokenizer.tool_call_format)
     prompt_ids = await request_chat_prompt(state, served, chat_body, tools)
     return await _answer(body, "chat", chat_body, tools, prompt_ids, served, request, state)
@@ -65,14 +66,14 @@ async def generate(body: GenerateRequest, request: Request, state: SharedState) 
     keep_alive = request_keep_alive(body.keep_alive)
     if not body.prompt and not body.context:
         return await _load_or_unload(state, body.model, model, keep_alive, "generate")
+    if body.raw and (body.system or body.think not in (None, False)):
+        raise InvalidRequestError("raw: a raw prompt goes to the model as is, without system or think", "raw")
+    chat_body = chat_request(body, generate_messages(body))
+    _check_before_load(chat_body)
     served = await generation_model(state, model, keep_alive)
     engine = served.engine
     _check_think(body, served)
-    if body.raw and (body.system or body.think not in (None, False)):
-        raise InvalidRequestError("raw: a raw prompt goes to the model as is, without system or think", "raw")
     engine.check_admission()
-    messages = generate_messages(body)
-    chat_body = chat_request(body, messages)
     if body.raw:
         # Ollama's raw prompt is the model's input as it stands: BOS first on a fresh conversation only.
         fresh = not body.context
@@ -100,6 +101,13 @@ async def _load_or_unload(state: Any, asked: str, model: str, keep_alive: float 
         return JSONResponse(loaded_line(asked, kind, "unload"))
     await generation_model(state, model, keep_alive)
     return JSONResponse(loaded_line(asked, kind))
+
+
+def _check_before_load(chat_body: ChatCompletionRequest) -> None:
+    """The request's options and format, checked before its model is acquired (max_tokens, which depends on
+    the prompt's length, afterwards)."""
+    structured_output(chat_body, chat_body.response_format)
+    check_before_load(chat_body, None, chat_body.top_logprobs if chat_body.logprobs else None)
 
 
 def _check_think(body: ChatRequest | GenerateRequest, served: ServedGeneration) -> None:

@@ -54,9 +54,9 @@ router = APIRouter(route_class=StrictJSONRoute)
 
 @router.post("/rerank", response_model=TEIRerankResponse, responses=engine_responses())
 async def tei_rerank(body: TEIRerankRequest, state: SharedState) -> Response:
-    reranker = await rerank_engine(state, None)
     _check_not_empty(body.texts, "texts")
     check_batch_size(state.config, len(body.texts), "texts")
+    reranker = await rerank_engine(state, None)
 
     async def answer() -> list[dict]:
         logits, _ = await _score(
@@ -77,10 +77,10 @@ async def tei_rerank(body: TEIRerankRequest, state: SharedState) -> Response:
 @router.post("/v2/rerank", response_model=RerankResponse, responses=engine_responses())
 @router.post("/v1/rerank", response_model=RerankResponse, responses=engine_responses())
 async def rerank(body: RerankRequest, request: Request, state: SharedState) -> Response:
-    reranker = await rerank_engine(state, body.model)
     documents = [d if isinstance(d, str) else d.text for d in body.documents]
     _check_not_empty(documents, "documents")
     check_batch_size(state.config, len(documents), "documents")
+    reranker = await rerank_engine(state, body.model)
     activate = _model_score(reranker)
     answer_id = serving.response_id(request, "rerank")
 
@@ -112,9 +112,9 @@ async def rerank(body: RerankRequest, request: Request, state: SharedState) -> R
 
 @router.post("/v1/score", response_model=ScoreResponse, responses=engine_responses())
 async def score(body: ScoreRequest, request: Request, state: SharedState) -> Response:
-    reranker = await rerank_engine(state, body.model)
     pairs = _score_pairs(body.text_1, body.text_2)
     check_batch_size(state.config, len(pairs), "text_2")
+    reranker = await rerank_engine(state, body.model)
     activate = _model_score(reranker)
     answer_id = serving.response_id(request, "score")
 

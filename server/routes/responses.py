@@ -30,7 +30,13 @@ from server.errors import APIError
 from server.http.access import request_cache_salt
 from server.http.json_body import StrictJSONRoute
 from server.http.openapi import named_event_responses
-from server.openai.params import check_admissible, max_tokens_for, reject_unsupported, sampling_params
+from server.openai.params import (
+    check_admissible,
+    check_before_load,
+    max_tokens_for,
+    reject_unsupported,
+    sampling_params,
+)
 from server.openai.prompts import chat_prompt_ids
 from server.openai.reasoning import ReasoningPlan, template_kwargs
 from server.openai.responses_events import ResponseEvents
@@ -80,17 +86,21 @@ async def create_response(body: ResponsesRequest, request: Request, state: Share
 
 
 async def _create_response(body: ResponsesRequest, request: Request, state: SharedState) -> Response:
-    served = await generation_model(state, body.model)
-    engine = served.engine
     if body.previous_response_id is not None:
         raise APIError(400, NOT_STORED, param="previous_response_id", code="unsupported_field")
     reject_unsupported(body.unsupported_fields())
     if body.stream_options is not None and not body.stream:
         raise InvalidRequestError("stream_options: only allowed when stream is true", "stream_options")
     chat = chat_request(body)
+    structured = _text_format(body)
+    max_tokens = max_tokens_for(body.max_output_tokens, state.config)
+    # prompt_cache_key (OpenAI's) keeps its requests' cached prefixes apart as cache_salt (vLLM's) does.
+    cache_salt = request_cache_salt(request, body.cache_salt or body.prompt_cache_key)
+    check_before_load(chat, max_tokens, None, cache_salt)
+    served = await generation_model(state, body.model)
+    engine = served.engine
     engine.check_admission()  # a full queue answers 429 before the messages are rendered
     tools = plan_tools(chat, engine.tokenizer.tool_call_format)
-    structured = _text_format(body)
     if tools is not None and structured is not None:
         raise InvalidRequestError("text.format: cannot be combined with tools (use tool_choice none)", "text.format")
     special_in_content = state.config.allow_special_tokens_in_content
@@ -102,9 +112,6 @@ async def _create_response(body: ResponsesRequest, request: Request, state: Shar
     )
     reasoning = ReasoningPlan(served.reasoning, prompt_ids) if served.reasoning is not None else None
     spec = tools.spec if tools is not None else structured
-    max_tokens = max_tokens_for(body.max_output_tokens, state.config)
-    # prompt_cache_key (OpenAI's) keeps its requests' cached prefixes apart as cache_salt (vLLM's) does.
-    cache_salt = request_cache_salt(request, body.cache_salt or body.prompt_cache_key)
     thinking = reasoning.span if reasoning is not None else None
     params = sampling_params(chat, max_tokens, None, engine.vocab_size, cache_salt, spec, thinking=thinking)
     await compile_structured(served.text, engine, spec)

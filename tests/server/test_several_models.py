@@ -230,6 +230,31 @@ def test_a_failed_load_fails_only_its_own_requests(served):
     assert httpx.get(f"{served.base_url}/health", timeout=5).status_code == 200
 
 
+def test_a_request_wrong_on_its_body_alone_is_refused_before_its_model_loads(served):
+    """Each route checks what needs no model before acquiring one: the broken model's loads (each request
+    tries again) are not counted up, and the answer is the request's 400, not the load's 500."""
+    broken = next(iter(served.factory.broken))
+    loads_before = served.factory.loads.count(broken)
+    prompt = {"prompt": PROMPT}
+    chat = {"messages": [{"role": "user", "content": PROMPT}]}
+    wrong = [
+        ("/v1/completions", {**prompt, "stream_options": {"include_usage": True}}, "stream_options"),
+        ("/v1/completions", {**prompt, "logit_bias": {"first": 1}}, "logit_bias"),
+        ("/v1/chat/completions", {**chat, "top_logprobs": 2}, "top_logprobs"),
+        ("/v1/chat/completions", {**chat, "max_tokens": 2, "min_tokens": 5}, "min_tokens"),
+        ("/v1/chat/completions", {**chat, "store": True}, "store"),
+        ("/v1/responses", {"input": PROMPT, "previous_response_id": "resp_1"}, "previous_response_id"),
+        ("/api/generate", {**prompt, "raw": True, "system": "Be brief."}, "raw"),
+    ]
+    for path, body, param in wrong:
+        answer = httpx.post(f"{served.base_url}{path}", json={"model": "broken", **body}, timeout=30)
+        assert answer.status_code == 400, (path, answer.text)
+        assert param in answer.text, (path, answer.text)
+    assert served.factory.loads.count(broken) == loads_before
+    assert _complete(served, "broken").json()["error"]["code"] == "model_load_failed"  # a valid one tries it
+    assert served.factory.loads.count(broken) == loads_before + 1
+
+
 def test_abandoned_requests_free_everything_in_every_model(served):
     for model in ("tiny-a", "tiny-b"):
         assert _complete(served, model).status_code == 200  # both loaded
