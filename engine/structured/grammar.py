@@ -28,17 +28,38 @@ _COMPACT_JSON = {"whitespace_flexible": False}
 
 
 class GrammarCompiler:
-    """hf_tokenizer: the model's transformers fast tokenizer. vocab_size: the width of the model's logits."""
+    """hf_tokenizer: the model's transformers fast tokenizer. vocab_size: the width of the model's logits.
+
+    llguidance's view of the tokenizer is built on the first compile, not here: building it holds the GIL
+    for a few hundred milliseconds (a 49k-token vocabulary: ~0.3 s), and a model loading on demand beside
+    others that stream would stall their steps that long, where most models never see a structured request."""
 
     def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
-        import llguidance.hf
-
         self.vocab_size = vocab_size
-        self.ll_tokenizer = llguidance.hf.from_tokenizer(
-            hf_tokenizer, n_vocab=vocab_size, eos_token=list(eos_token_ids) or None
-        )
+        self._hf_tokenizer = hf_tokenizer
+        self._eos_token_ids = eos_token_ids
+        self._ll_tokenizer: Any = None
+        self._tokenizer_lock = threading.Lock()
         self._lock = threading.Lock()
         self._compiled: collections.OrderedDict[StructuredOutput, Any] = collections.OrderedDict()
+
+    def ll_tokenizer(self, param: str) -> Any:
+        """llguidance's tokenizer, built on the first call; a tokenizer llguidance cannot read is a 400 naming
+        `param`, the request field that asked for structured output."""
+        with self._tokenizer_lock:
+            if self._ll_tokenizer is None:
+                import llguidance.hf
+
+                try:
+                    self._ll_tokenizer = llguidance.hf.from_tokenizer(
+                        self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=list(self._eos_token_ids) or None
+                    )
+                except Exception as exc:  # noqa: BLE001 - llguidance raises plain exceptions for what it cannot read
+                    raise InvalidRequestError(
+                        f"{param}: structured output is not available for this model's tokenizer ({_reason(str(exc))})",
+                        param,
+                    ) from exc
+            return self._ll_tokenizer
 
     def compile(self, spec: StructuredOutput) -> None:
         """Compile and cache `spec`; raises InvalidRequestError (naming `spec.param`) if it does not compile."""
@@ -78,10 +99,11 @@ class GrammarCompiler:
             grammar = _grammar_text(spec)
         except Exception as exc:  # noqa: BLE001 - llguidance raises plain exceptions for bad input
             raise InvalidRequestError(f"{spec.param}: invalid {spec.kind}: {_reason(str(exc))}", spec.param) from exc
-        error = llguidance.LLMatcher.validate_grammar(grammar, self.ll_tokenizer)
+        ll_tokenizer = self.ll_tokenizer(spec.param)
+        error = llguidance.LLMatcher.validate_grammar(grammar, ll_tokenizer)
         if error:
             raise InvalidRequestError(f"{spec.param}: invalid {spec.kind}: {_reason(error)}", spec.param)
-        template = llguidance.LLMatcher(self.ll_tokenizer, grammar)
+        template = llguidance.LLMatcher(ll_tokenizer, grammar)
         # The first mask builds the lexer (the slow part for a large schema): here, not on the torch thread.
         llguidance.numpy.fill_next_token_bitmask(template, llguidance.numpy.allocate_token_bitmask(1, self.vocab_size))
         if template.is_error():

@@ -141,6 +141,26 @@ def test_the_matcher_accepts_what_the_spec_allows_and_nothing_else(llm, spec, go
     assert not (refused.try_consume_tokens(ids) == len(ids) and refused.is_accepting())
 
 
+def test_the_grammar_tokenizer_is_built_on_the_first_compile_not_at_load(llm, monkeypatch):
+    """Building llguidance's tokenizer holds the GIL: a load does not pay it, the first structured request
+    does, once; a tokenizer llguidance cannot read is that request's 400."""
+    import llguidance.hf
+
+    from engine.structured.grammar import GrammarCompiler
+
+    built = []
+    real = llguidance.hf.from_tokenizer
+    monkeypatch.setattr(llguidance.hf, "from_tokenizer", lambda *a, **k: built.append(1) or real(*a, **k))
+    compiler = GrammarCompiler(llm.tokenizer._tok, llm.engine.vocab_size, (0,))
+    assert built == []
+    compiler.compile(StructuredOutput(regex="[ab]{2}"))
+    compiler.compile(StructuredOutput(choice=("yes", "no")))
+    assert built == [1]
+    unreadable = GrammarCompiler(object(), llm.engine.vocab_size, (0,))
+    with pytest.raises(InvalidRequestError, match="guided_regex: structured output is not available"):
+        unreadable.compile(StructuredOutput(regex="a", param="guided_regex"))
+
+
 def test_a_spec_must_set_exactly_one_thing():
     with pytest.raises(InvalidRequestError, match="exactly one"):
         StructuredOutput(regex="a", json="{}")
