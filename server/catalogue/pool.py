@@ -352,6 +352,9 @@ class ModelPool:
 
         if entry.task == "generate":
             generation = await run(self._factories.generation, entry.config)
+            # A load's transient buffers (file blocks before interleaving, converted tensors) are freed but kept
+            # by the C heap: given back here, a 0.75B Q8_0 model holds 260 MB less from its first request on.
+            await run(_free_memory)
             # The loop detokenizes with the engine's tokenizer; the text worker encodes with its own copy.
             text_tokenizer = await self._text_worker.run(0, generation.tokenizer.copy)
             reasoning = think_tokens(self._config.reasoning_parser, generation.tokenizer.vocabulary())
@@ -361,6 +364,7 @@ class ModelPool:
         factory = self._factories.embedder if entry.task == "embed" else self._factories.reranker
         what = "embedding" if entry.task == "embed" else "rerank"
         encoder = AsyncEncoder(await run(factory, entry.config), limits=self._limits, what=what)
+        await run(_free_memory)
         await encoder.start(self._worker, self._text_worker)
         return encoder
 

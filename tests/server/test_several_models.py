@@ -217,6 +217,20 @@ def test_an_idle_model_unloads_after_its_keep_alive_and_its_memory_is_freed(serv
     httpx.post(f"{served.base_url}/api/generate", json={"model": "tiny-b", "keep_alive": 0}, timeout=60)
 
 
+def test_a_load_gives_its_transient_memory_back_to_the_system(served, monkeypatch):
+    """After a load the freed heap is trimmed (malloc_trim), as after an unload: a load's transient buffers
+    are not kept as the model's resident memory."""
+    from server.catalogue import pool
+
+    httpx.post(f"{served.base_url}/api/generate", json={"model": "tiny-b", "keep_alive": 0}, timeout=60)
+    _wait_status(served, "tiny-b", "unloaded")
+    calls = []
+    real = pool._free_memory
+    monkeypatch.setattr(pool, "_free_memory", lambda: calls.append(1) or real())
+    assert _complete(served, "tiny-b").status_code == 200
+    assert calls == [1]
+
+
 def test_a_failed_load_fails_only_its_own_requests(served):
     loads_before = served.factory.loads.count(next(p for p in served.factory.broken))
     for _ in range(2):  # the next request tries again
