@@ -354,7 +354,7 @@ class ModelPool:
             generation = await run(self._factories.generation, entry.config)
             # A load's transient buffers (file blocks before interleaving, converted tensors) are freed but kept
             # by the C heap: given back here, a 0.75B Q8_0 model holds 260 MB less from its first request on.
-            await run(_free_memory)
+            await run(_trim_heap)
             # The loop detokenizes with the engine's tokenizer; the text worker encodes with its own copy.
             text_tokenizer = await self._text_worker.run(0, generation.tokenizer.copy)
             reasoning = think_tokens(self._config.reasoning_parser, generation.tokenizer.vocabulary())
@@ -364,7 +364,7 @@ class ModelPool:
         factory = self._factories.embedder if entry.task == "embed" else self._factories.reranker
         what = "embedding" if entry.task == "embed" else "rerank"
         encoder = AsyncEncoder(await run(factory, entry.config), limits=self._limits, what=what)
-        await run(_free_memory)
+        await run(_trim_heap)
         await encoder.start(self._worker, self._text_worker)
         return encoder
 
@@ -407,6 +407,14 @@ async def _on_a_thread_of_its_own(loop: asyncio.AbstractEventLoop, fn: Callable[
 
 
 def _free_memory() -> None:
+    """After an unload: the model's reference cycles collected, then the heap given back."""
     gc.collect()
+    _trim_heap()
+
+
+def _trim_heap() -> None:
+    """Freed C heap given back to the system. No gc.collect here: a full collection holds the GIL for as long
+    as the process has objects to walk, and the models streaming beside a load would stall that long; ctypes
+    releases the GIL for the trim itself."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").malloc_trim(0)

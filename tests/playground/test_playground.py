@@ -134,6 +134,9 @@ def test_chat_streams_and_stops(page: Any, server: ServerProcess, screenshot_dir
     page.fill("#p-seed", "11")
     page.fill("#p-temperature", "0.3")
     page.fill("#chat-text", "Write a long story about a dragon who learns to bake bread.")
+    # The metrics view's samples are differences between polls: the first poll must come before the reply, or
+    # on a loaded machine the whole reply can fall before it and leave no interval that saw it.
+    page.wait_for_function("window.playground.metrics && window.playground.metrics.samples.length > 0", timeout=WAIT_MS)
     page.click("#chat-send")
     page.wait_for_function("window.playground.chat.streaming && window.playground.chat.tokens > 0", timeout=WAIT_MS)
 
