@@ -2,7 +2,9 @@
 
 transformers turns a GGUF file's metadata into a model config and a tokenizer by parsing every key of the
 file, the tokenizer's vocabulary and merges among them (SmolLM2-135M: about 2.6 s for the config and 3.4 s
-for the tokenizer, on one core, each a parse of its own). Both results depend on nothing but the file and
+for the tokenizer, on one core, each a parse of its own; engine/hub/gguf_reader_view.py feeds both from the
+engine's own quick pass over the file, which leaves most of that to transformers' conversion of what it
+reads). Both results depend on nothing but the file and
 the transformers version, so after the first load they are written to a folder of the cache, named by the
 file's resolved path, size and modification time and the transformers version: a file changed in place, or
 another transformers, is read afresh. The config is the dict transformers' mapping gives; the tokenizer is
@@ -23,6 +25,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from engine.hub.gguf_reader_view import reading_with_quick_pass
 from engine.hub.models_hub import kvserve_home
 
 logger = logging.getLogger(__name__)
@@ -73,7 +76,8 @@ def load_config(path: Path) -> dict[str, Any]:
             logger.debug("GGUF metadata cache %s unreadable (%s): reading the file", cached, exc)
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    config = dict(load_gguf_checkpoint(str(path), return_tensors=False)["config"])
+    with reading_with_quick_pass():
+        config = dict(load_gguf_checkpoint(str(path), return_tensors=False)["config"])
     try:
         text = json.dumps(config)
     except (TypeError, ValueError):  # a value JSON cannot hold: not cached, used as it is
@@ -94,7 +98,8 @@ def load_tokenizer(path: Path) -> Any:
             return AutoTokenizer.from_pretrained(str(cached))
         except Exception as exc:  # a damaged entry: transformers raises many types
             logger.debug("GGUF metadata cache %s unreadable (%s): reading the file", cached, exc)
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    with reading_with_quick_pass():
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     if folder is not None:
         _store(folder, lambda staging: tokenizer.save_pretrained(str(staging / TOKENIZER_DIR)), TOKENIZER_DIR, path)
     return tokenizer

@@ -300,7 +300,7 @@ _GEMMA3_SLIDING_ROPE_THETA = 10000.0
 
 def gguf_config(reader: Any, architecture: str, config: dict[str, Any]) -> dict[str, Any]:
     """`config` (transformers' reading of a `gemma2` / `gemma3` GGUF's metadata) with what that reading drops,
-    from `reader` (the file as engine/models/gguf_file.py open_gguf read it), read as llama.cpp reads the file:
+    from `reader` (the file as engine/hub/gguf_file.py open_gguf read it), read as llama.cpp reads the file:
 
     - the softcaps (`attn_logit_softcapping`, `final_logit_softcapping`; Gemma 2's defaults where absent,
       none for Gemma 3, which never caps attention scores);

@@ -47,7 +47,7 @@ def _field(reader: Any, key: str) -> Any:
 
 def gguf_config(reader: Any, config: dict[str, Any]) -> dict[str, Any]:
     """`config` (transformers' reading of a `phi3` GGUF's metadata) with what that reading drops, from
-    `reader` (the file as engine/models/gguf_file.py open_gguf read it): the partial rotary factor (from the rotary dim
+    `reader` (the file as engine/hub/gguf_file.py open_gguf read it): the partial rotary factor (from the rotary dim
     count), the sliding window (0: none), and a LongRoPE scaling when the file has its factor tensors."""
     import gguf
 

@@ -19,8 +19,8 @@ import torch
 from engine.config import ModelConfig
 from engine.errors import ModelLoadError
 from engine.hub import gguf_cache
+from engine.hub.gguf_file import open_gguf
 from engine.models import gemma, phi3, registry
-from engine.models.gguf_file import open_gguf
 from engine.ops.gguf_linear import BLOCK_TYPES, BlockWeight
 
 logger = logging.getLogger(__name__)
@@ -61,7 +61,7 @@ _GGUF_ROPE_FREQS = "rope_freqs.weight"
 class _GgufFacts:
     """What the engine reads from a GGUF file itself, beside transformers' reading of its metadata."""
 
-    reader: Any  # the parsed file (engine/models/gguf_file.py, memory-mapped), for the tensor pass
+    reader: Any  # the parsed file (engine/hub/gguf_file.py, memory-mapped), for the tensor pass
     architecture: str | None  # general.architecture
     key_length: int | None  # <architecture>.attention.key_length: the head size, where the file gives it
     rope_freq_factors: tuple[float, ...] | None  # the rope_freqs tensor: one RoPE divisor per rotary pair

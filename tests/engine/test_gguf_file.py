@@ -1,4 +1,4 @@
-"""engine/models/gguf_file.py reads what the gguf package's reader reads: every key's value, every tensor's
+"""engine/hub/gguf_file.py reads what the gguf package's reader reads: every key's value, every tensor's
 name, type, shape, byte count and data, on a file of every value type and several tensor types, and on the
 default model's file (its tokenizer arrays among the keys)."""
 
@@ -8,8 +8,8 @@ import gguf
 import numpy as np
 import pytest
 
+from engine.hub.gguf_file import GgufFile, open_gguf
 from engine.hub.models_hub import resolve_model
-from engine.models.gguf_file import GgufFile, open_gguf
 
 
 def _assert_same(path) -> None:
