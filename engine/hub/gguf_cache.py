@@ -25,7 +25,6 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from engine.hub.gguf_reader_view import reading_with_quick_pass
 from engine.hub.models_hub import kvserve_home
 
 logger = logging.getLogger(__name__)
@@ -76,6 +75,8 @@ def load_config(path: Path) -> dict[str, Any]:
             logger.debug("GGUF metadata cache %s unreadable (%s): reading the file", cached, exc)
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
+    from engine.hub.gguf_reader_view import reading_with_quick_pass  # numpy: only where a GGUF is read
+
     with reading_with_quick_pass():
         config = dict(load_gguf_checkpoint(str(path), return_tensors=False)["config"])
     try:
@@ -98,6 +99,8 @@ def load_tokenizer(path: Path) -> Any:
             return AutoTokenizer.from_pretrained(str(cached))
         except Exception as exc:  # a damaged entry: transformers raises many types
             logger.debug("GGUF metadata cache %s unreadable (%s): reading the file", cached, exc)
+    from engine.hub.gguf_reader_view import reading_with_quick_pass  # numpy: only where a GGUF is read
+
     with reading_with_quick_pass():
         tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     if folder is not None:
