@@ -1,20 +1,23 @@
 """The GGUF block products against float32 BLAS and the int8 kernel, on one weight shape, same process.
 
     python -m engine.bench.gguf_linear [--shape 11264,2048] [--types Q4_0,Q4_1,Q8_0] [--rows 1,8,64,128,512]
+                                       [--stream-mb 300]
 
 For each block type and row count: the integer kernel (`gguf_linear_native`: the register-tiled one over
 interleaved rows where the CPU has AVX-512 VNNI, and then the row kernel beside it), the tiled dequantize-and-BLAS
 path (`gguf_linear_tiled`, in float32 and in bfloat16: `--prefill-dtype`), float32 BLAS on the dequantized
 weight (the baseline) and the per-channel int8 kernel (up to its 48 rows), best of --repeats, with GMAC/s and
-the speed-up over float32. The default shape is a 1.1B LLaMA's fused gate/up projection (TinyLlama's FFN 5632
-x 2, hidden 2048). Weights are random normal, quantized by the `gguf` package (K-quants and IQ4: random blocks
-of the type). Ratios, not absolute times, are the point: this machine's speed varies. The CPU's features are
-printed above the table.
+the speed-up over float32; with --stream-mb, the integer kernel again over that many MB of distinct copies of
+each weight, which a cache cannot hold (GB/s of blocks read from memory). The default shape is a 1.1B LLaMA's
+fused gate/up projection (TinyLlama's FFN 5632 x 2, hidden 2048). Weights are random normal, quantized by the
+`gguf` package (K-quants and IQ4: random blocks of the type). Ratios, not absolute times, are the point: this
+machine's speed varies. The CPU's features are printed above the table.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 from collections.abc import Callable
 
@@ -69,17 +72,11 @@ def measure(
     out_features: int, in_features: int, qtypes: list[str], row_counts: list[int], repeats: int = 5
 ) -> list[dict[str, float | int | str | None]]:
     """One dict per (type, rows): milliseconds of each path (None where a path does not run)."""
-    import gguf
-
     dense = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(0))
     quantized, scale = int8_linear.quantize_int8(dense)
     results = []
     for qtype in qtypes:
-        if qtype in RANDOM_BLOCK_TYPES:  # types the gguf package cannot write: random blocks of the type
-            raw = random_blocks(np.random.default_rng(0), qtype, out_features, in_features, 1.0)
-        else:
-            raw = gguf.quants.quantize(dense.numpy(), gguf.GGMLQuantizationType[qtype])
-        blocks = BlockWeight(qtype, torch.from_numpy(raw.copy()), in_features)
+        blocks = _blocks(qtype, out_features, in_features, dense)
         weight = pack(blocks)
         row_weight = pack(blocks, interleaved=False) if weight.is_interleaved else weight
         dequantized = gguf_linear.dequantize_rows(weight)
@@ -89,6 +86,40 @@ def measure(
             row.update(_time_paths(x, weight, row_weight, dequantized, quantized, scale, repeats))
             results.append(row)
     return results
+
+
+def streamed(
+    out_features: int, in_features: int, qtypes: list[str], row_counts: list[int], megabytes: int, repeats: int
+) -> list[dict[str, float | int | str]]:
+    """The integer kernel over distinct copies of each weight, `megabytes` of blocks in all, one after another as
+    a decode step reads its layers: past the last-level cache, so the blocks come from memory (the table above
+    reuses one weight, which stays in cache). One dict per (type, rows): ms for all copies and GB/s of blocks."""
+    results = []
+    for qtype in qtypes:
+        one = pack(_blocks(qtype, out_features, in_features, torch.randn(out_features, in_features)))
+        count = max(1, megabytes * 2**20 // one.blocks.nbytes)
+        copies = [one] + [dataclasses.replace(one, blocks=one.blocks.clone()) for _ in range(count - 1)]
+        total = sum(c.blocks.nbytes for c in copies)
+        for rows in row_counts:
+            x = torch.randn(rows, in_features)
+
+            def run_all(x: torch.Tensor = x, copies: list = copies) -> None:
+                for weight in copies:
+                    gguf_linear.gguf_linear_native(x, weight, None)
+
+            ms = best_ms(run_all, repeats)
+            results.append({"type": qtype, "rows": rows, "copies": len(copies), "ms": ms, "gb_s": total / ms / 1e6})
+    return results
+
+
+def _blocks(qtype: str, out_features: int, in_features: int, dense: torch.Tensor) -> BlockWeight:
+    import gguf
+
+    if qtype in RANDOM_BLOCK_TYPES:  # types the gguf package cannot write: random blocks of the type
+        raw = random_blocks(np.random.default_rng(0), qtype, out_features, in_features, 1.0)
+    else:
+        raw = gguf.quants.quantize(dense.numpy(), gguf.GGMLQuantizationType[qtype])
+    return BlockWeight(qtype, torch.from_numpy(raw.copy()), in_features)
 
 
 def markdown(results: list[dict[str, float | int | str | None]]) -> str:
@@ -119,19 +150,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--types", default="Q4_0,Q4_1,Q8_0")
     parser.add_argument("--rows", default="1,8,64,128,512")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--stream-mb", type=int, default=0, help="also time the kernel over this many MB of distinct weights (0: not)"
+    )
     args = parser.parse_args(argv)
     out_features, in_features = (int(v) for v in args.shape.split(","))
-    results = measure(
-        out_features,
-        in_features,
-        [t.strip() for t in args.types.split(",")],
-        [int(r) for r in args.rows.split(",")],
-        args.repeats,
-    )
+    qtypes = [t.strip() for t in args.types.split(",")]
+    row_counts = [int(r) for r in args.rows.split(",")]
+    results = measure(out_features, in_features, qtypes, row_counts, args.repeats)
     threads = torch.get_num_threads()
     print(f"Weight [{out_features}, {in_features}], {threads} threads, CPU {' '.join(cpu_features())}")
     print("ms (GMAC/s, × float32)\n")
     print(markdown(results))
+    if args.stream_mb > 0 and gguf_linear.available():
+        print(f"\nThe integer kernel over {args.stream_mb} MB of distinct copies of each weight (blocks from memory)\n")
+        print("| type | rows | copies | ms | GB/s of blocks |")
+        print("| --- | ---: | ---: | ---: | ---: |")
+        for r in streamed(out_features, in_features, qtypes, row_counts, args.stream_mb, args.repeats):
+            print(f"| {r['type']} | {r['rows']} | {r['copies']} | {r['ms']:.2f} | {r['gb_s']:.1f} |")
     return 0
 
 

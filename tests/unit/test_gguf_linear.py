@@ -341,6 +341,17 @@ def test_the_benchmark_times_every_path_beside_float32(capsys):
     assert "| Q8_0 | 100 |" in table and table.rstrip().endswith("| — |")  # 100 rows: past the int8 kernel's 48
 
 
+@needs_kernel
+def test_the_benchmark_streams_distinct_copies_of_each_weight_from_memory():
+    from engine.bench import gguf_linear as bench
+
+    rows = bench.streamed(64, 256, ["Q4_0", "Q4_K"], [1, 3], megabytes=1, repeats=1)
+    assert [(r["type"], r["rows"]) for r in rows] == [("Q4_0", 1), ("Q4_0", 3), ("Q4_K", 1), ("Q4_K", 3)]
+    one_weight_bytes = {"Q4_0": 64 * 256 // 32 * 18, "Q4_K": 64 * 256 // 256 * 144}
+    for r in rows:  # 1 MB of copies of the weight, each timed
+        assert r["copies"] == 2**20 // one_weight_bytes[r["type"]] and r["ms"] > 0 and r["gb_s"] > 0
+
+
 def test_naming_a_256_bit_kernel_build_keeps_the_products_off_the_512_bit_kernel(monkeypatch):
     weight, decoded = block_weight("Q4_0", 20, 128)
     x = torch.randn(3, 128)
