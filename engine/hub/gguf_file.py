@@ -89,6 +89,7 @@ class GgufFile:
         version, tensor_count, kv_count = struct.unpack_from("<IQQ", buffer, 4)
         if version not in VERSIONS:
             raise UnreadableGguf(f"{path}: GGUF version {version} (this reader reads {VERSIONS})")
+        self.version = version
         offset = 24
         self.fields: dict[str, GgufField] = {}
         for _ in range(kv_count):

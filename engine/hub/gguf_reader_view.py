@@ -43,13 +43,11 @@ class ReaderView:
 
     def __init__(self, path: str | Path) -> None:
         gguf_file = GgufFile(path)
-        with open(path, "rb") as header:
-            version, tensor_count, kv_count = struct.unpack("<IQQ", header.read(24)[4:])
         # The package's reader lists the header's numbers first, as keys of their own.
         self.fields = {
-            "GGUF.version": FieldView([GGUFValueType.UINT32], [[version]], [0]),
-            "GGUF.tensor_count": FieldView([GGUFValueType.UINT64], [[tensor_count]], [0]),
-            "GGUF.kv_count": FieldView([GGUFValueType.UINT64], [[kv_count]], [0]),
+            "GGUF.version": FieldView([GGUFValueType.UINT32], [[gguf_file.version]], [0]),
+            "GGUF.tensor_count": FieldView([GGUFValueType.UINT64], [[len(gguf_file.tensors)]], [0]),
+            "GGUF.kv_count": FieldView([GGUFValueType.UINT64], [[len(gguf_file.fields)]], [0]),
         }
         self.fields.update((key, _view(field)) for key, field in gguf_file.fields.items())
         self.tensors = gguf_file.tensors

@@ -232,21 +232,18 @@ static inline __attribute__((always_inline)) void V_NAME(dot_k)(int type, const 
             }
         }
         const V_F d = V_HALFS(p + V_ARRAY_HALF(h));
-        if (!has_min) {
-            for (int r = 0; r < R; r++) acc[r] = V_FMA(V_CVT(sums[r]), V_MULF(d, V_SETF(act->d[(m0 + r) * nb + b])), acc[r]);
-            continue;
-        }
-        /* the minimums' term, sum over j of minimum_j * sum32_j: four int16 pair products per row */
         V_I pairs[4];
-        V_NAME(minimum_pairs)(p, h, pairs);
-        const V_F dmin = V_HALFS(p + 32 + V_ARRAY_HALF(h));
+        if (has_min) V_NAME(minimum_pairs)(p, h, pairs);
+        const V_F dmin = has_min ? V_HALFS(p + 32 + V_ARRAY_HALF(h)) : d;
         for (int r = 0; r < R; r++) {
             const int64_t i = (m0 + r) * nb + b;
-            V_I mins = V_ZEROI;
-            for (int k = 0; k < 4; k++) mins = V_DOT16(mins, pairs[k], V_SET32(act->min_pairs[i * 4 + k]));
             const V_F dx = V_SETF(act->d[i]);
             acc[r] = V_FMA(V_CVT(sums[r]), V_MULF(d, dx), acc[r]);
-            acc[r] = V_FNMA(V_CVT(mins), V_MULF(dmin, dx), acc[r]);
+            if (has_min) { /* the minimums' term, sum over j of minimum_j * sum32_j: four int16 pair products */
+                V_I mins = V_ZEROI;
+                for (int k = 0; k < 4; k++) mins = V_DOT16(mins, pairs[k], V_SET32(act->min_pairs[i * 4 + k]));
+                acc[r] = V_FNMA(V_CVT(mins), V_MULF(dmin, dx), acc[r]);
+            }
         }
     }
     const int64_t columns = N - n0 < V_LANES ? N - n0 : V_LANES;
