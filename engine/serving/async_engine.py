@@ -335,7 +335,8 @@ class AsyncEngine:
                         pass
                     self._idle_since_failure += time.monotonic() - idle_start
                     continue
-                step = asyncio.ensure_future(self._worker.run(self.llm_engine.step, kind=GENERATION_TURN))
+                # Queued before the last step's outputs are handed out, so that work is not on the steps' path.
+                step = self._worker.submit(self.llm_engine.step, kind=GENERATION_TURN)
                 if undelivered:
                     self._dispatch(undelivered)  # touches no engine state: safe while the step runs
                     undelivered = []

@@ -55,13 +55,21 @@ class TorchWorker:
 
     async def run(self, fn: Callable[..., T], *args: Any, kind: str = "other") -> T:
         """fn(*args) on the torch thread, after every job submitted before it; timed as a job of `kind`."""
+        return await self.submit(fn, *args, kind=kind)
+
+    def submit(self, fn: Callable[..., T], *args: Any, kind: str = "other") -> asyncio.Future[T]:
+        """As `run`, but the job is queued before this returns (on the event loop's thread): the caller can do
+        other loop work while it runs, and the worker does not wait for that work to get the job."""
         if self._is_stopped:
             raise EngineDeadError("the torch worker has stopped")
         self._num_waiting[kind] = self._num_waiting.get(kind, 0) + 1
-        try:
-            return await asyncio.get_running_loop().run_in_executor(self._executor, self._timed, kind, fn, args)
-        finally:
+        future = asyncio.get_running_loop().run_in_executor(self._executor, self._timed, kind, fn, args)
+
+        def done(_: asyncio.Future) -> None:
             self._num_waiting[kind] -= 1
+
+        future.add_done_callback(done)
+        return future
 
     def want_turns(self, kind: str, wanting: bool) -> None:
         """A client says whether it has work of `kind` now (jobs to come), whether or not one is queued."""

@@ -576,3 +576,24 @@ def test_text_deltas_and_a_stop_string_stop_the_sample_in_the_engine():
     assert completions[-1].finish_reason == "stop" and completions[-1].stop_reason == "<5>"
     assert outputs[-1].finished
     assert scripted.num_stops == 1 and scripted.num_aborts == 0
+
+
+def test_the_next_step_runs_while_the_last_ones_outputs_are_turned_into_text():
+    """The step is queued before the loop hands out the last step's outputs, so text work is off its path."""
+    scripted = ScriptedEngine(step_delay=0.02)
+    step_seen_running: list[bool] = []
+
+    class WatchingTokenizer(ScriptedTokenizer):
+        def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+            step_seen_running.append(scripted._in_step.wait(0.2))
+            return super().decode(token_ids, skip_special_tokens)
+
+    async def main():
+        engine = AsyncEngine(scripted, WatchingTokenizer(), limits=RequestLimits(256, None))
+        await engine.start()
+        tokens = await _collect(engine, [3], max_tokens=4)
+        await engine.stop()
+        return tokens
+
+    assert run(main()) == [4, 5, 6, 7]
+    assert step_seen_running and step_seen_running[0]  # the first token's text: the second step was running
