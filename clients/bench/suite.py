@@ -1,4 +1,5 @@
-"""`make bench`: kvserve, llama.cpp's llama-server and transformers on the same GGUF, same workloads, one run.
+"""`make bench`: kvserve, llama.cpp's llama-server and transformers on the same GGUF, same workloads, one run
+(or `--rounds N`: kvserve and llama.cpp N times each, taking turns, each metric's median reported).
 
 Each server is started as a subprocess on this machine, driven by the load generator (`clients.bench`), and
 stopped before the next one starts (they never compete for the CPU). The transformers baseline
@@ -7,7 +8,7 @@ reported first) run as subprocesses too, their results read back as JSON. Result
 table with ratios on stdout and in bench-results/ (JSON + Markdown + server logs).
 
 Usage: python -m clients.bench.suite [--only kvserve,llamacpp,transformers,limits] [--quick] [--workloads a,b,c,d]
-                                     [-- FLAGS FOR KVSERVE SERVE]
+                                     [--rounds N] [-- FLAGS FOR KVSERVE SERVE]
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import asyncio
 import json
 import logging
 import os
+import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -213,6 +215,42 @@ _METRICS: tuple[tuple[str, str, str, bool], ...] = (
 )
 
 
+def median_of_rounds(results: Sequence[BenchResult]) -> list[BenchResult]:
+    """One result per (server, workload): each metric's median over the rounds that ran it (the servers take turns
+    round by round, so a slow minute of a shared machine falls on one round of each rather than on one server);
+    request counts are summed, and `extra["rounds"]` keeps each round's output tok/s in round order."""
+    grouped: dict[tuple[str, Any], list[BenchResult]] = {}
+    for result in results:
+        grouped.setdefault((result.server, result.extra.get("workload_key")), []).append(result)
+    merged = []
+    for rounds in grouped.values():
+        if len(rounds) == 1:
+            merged.append(rounds[0])
+            continue
+        medians = {}
+        for _, attr, _, _ in _METRICS:
+            values = [getattr(r, attr) for r in rounds if getattr(r, attr) is not None]
+            if attr != "num_requests":
+                medians[attr] = statistics.median(values) if values else None
+        merged.append(
+            replace(
+                rounds[0],
+                **medians,
+                num_requests=sum(r.num_requests for r in rounds),
+                num_failed=sum(r.num_failed for r in rounds),
+                extra={**rounds[0].extra, "rounds": [r.output_tokens_per_s for r in rounds]},
+            )
+        )
+    return merged
+
+
+def _round_ratios(kvserve: BenchResult | None, other: BenchResult | None) -> str | None:
+    """Round by round, kvserve's output tok/s over the other server's (each pair ran minutes apart)."""
+    if kvserve is None or other is None or "rounds" not in kvserve.extra or "rounds" not in other.extra:
+        return None
+    return ", ".join(_ratio(a, b) for a, b in zip(kvserve.extra["rounds"], other.extra["rounds"]))
+
+
 def _ratio(a: Any, b: Any) -> str:
     if a is None or b is None or not b:
         return "—"
@@ -256,6 +294,12 @@ def comparison_table(results: Sequence[BenchResult], workloads: Sequence[SuiteWo
                 cells.extend("" for _ in ratio_cols)
             out.append("| " + " | ".join(cells) + " |")
         out.append("")
+        for s in ratio_cols:
+            per_round = _round_ratios(by_system.get("kvserve"), by_system.get(s))
+            if per_round:
+                rounds = len(by_system["kvserve"].extra["rounds"])
+                out.append(f"Medians of {rounds} rounds; kvserve / {s} output tok/s by round: {per_round}")
+                out.append("")
     return "\n".join(out)
 
 
@@ -271,6 +315,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--workloads", default="a,b,c", help="comma-separated subset of a,b,c,d (d: 8 streams, for larger models)"
     )
     parser.add_argument("--quick", action="store_true", help="fewer requests per workload")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run kvserve and llama.cpp this many times, taking turns; report each metric's median and the "
+        "ratio round by round (for a machine whose speed drifts between minutes)",
+    )
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--gguf", type=Path, default=None, help="GGUF for llama.cpp and transformers")
     parser.add_argument("--out-dir", type=Path, default=ROOT / "bench-results")
@@ -280,6 +331,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     unknown = set(args.only) - set(SYSTEMS)
     if unknown:
         parser.error(f"unknown systems: {sorted(unknown)}")
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     return args
 
 
@@ -316,29 +369,26 @@ def main(argv: Sequence[str] | None = None) -> int:
             limits_md = limits["markdown"]
             print(limits_md, flush=True)
 
+    binary = ensure_llama_server() if "llamacpp" in args.only else None
+    if "llamacpp" in args.only and binary is None:
+        report["skipped"]["llamacpp"] = "llama-server not built (cmake missing or build failed)"
+    servers = []
     if "kvserve" in args.only:
-        port = free_port()
-        try:
-            results += bench_server(
-                "kvserve", kvserve_command(args.model, port, serve_args), port, args.model, workloads, out_dir, progress
-            )
-        except RuntimeError as exc:
-            logger.error("kvserve run failed: %s", exc)
-            report["skipped"]["kvserve"] = str(exc)[:2000]
-
-    if "llamacpp" in args.only:
-        binary = ensure_llama_server()
-        if binary is None:
-            report["skipped"]["llamacpp"] = "llama-server not built (cmake missing or build failed)"
-        else:
+        servers.append(("kvserve", lambda port: kvserve_command(args.model, port, serve_args)))
+    if binary is not None:
+        servers.append(("llamacpp", lambda port: llama_server_command(binary, gguf, port)))
+    for round_index in range(args.rounds):
+        for label, command in servers:
+            if label in report["skipped"]:
+                continue
+            if args.rounds > 1:
+                logger.info("round %d of %d: %s", round_index + 1, args.rounds, label)
             port = free_port()
             try:
-                results += bench_server(
-                    "llamacpp", llama_server_command(binary, gguf, port), port, args.model, workloads, out_dir, progress
-                )
+                results += bench_server(label, command(port), port, args.model, workloads, out_dir, progress)
             except RuntimeError as exc:
-                logger.error("llama.cpp run failed: %s", exc)
-                report["skipped"]["llamacpp"] = str(exc)[:2000]
+                logger.error("%s run failed: %s", label, exc)
+                report["skipped"][label] = str(exc)[:2000]
 
     if "transformers" in args.only:
         try:
@@ -347,7 +397,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             logger.error("transformers run failed: %s", exc)
             report["skipped"]["transformers"] = str(exc)
 
-    table = comparison_table(results, workloads)
+    table = comparison_table(median_of_rounds(results), workloads)
     markdown = "\n".join(
         part
         for part in (

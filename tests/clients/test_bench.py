@@ -338,6 +338,30 @@ def test_comparison_table_has_ratios() -> None:
     assert cmd[:3] == ["/x/llama-server", "-m", "/m.gguf"] and "-np" in cmd and "-kvu" in cmd
 
 
+def test_rounds_report_each_metrics_median_and_the_ratio_round_by_round() -> None:
+    from clients.bench.suite import comparison_table, median_of_rounds, suite_workloads
+
+    workloads = suite_workloads(quick=True)
+
+    def result(server: str, tokens: int, ttft: float) -> BenchResult:
+        recs = [RequestRecord(start=0.0, end=1.0, chunk_times=[ttft, 1.0], output_tokens=tokens, ok=True)]
+        r = summarize(recs, 1.0, server=server, model="m", workload=workloads[0].workload)
+        r.extra["workload_key"] = "a"
+        return r
+
+    # The servers take turns: kvserve, llama.cpp, kvserve, llama.cpp, ... (the second round ran on a slow minute).
+    rounds = [(300, 0.1, 100, 0.4), (150, 0.3, 60, 0.6), (280, 0.2, 120, 0.5)]
+    results = [r for k, kt, o, ot in rounds for r in (result("kvserve", k, kt), result("llamacpp", o, ot))]
+    merged = {r.server: r for r in median_of_rounds(results)}
+    assert merged["kvserve"].output_tokens_per_s == 280 and merged["llamacpp"].output_tokens_per_s == 100
+    assert merged["kvserve"].ttft_p50_ms == 200 and merged["kvserve"].num_requests == 3
+    assert merged["kvserve"].extra["rounds"] == [300, 150, 280]
+    table = comparison_table(list(merged.values()), workloads)
+    assert "| output tok/s (total) ↑ | 280.0 | 100.0 | 2.80× |" in table
+    assert "Medians of 3 rounds; kvserve / llamacpp output tok/s by round: 3.00×, 2.50×, 2.33×" in table
+    assert median_of_rounds(results[:2]) == results[:2]  # one round: the results as they are
+
+
 # --------------------------------------------------------------------------- transformers baseline
 
 
