@@ -4,8 +4,9 @@
 loop task started by `AsyncEngine.start()`: request handlers never call it.
 They append adds and aborts to pending lists; the loop applies them between
 steps (on the event-loop thread, while no step runs), runs `LLMEngine.step()`
-on the torch worker so the event loop keeps serving HTTP, and while the next
-step runs turns the last step's token ids into text with the output processor
+on the torch worker so the event loop keeps serving HTTP (one job runs steps back
+to back while nothing waits to be applied: engine/serving/step_chain.py), and
+while the next step runs turns the last step's token ids into text with the output processor
 (on the event-loop thread: the tokenizer is only ever used there) and hands
 each `RequestOutput` to its request's queue. A stop string found in the
 text stops its sample in the engine before the step after (the core may
@@ -57,6 +58,7 @@ from engine.outputs import EngineStats, RequestOutput
 from engine.params import SamplingParams
 from engine.serving.output_processor import OutputProcessor, StoppedSample
 from engine.serving.request_table import RequestStream, RequestTable, TrackedRequest
+from engine.serving.step_chain import StepChain
 from engine.serving.torch_worker import GENERATION_TURN, INSPECT_TURN, RequestLimits, TorchWorker, wait_until
 from engine.text.tokenizer import Tokenizer
 
@@ -115,6 +117,7 @@ class AsyncEngine:
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
         self._worker: TorchWorker | None = None
+        self._chain: StepChain | None = None  # runs the steps on the worker
         self._owns_worker = False
         self._dead_error: BaseException | None = None
         self._is_stopping = False
@@ -154,6 +157,7 @@ class AsyncEngine:
         self._wakeup = asyncio.Event()
         self._owns_worker = worker is None
         self._worker = worker or TorchWorker("kvserve-step")
+        self._chain = StepChain(self.llm_engine, self._worker, self._deliver_chained)
         self._loop_task = asyncio.create_task(self._run_loop(), name="kvserve-engine-loop")
 
     async def stop(self) -> None:
@@ -297,6 +301,8 @@ class AsyncEngine:
     def _wake(self) -> None:
         if self._wakeup is not None:
             self._wakeup.set()
+        if self._chain is not None:  # what woke the loop must be applied before the next step
+            self._chain.interrupt()
 
     def _release(self, request: TrackedRequest, abort: bool) -> None:
         """Forget a request its consumer is done with (or that timed out), and abort it in the engine if asked.
@@ -308,9 +314,9 @@ class AsyncEngine:
             self._wake()
 
     async def _run_loop(self) -> None:
-        assert self._wakeup is not None and self._worker is not None
+        assert self._wakeup is not None and self._worker is not None and self._chain is not None
         # The last step's core outputs: turned into text and handed out while the next step runs.
-        undelivered: list[RequestOutput] = []
+        undelivered: list[RequestOutput] | None = None
         try:
             while not self._is_stopping:
                 self._expire_deadlines()
@@ -320,9 +326,9 @@ class AsyncEngine:
                 # Between steps the loop hands out text; the embedder must not take that pause for idleness.
                 self._worker.want_turns(GENERATION_TURN, has_work)
                 if not has_work:
-                    if undelivered:
-                        self._dispatch(undelivered)
-                        undelivered = []
+                    if undelivered is not None:
+                        self._hand_out(undelivered)
+                        undelivered = None
                         continue  # a stop string found there may have left work to apply
                     self._wakeup.clear()
                     if self._pending_adds or self._pending_aborts or self._snapshot_waiters:
@@ -335,11 +341,12 @@ class AsyncEngine:
                         pass
                     self._idle_since_failure += time.monotonic() - idle_start
                     continue
-                # Queued before the last step's outputs are handed out, so that work is not on the steps' path.
-                step = self._worker.submit(self.llm_engine.step, kind=GENERATION_TURN)
-                if undelivered:
-                    self._dispatch(undelivered)  # touches no engine state: safe while the step runs
-                    undelivered = []
+                # Queued before the last step's outputs are handed out, so that work is not on the steps' path;
+                # the job runs on to more steps while nothing here needs applying (StepChain).
+                step = self._chain.submit(self._requests.next_deadline())
+                if undelivered is not None:
+                    self._hand_out(undelivered)  # touches no engine state: safe while the step runs
+                    undelivered = None
                 try:
                     undelivered = await step
                 except EngineDeadError:
@@ -352,7 +359,8 @@ class AsyncEngine:
                 self._note_step_success()
                 if not undelivered and self._stats.num_running == 0:
                     await asyncio.sleep(0.005)  # nothing could be scheduled: do not spin a core
-            self._dispatch(undelivered)
+            if undelivered is not None:
+                self._hand_out(undelivered)
             self._apply_pending()
             self._abort_all_in_engine()
             self._take_snapshots()
@@ -415,9 +423,25 @@ class AsyncEngine:
         for request in self._requests:
             self._abort_in_engine(request.request_id)
 
+    def _hand_out(self, core_outputs: list[RequestOutput]) -> None:
+        """One step's outputs, in step order: to their requests, counted for the chain."""
+        assert self._chain is not None
+        self._dispatch(core_outputs)
+        self._chain.note_handed_out()
+
+    def _deliver_chained(self, core_outputs: list[RequestOutput], stats: EngineStats) -> None:
+        """A step that a job ran on past (StepChain), with the engine's stats after it: counted and handed out as
+        the loop does the last step of every job."""
+        self.num_steps += 1
+        self._stats = stats
+        self._note_step_success()
+        self._hand_out(core_outputs)
+
     def _dispatch(self, core_outputs: list[RequestOutput]) -> None:
         """Token ids -> text, then each output to its request's queue."""
         processed = self._output_processor.process(core_outputs, self._requests.text_of)
+        if processed.stopped_samples and self._chain is not None:
+            self._chain.interrupt()  # stopped in the engine before the step after next, as without chaining
         self._pending_stops.extend(processed.stopped_samples)
         for output in processed.request_outputs:
             request = self._requests.get(output.request_id)

@@ -48,6 +48,7 @@ class TorchWorker:
         self._turns: dict[str, _TurnTimes] = {}  # job kind -> its recent durations
         self._num_waiting: dict[str, int] = {}  # job kind -> its jobs submitted and not yet done
         self._wanting: set[str] = set()  # job kinds whose client has work now (want_turns)
+        self._turn_start = 0.0  # when the running job's current turn began (the torch thread's own)
 
     @property
     def is_alive(self) -> bool:
@@ -78,6 +79,17 @@ class TorchWorker:
         else:
             self._wanting.discard(kind)
 
+    def others_waiting(self, kind: str) -> bool:
+        """From the running job of `kind` (torch thread): another job is queued, or another kind of work wants
+        its turns; a job that runs on (engine/serving/step_chain.py) ends here."""
+        # One C call each (a sum, a set difference), so the loop's writes cannot change them mid-read.
+        return sum(self._num_waiting.values()) > 1 or bool(self._wanting - {kind})
+
+    def end_turn(self, kind: str) -> None:
+        """From the running job of `kind` (torch thread): time what it did since its start (or its last turn) as
+        one turn, and go on with the next."""
+        self._record_turn(kind, self._turn_start, time.monotonic())
+
     def recent_turn_seconds(self, kind: str, within_s: float = 0.25) -> float | None:
         """How long a job of `kind` lasts (a moving average) while that kind of work is active: its client
         wants turns, a job of it waits or runs, or one ended in the last `within_s` seconds. None when it
@@ -96,18 +108,21 @@ class TorchWorker:
         return turns.total_s if turns is not None else 0.0
 
     def _timed(self, kind: str, fn: Callable[..., T], args: tuple) -> T:
-        start = time.monotonic()
+        self._turn_start = time.monotonic()
         try:
             return fn(*args)
         finally:
-            end = time.monotonic()
-            turns = self._turns.get(kind)
-            if turns is None:
-                self._turns[kind] = _TurnTimes(average_s=end - start, last_end=end, total_s=end - start)
-            else:
-                turns.average_s += _TURN_AVERAGE_WEIGHT * (end - start - turns.average_s)
-                turns.last_end = end
-                turns.total_s += end - start
+            self._record_turn(kind, self._turn_start, time.monotonic())
+
+    def _record_turn(self, kind: str, start: float, end: float) -> None:
+        self._turn_start = end
+        turns = self._turns.get(kind)
+        if turns is None:
+            self._turns[kind] = _TurnTimes(average_s=end - start, last_end=end, total_s=end - start)
+        else:
+            turns.average_s += _TURN_AVERAGE_WEIGHT * (end - start - turns.average_s)
+            turns.last_end = end
+            turns.total_s += end - start
 
     def run_blocking(self, fn: Callable[..., T], *args: Any) -> T:
         """fn(*args) on the torch thread, waited for in the calling thread (scripts and benchmarks)."""

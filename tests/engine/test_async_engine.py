@@ -24,7 +24,7 @@ from engine.errors import (
 from engine.outputs import CompletionOutput, EngineStats, RequestOutput
 from engine.params import SamplingParams
 from engine.serving.async_engine import AsyncEngine
-from engine.serving.torch_worker import RequestLimits, wait_until
+from engine.serving.torch_worker import GENERATION_TURN, RequestLimits, TorchWorker, wait_until
 
 
 class ScriptedEngine:
@@ -597,3 +597,63 @@ def test_the_next_step_runs_while_the_last_ones_outputs_are_turned_into_text():
 
     assert run(main()) == [4, 5, 6, 7]
     assert step_seen_running and step_seen_running[0]  # the first token's text: the second step was running
+
+
+class CountingWorker(TorchWorker):
+    """Counts the generation jobs its clients queue."""
+
+    def __init__(self) -> None:
+        super().__init__("counting")
+        self.generation_jobs = 0
+
+    def submit(self, fn, *args, kind: str = "other"):
+        self.generation_jobs += kind == GENERATION_TURN
+        return super().submit(fn, *args, kind=kind)
+
+
+def test_steps_run_on_in_one_job_while_the_loop_has_nothing_to_apply():
+    scripted = ScriptedEngine(step_delay=0.01)
+
+    async def main():
+        worker = CountingWorker()
+        engine = AsyncEngine(scripted, ScriptedTokenizer(), limits=RequestLimits(256, None))
+        await engine.start(worker)
+        tokens = await _collect(engine, [3], max_tokens=12)
+        await engine.stop()
+        await worker.stop()
+        return tokens, worker.generation_jobs, engine.num_steps
+
+    tokens, jobs, steps = run(main())
+    assert tokens == [(3 + k) % 50 for k in range(1, 13)]
+    assert steps == 12 and jobs <= steps // 2  # each job ran several steps: no round trip through the loop
+    assert scripted.calls_during_step == 0
+
+
+def test_a_job_running_on_gives_the_worker_up_to_another_models_step():
+    """Two models on one worker: the first's job ends its run of steps once the second's step is queued."""
+    first, second = ScriptedEngine(step_delay=0.005), ScriptedEngine(step_delay=0.005)
+
+    async def main():
+        worker = TorchWorker("shared")
+        engines = [AsyncEngine(e, ScriptedTokenizer(), limits=RequestLimits(256, None)) for e in (first, second)]
+        for engine in engines:
+            await engine.start(worker)
+        finished: list[str] = []
+
+        async def stream(engine: AsyncEngine, name: str, max_tokens: int, started: asyncio.Event | None) -> None:
+            async for _ in engine.generate([1], SamplingParams(max_tokens=max_tokens)):
+                if started is not None:
+                    started.set()
+            finished.append(name)
+
+        started = asyncio.Event()
+        long = asyncio.create_task(stream(engines[0], "long", 40, started))
+        await started.wait()
+        await stream(engines[1], "short", 4, None)
+        await long
+        for engine in engines:
+            await engine.stop()
+        await worker.stop()
+        return finished
+
+    assert run(main()) == ["short", "long"]
