@@ -69,6 +69,26 @@ def check_tokenizer_directory(directory: str | Path) -> Path:
     return directory
 
 
+def _prefix_every_text_as_sentencepiece(hf_tokenizer) -> None:
+    """A SentencePiece GGUF (Llama 2, Mistral and their kin) rebuilt by transformers adds its "▁" prefix with a
+    Metaspace that skips a text already starting with a space: " Hello" becomes "▁Hello", where SentencePiece, the
+    models' own tokenizers and llama.cpp give "▁▁Hello" (one token more). A normalizer that always prepends the
+    prefix, then spells spaces as "▁", encodes as they do (transformers builds Phi-3 files so already). Files
+    whose metadata turns the prefix off (Gemma's) have no such Metaspace and are left as they are."""
+    from tokenizers import normalizers, pre_tokenizers
+
+    backend = getattr(hf_tokenizer, "_tokenizer", None)
+    pre = getattr(backend, "pre_tokenizer", None)
+    if backend is None or backend.normalizer is not None or not isinstance(pre, pre_tokenizers.Metaspace):
+        return
+    if pre.prepend_scheme != "first" or pre.replacement != "\u2581":
+        return
+    backend.normalizer = normalizers.Sequence(
+        [normalizers.Prepend(prepend="\u2581"), normalizers.Replace(pattern=" ", content="\u2581")]
+    )
+    backend.pre_tokenizer = None
+
+
 class Tokenizer:
     """chat_template_source: where the chat template came from, in words for the log ("the model",
     "the tokenizer in DIR", "the file FILE"; NO_TEMPLATE when there is none)."""
@@ -102,6 +122,7 @@ class Tokenizer:
         try:
             if path.suffix == ".gguf":
                 hf = gguf_cache.load_tokenizer(path)
+                _prefix_every_text_as_sentencepiece(hf)
             else:
                 hf = AutoTokenizer.from_pretrained(str(path))
         except Exception as exc:  # transformers raises many types; one clear message
