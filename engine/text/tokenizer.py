@@ -89,6 +89,43 @@ def _prefix_every_text_as_sentencepiece(hf_tokenizer) -> None:
     backend.pre_tokenizer = None
 
 
+# The GGUF pre-tokenizer names (`tokenizer.ggml.pre`) whose BPE takes a word the vocabulary holds whole, whatever
+# its merges would build (Hugging Face's `ignore_merges`, as the models' own tokenizer.json files set it; llama.cpp
+# reads these names so): Llama 3 and the tokenizers made like it.
+_WHOLE_WORD_PRE_TOKENIZERS = frozenset(
+    {
+        "llama3",
+        "llama-v3",
+        "llama-bpe",
+        "falcon3",
+        "falcon-h1",
+        "pixtral",
+        "midm-2.0",
+        "lfm2",
+        "jina-v5-nano",
+        "minicpm5",
+        "youtu",
+        "glm4",
+        "glm5",
+        "tekken",
+        "granite-embed-multi-97m",
+    }
+)
+
+
+def _take_whole_words(hf_tokenizer, path: Path) -> None:
+    """transformers rebuilds a GGUF's BPE without `ignore_merges`, so a Llama 3 file split " Việt" (one token of
+    its vocabulary, which its merges do not build) into three tokens. Set it where the file's pre-tokenizer says."""
+    from engine.hub.gguf_file import GgufFile  # numpy: only where a GGUF is read
+
+    field = GgufFile(path).get_field("tokenizer.ggml.pre")
+    if field is None or field.contents() not in _WHOLE_WORD_PRE_TOKENIZERS:
+        return
+    model = getattr(getattr(hf_tokenizer, "_tokenizer", None), "model", None)
+    if model is not None and hasattr(model, "ignore_merges"):
+        model.ignore_merges = True
+
+
 class Tokenizer:
     """chat_template_source: where the chat template came from, in words for the log ("the model",
     "the tokenizer in DIR", "the file FILE"; NO_TEMPLATE when there is none)."""
@@ -123,6 +160,7 @@ class Tokenizer:
             if path.suffix == ".gguf":
                 hf = gguf_cache.load_tokenizer(path)
                 _prefix_every_text_as_sentencepiece(hf)
+                _take_whole_words(hf, path)
             else:
                 hf = AutoTokenizer.from_pretrained(str(path))
         except Exception as exc:  # transformers raises many types; one clear message

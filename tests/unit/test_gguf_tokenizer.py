@@ -1,14 +1,18 @@
-"""A SentencePiece GGUF's tokenizer as transformers rebuilds it adds no "▁" prefix to a text that already starts
-with a space; kvserve's reading prefixes every text, as SentencePiece, the models' own tokenizers and llama.cpp do
-(held on llama.cpp's real vocabulary files in tests/engine/test_gguf_vocab_files.py)."""
+"""Where transformers' rebuild of a GGUF's tokenizer differs from the model's own, kvserve's reading follows the
+model's (and llama.cpp's): a SentencePiece file's "▁" prefix goes on every text, even one that starts with a space;
+a Llama 3 file's BPE takes a word its vocabulary holds whole. Held on llama.cpp's real vocabulary files in
+tests/engine/test_gguf_vocab_files.py."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
 from tokenizers import Tokenizer as RustTokenizer
 from tokenizers import models, normalizers, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from engine.text.tokenizer import _prefix_every_text_as_sentencepiece
+from engine.text.tokenizer import _prefix_every_text_as_sentencepiece, _take_whole_words
 
 TOKENS = ["<unk>", "▁", "H", "e", "l", "o", "He", "ll", "Hell", "Hello", "▁Hello", "▁▁"]
 VOCAB = {token: index for index, token in enumerate(TOKENS)}
@@ -44,3 +48,28 @@ def test_a_file_whose_metadata_turns_the_prefix_off_is_left_as_it_is():
     _prefix_every_text_as_sentencepiece(tokenizer)
     assert tokenizer.backend_tokenizer.normalizer is None
     assert _ids(tokenizer, "Hello") == ["Hello"]
+
+
+def _gguf_naming(path: Path, pre_tokenizer: str) -> Path:
+    """A GGUF holding only its metadata, with `tokenizer.ggml.pre` set."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), arch="llama")
+    writer.add_string("tokenizer.ggml.pre", pre_tokenizer)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize(("pre_tokenizer", "expected"), [("llama-bpe", ["abc"]), ("gpt-2", ["ab", "c"])])
+def test_a_llama_3_files_bpe_takes_a_word_its_vocabulary_holds_whole(tmp_path, pre_tokenizer, expected):
+    """Llama 3's tokenizer takes " Việt" whole although its merges do not build it (`ignore_merges`); here "abc"."""
+    tokens = ["a", "b", "c", "ab", "abc"]
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=RustTokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, [("a", "b")]))
+    )
+    assert [tokens[i] for i in tokenizer.encode("abc", add_special_tokens=False)] == ["ab", "c"]
+    _take_whole_words(tokenizer, _gguf_naming(tmp_path / "vocab.gguf", pre_tokenizer))
+    assert [tokens[i] for i in tokenizer.encode("abc", add_special_tokens=False)] == expected
