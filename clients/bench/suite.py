@@ -229,9 +229,10 @@ def median_of_rounds(results: Sequence[BenchResult]) -> list[BenchResult]:
             continue
         medians = {}
         for _, attr, _, _ in _METRICS:
+            if attr == "num_requests":  # summed below
+                continue
             values = [getattr(r, attr) for r in rounds if getattr(r, attr) is not None]
-            if attr != "num_requests":
-                medians[attr] = statistics.median(values) if values else None
+            medians[attr] = statistics.median(values) if values else None
         merged.append(
             replace(
                 rounds[0],

@@ -348,15 +348,13 @@ class AsyncEngine:
                     self._hand_out(undelivered)  # touches no engine state: safe while the step runs
                     undelivered = None
                 try:
-                    undelivered = await step
+                    undelivered, stats = await step
                 except EngineDeadError:
                     raise
                 except Exception as exc:  # noqa: BLE001 - one failed step fails its requests, not the server
                     await self._handle_step_failure(exc)
                     continue
-                self.num_steps += 1
-                self._stats = self.llm_engine.stats()
-                self._note_step_success()
+                self._count_step(stats)
                 if not undelivered and self._stats.num_running == 0:
                     await asyncio.sleep(0.005)  # nothing could be scheduled: do not spin a core
             if undelivered is not None:
@@ -432,10 +430,14 @@ class AsyncEngine:
     def _deliver_chained(self, core_outputs: list[RequestOutput], stats: EngineStats) -> None:
         """A step that a job ran on past (StepChain), with the engine's stats after it: counted and handed out as
         the loop does the last step of every job."""
+        self._count_step(stats)
+        self._hand_out(core_outputs)
+
+    def _count_step(self, stats: EngineStats) -> None:
+        """A step has run; `stats`: the engine's, taken on the torch thread right after it."""
         self.num_steps += 1
         self._stats = stats
         self._note_step_success()
-        self._hand_out(core_outputs)
 
     def _dispatch(self, core_outputs: list[RequestOutput]) -> None:
         """Token ids -> text, then each output to its request's queue."""

@@ -6,7 +6,8 @@ against a 1.1B model's 12-13 ms step). So a job goes on with the next step itsel
 first, and hands each finished step's outputs to the loop, which turns them into text while the next step runs,
 as it does with the last step of every job.
 
-The job ends (the loop gets its last step's outputs as the job's result) as soon as:
+The job ends (the loop gets its last step's outputs and the engine's stats after it as the job's result) as soon
+as:
 - the loop has something to apply before the next step: an add, an abort, a snapshot, a stop string found in a
   step's text, or the engine stopping (`interrupt()`);
 - the loop has not yet handed out the outputs of every step before the one just finished (a stop string in them
@@ -50,7 +51,7 @@ class StepChain:
         # Written on the torch thread.
         self._num_run = 0  # steps run to the end
 
-    def submit(self, deadline: float | None) -> asyncio.Future[list[RequestOutput]]:
+    def submit(self, deadline: float | None) -> asyncio.Future[tuple[list[RequestOutput], EngineStats]]:
         """Queue a job of one or more steps (event loop); `deadline`: the earliest request deadline (monotonic)."""
         self._interrupted = False
         self._deadline = deadline
@@ -65,13 +66,13 @@ class StepChain:
         """The loop has handed out one more step's outputs, in step order (event loop)."""
         self._num_handed_out += 1
 
-    def _run(self) -> list[RequestOutput]:
+    def _run(self) -> tuple[list[RequestOutput], EngineStats]:
         assert self._loop is not None
         outputs = self._step()
         while True:
             stats = self._engine.stats()
             if not self._may_go_on(stats):
-                return outputs
+                return outputs, stats
             self._worker.end_turn(GENERATION_TURN)  # each step is timed as a turn of its own
             self._loop.call_soon_threadsafe(self._deliver, outputs, stats)
             outputs = self._step()
