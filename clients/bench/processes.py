@@ -27,8 +27,24 @@ from clients.bench.memory import MemorySampler
 logger = logging.getLogger(__name__)
 
 ROOT = Path(__file__).resolve().parents[2]
-LLAMA_SERVER = ROOT / "third_party" / "llama.cpp" / "build" / "bin" / "llama-server"
+LLAMA_CPP = ROOT / "third_party" / "llama.cpp"
+LLAMA_SERVER = LLAMA_CPP / "build" / "bin" / "llama-server"
 BUILD_SCRIPT = ROOT / "scripts" / "build_llama_cpp.sh"
+# Instruction sets a benchmark can hold both servers to: the build directory of llama.cpp's server made for it
+# (LLAMA_CPP_ISA in the build script), and what kvserve's process is started with.
+ISAS = ("native", "avx2")
+LLAMA_BUILD_DIRS = {"native": "build", "avx2": "build-avx2"}
+# An AVX2-only CPU's instruction sets on a newer CPU: kvserve's own kernels in their AVX2 build (no 512-bit or
+# VNNI products), and torch's kernels capped at AVX2 (ATen's vectorised loops, oneDNN, MKL's float32 products).
+KVSERVE_ISA_ENV = {
+    "native": {},
+    "avx2": {
+        "KVSERVE_NATIVE_ISA": "avx2",
+        "ATEN_CPU_CAPABILITY": "avx2",
+        "ONEDNN_MAX_CPU_ISA": "AVX2",
+        "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+    },
+}
 
 
 def free_port() -> int:
@@ -106,25 +122,32 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
         proc.wait(timeout=10)
 
 
-def ensure_llama_server() -> Path | None:
-    """The llama-server binary, built from the llama-cpp-python sdist if needed; None (with a message) if not."""
-    if LLAMA_SERVER.exists():
-        return LLAMA_SERVER
+def llama_server_path(isa: str = "native") -> Path:
+    """Where the build script puts llama-server built for `isa` (one of ISAS)."""
+    return LLAMA_CPP / LLAMA_BUILD_DIRS[isa] / "bin" / "llama-server"
+
+
+def ensure_llama_server(isa: str = "native") -> Path | None:
+    """The llama-server binary for `isa`, built from the llama-cpp-python sdist if needed; None (with a message)
+    if not."""
+    binary = llama_server_path(isa)
+    if binary.exists():
+        return binary
     if shutil.which("cmake") is None:
         logger.warning(
             "llama.cpp skipped: llama-server is not built and cmake is missing "
             "(apt-get install -y cmake build-essential, then scripts/build_llama_cpp.sh)"
         )
         return None
-    logger.info("building llama-server (a few minutes): %s", BUILD_SCRIPT)
-    env = {**os.environ, "PYTHON": sys.executable}
+    logger.info("building llama-server for %s (a few minutes): %s", isa, BUILD_SCRIPT)
+    env = {**os.environ, "PYTHON": sys.executable, "LLAMA_CPP_ISA": isa}
     if (
         subprocess.run(["bash", str(BUILD_SCRIPT)], check=False, cwd=ROOT, env=env).returncode != 0
-        or not LLAMA_SERVER.exists()
+        or not binary.exists()
     ):
         logger.warning("llama.cpp skipped: building llama-server failed")
         return None
-    return LLAMA_SERVER
+    return binary
 
 
 def kvserve_command(model: str, port: int, serve_args: Sequence[str] = ()) -> list[str]:

@@ -8,7 +8,7 @@ reported first) run as subprocesses too, their results read back as JSON. Result
 table with ratios on stdout and in bench-results/ (JSON + Markdown + server logs).
 
 Usage: python -m clients.bench.suite [--only kvserve,llamacpp,transformers,limits] [--quick] [--workloads a,b,c,d]
-                                     [--rounds N] [-- FLAGS FOR KVSERVE SERVE]
+                                     [--rounds N] [--isa native|avx2] [-- FLAGS FOR KVSERVE SERVE]
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ from typing import Any
 
 from clients.bench.load import run_benchmark
 from clients.bench.processes import (
+    ISAS,
+    KVSERVE_ISA_ENV,
     ROOT,
     ensure_llama_server,
     free_port,
@@ -115,10 +117,18 @@ def suite_workloads(quick: bool) -> list[SuiteWorkload]:
 
 
 def bench_server(
-    label: str, cmd: list[str], port: int, model: str, workloads: list[SuiteWorkload], out_dir: Path, progress: bool
+    label: str,
+    cmd: list[str],
+    port: int,
+    model: str,
+    workloads: list[SuiteWorkload],
+    out_dir: Path,
+    progress: bool,
+    env: dict[str, str] | None = None,
 ) -> list[BenchResult]:
+    """Each workload against the server `cmd` starts; `env`: variables added to its environment."""
     results = []
-    with server_process(cmd, port, out_dir / "logs" / f"{label}.log", env=python_env()) as proc:
+    with server_process(cmd, port, out_dir / "logs" / f"{label}.log", env={**python_env(), **(env or {})}) as proc:
         for sw in workloads:
             logger.info("%s: workload %s (%s)", label, sw.key, sw.workload.name)
             result = asyncio.run(
@@ -131,7 +141,7 @@ def bench_server(
                     progress=progress,
                 )
             )
-            result.extra["command"] = " ".join(cmd)
+            result.extra["command"] = " ".join([*(f"{k}={v}" for k, v in (env or {}).items()), *cmd])
             result.extra["workload_key"] = sw.key
             results.append(result)
             print(markdown_table([result]), flush=True)
@@ -323,6 +333,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="run kvserve and llama.cpp this many times, taking turns; report each metric's median and the "
         "ratio round by round (for a machine whose speed drifts between minutes)",
     )
+    parser.add_argument(
+        "--isa",
+        choices=ISAS,
+        default="native",
+        help="instruction sets both servers use: native (all this CPU has) or avx2 (an AVX2-only CPU's: kvserve's "
+        "AVX2 kernels with torch capped at AVX2, and llama.cpp's AVX2 build, made if missing)",
+    )
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--gguf", type=Path, default=None, help="GGUF for llama.cpp and transformers")
     parser.add_argument("--out-dir", type=Path, default=ROOT / "bench-results")
@@ -353,6 +370,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "model": args.model,
         "gguf": str(gguf),
         "cpu_count": os.cpu_count(),
+        "isa": args.isa,
         "skipped": {},
     }
     results: list[BenchResult] = []
@@ -370,23 +388,25 @@ def main(argv: Sequence[str] | None = None) -> int:
             limits_md = limits["markdown"]
             print(limits_md, flush=True)
 
-    binary = ensure_llama_server() if "llamacpp" in args.only else None
+    binary = ensure_llama_server(args.isa) if "llamacpp" in args.only else None
     if "llamacpp" in args.only and binary is None:
         report["skipped"]["llamacpp"] = "llama-server not built (cmake missing or build failed)"
     servers = []
     if "kvserve" in args.only:
-        servers.append(("kvserve", lambda port: kvserve_command(args.model, port, serve_args)))
+        servers.append(
+            ("kvserve", lambda port: kvserve_command(args.model, port, serve_args), KVSERVE_ISA_ENV[args.isa])
+        )
     if binary is not None:
-        servers.append(("llamacpp", lambda port: llama_server_command(binary, gguf, port)))
+        servers.append(("llamacpp", lambda port: llama_server_command(binary, gguf, port), {}))
     for round_index in range(args.rounds):
-        for label, command in servers:
+        for label, command, env in servers:
             if label in report["skipped"]:
                 continue
             if args.rounds > 1:
                 logger.info("round %d of %d: %s", round_index + 1, args.rounds, label)
             port = free_port()
             try:
-                results += bench_server(label, command(port), port, args.model, workloads, out_dir, progress)
+                results += bench_server(label, command(port), port, args.model, workloads, out_dir, progress, env)
             except RuntimeError as exc:
                 logger.error("%s run failed: %s", label, exc)
                 report["skipped"][label] = str(exc)[:2000]
@@ -402,7 +422,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     markdown = "\n".join(
         part
         for part in (
-            f"## kvserve benchmark ({report['started']}, {os.cpu_count()} CPUs, model {args.model})",
+            f"## kvserve benchmark ({report['started']}, {os.cpu_count()} CPUs, model {args.model}"
+            + (f", instruction sets held to {args.isa}" if args.isa != "native" else "")
+            + ")",
             table,
             "### Machine limits for this model" if limits_md else "",
             limits_md,

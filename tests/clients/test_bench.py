@@ -362,6 +362,27 @@ def test_rounds_report_each_metrics_median_and_the_ratio_round_by_round() -> Non
     assert median_of_rounds(results[:2]) == results[:2]  # one round: the results as they are
 
 
+def test_the_avx2_environment_holds_kvserve_to_an_avx2_only_cpus_kernels() -> None:
+    """`--isa avx2`: kvserve's process, started with this environment, picks the AVX2 build of its kernels, no
+    512-bit products, and torch's AVX2 kernels, whatever this CPU has beyond AVX2."""
+    import subprocess
+    import sys
+
+    from clients.bench.processes import KVSERVE_ISA_ENV, llama_server_path, python_env
+    from clients.bench.suite import parse_args
+
+    probe = (
+        "import torch; from engine.ops import gguf_linear, loader; "
+        "print(loader.chosen_isa(), gguf_linear.wide_products(), torch.backends.cpu.get_cpu_capability())"
+    )
+    env = {**python_env(), **KVSERVE_ISA_ENV["avx2"]}
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["avx2", "False", "AVX2"]
+    assert parse_args(["--isa", "avx2"]).isa == "avx2" and parse_args([]).isa == "native"
+    assert llama_server_path("avx2").parent.parent.name == "build-avx2"
+    assert llama_server_path().parent.parent.name == "build"
+
+
 # --------------------------------------------------------------------------- transformers baseline
 
 
