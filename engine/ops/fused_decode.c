@@ -168,9 +168,12 @@ int kv_fused_decode_layers(const DecoderLayer *layers, int64_t num_layers, const
         add_residual(hidden, delta, layer->attn_out_norm, B, H, step->eps);
         kv_rms_norm(hidden, layer->ffn_norm, normed, B, H, step->eps);
         failed |= linear(normed, &layer->gate_up, B, H, gate_up, threads);
-        for (int64_t b = 0; b < B; b++)
-            for (int64_t i = 0; i < I; i++)
-                act[b * I + i] = activate(gate_up[b * 2 * I + i], step->activation) * gate_up[b * 2 * I + I + i];
+        /* on every thread once there are rows enough: a batch's gate is tens of thousands of expf calls */
+#pragma omp parallel for num_threads(threads) schedule(static) if (B * I >= 8192)
+        for (int64_t bi = 0; bi < B * I; bi++) {
+            const int64_t b = bi / I, i = bi % I;
+            act[bi] = activate(gate_up[b * 2 * I + i], step->activation) * gate_up[b * 2 * I + I + i];
+        }
         failed |= linear(act, &layer->down, B, I, delta, threads);
         add_residual(hidden, delta, layer->ffn_out_norm, B, H, step->eps);
     }
