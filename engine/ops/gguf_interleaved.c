@@ -289,11 +289,9 @@ static inline __mmask16 column_mask_512(int64_t count) { return (__mmask16)((1u 
 #include "gguf_interleaved_kernels.c"
 #pragma GCC pop_options
 
-/* Whether the 256-bit kernel multiplies `base`: the 32-weight types, and of those Q8_0 and IQ4_NL only with VNNI
- * (their weight bytes, plus 128, go up to 255, which vpmaddubsw's pair sums of 2 * 255 * 127 would saturate). */
-static inline int narrow_takes(int base) {
-    return !is_k_type(base) && (KV_VNNI || !(base == KV_Q8_0 || base == KV_IQ4_NL));
-}
+/* Whether the 256-bit kernel multiplies `base`: the 32-weight types (without VNNI, Q8_0 and IQ4_NL through signed
+ * pairs: gguf_interleaved_kernels.c V_SIGNED_PAIRS). */
+static inline int narrow_takes(int base) { return !is_k_type(base); }
 
 /* 1 when the 256-bit kernel of this build multiplies `type` (the 512-bit one takes every interleaved type). */
 int kv_gguf_interleaved_narrow_takes(int type) { return is_interleavable(type) && narrow_takes(type); }

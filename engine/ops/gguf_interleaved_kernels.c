@@ -52,6 +52,16 @@ static inline __attribute__((always_inline)) void V_NAME(unpack)(int base, const
     }
 }
 
+/* Q8_0 and IQ4_NL in the 256-bit kernel without VNNI: their unsigned bytes (weight + 128) reach 255, where
+ * vpmaddubsw's pair sums (2 * 255 * 127) would saturate. Their products take the signed weights' magnitudes times
+ * the activations with the weights' signs (vpsignb) instead, pair sums of at most 2 * 128 * 127, so the integer
+ * sums start at 0 rather than at -128 times the activations' sum: the same sums, exactly. */
+#if V_LANES == 8 && !KV_VNNI
+#define V_SIGNED_PAIRS(base) ((base) == KV_Q8_0 || (base) == KV_IQ4_NL)
+#else
+#define V_SIGNED_PAIRS(base) 0
+#endif
+
 /* y[m0 .. m0+R, n0 .. n0+V_LANES] (columns past N left alone) for half h of one group (nb blocks from w) and R
  * activation rows. */
 static inline __attribute__((always_inline)) void V_NAME(dot)(int base, const uint8_t *w, int h, int64_t nb,
@@ -68,11 +78,24 @@ static inline __attribute__((always_inline)) void V_NAME(dot)(int base, const ui
         for (int64_t ahead = 0; ahead < stride; ahead += 64) __builtin_prefetch(p + PREFETCH_BYTES + ahead);
         V_NAME(Block) t;
         V_NAME(unpack)(base, p, h, &t);
+#if V_LANES == 8 && !KV_VNNI
+        V_I sign[8]; /* the signed weights, whose signs the activations take; t.w becomes their magnitudes */
+        if (V_SIGNED_PAIRS(base))
+            for (int v = 0; v < 8; v++) {
+                sign[v] = _mm256_xor_si256(t.w[v], V_SET8(0x80));
+                t.w[v] = _mm256_abs_epi8(sign[v]);
+            }
+#endif
         for (int r = 0; r < R; r++) {
             const int64_t i = (m0 + r) * nb + b;
             const int32_t *quads = (const int32_t *)(act->q + i * QK);
-            V_I sums = V_SET32(act->start[i]);
-            for (int v = 0; v < 8; v++) sums = V_DOT(sums, t.w[v], V_SET32(quads[v]));
+            V_I sums = V_SET32(V_SIGNED_PAIRS(base) ? 0 : act->start[i]);
+#if V_LANES == 8 && !KV_VNNI
+            if (V_SIGNED_PAIRS(base))
+                for (int v = 0; v < 8; v++) sums = V_DOT(sums, t.w[v], _mm256_sign_epi8(V_SET32(quads[v]), sign[v]));
+            else
+#endif
+                for (int v = 0; v < 8; v++) sums = V_DOT(sums, t.w[v], V_SET32(quads[v]));
             acc[r] = V_FMA(V_CVT(sums), V_MULF(t.d, V_SETF(act->d[i])), acc[r]);
             if (interleaved_has_offset(base)) acc[r] = V_FMA(t.m, V_SETF(act->s[i]), acc[r]);
         }
@@ -288,5 +311,6 @@ static void V_NAME(gemm_k)(int type, const uint8_t *w, int64_t M, int64_t nb, co
 
 #endif
 
+#undef V_SIGNED_PAIRS
 #undef V_VECTOR_HALF
 #undef V_ARRAY_HALF

@@ -306,9 +306,8 @@ def wide_products() -> bool:
 def interleaved_types(wide: bool | None = None) -> tuple[str, ...]:
     """The types whose weights are interleaved for the register-tiled products on this machine: every
     INTERLEAVED_TYPES type for the 512-bit kernel (`wide`; default: wide_products()); for the 256-bit one, the
-    32-weight types its build's instructions sum without saturating (AVX2 without VNNI leaves Q8_0 and IQ4_NL,
-    whose weight bytes reach 255, to the row kernel; the 256-weight types measured no faster there); none where
-    the native kernels do not load."""
+    32-weight types (the 256-weight types measured no faster there than the row kernel); none where the native
+    kernels do not load."""
     if wide is None:
         wide = wide_products()
     takes = bind("gguf_blocks", "kv_gguf_interleaved_narrow_takes", [ctypes.c_int], ctypes.c_int)

@@ -83,7 +83,7 @@ def test_a_vnni_build_gives_the_avx2_builds_numbers_bit_for_bit(isa):
         for width in (in_features, 512):
             weight = block_weight(qtype, 37, width, seed=1)[0]
             layouts = [pack(weight, interleaved=False), pack(weight)]
-            # the 256-bit register-tiled kernel, where the AVX2 build takes the type (no VNNI: 4- to 6-bit weights)
+            # the 256-bit register-tiled kernel, where the AVX2 build takes the type (Q8_0, IQ4_NL: signed pairs)
             if libraries[0].kv_gguf_interleaved_narrow_takes(BLOCK_TYPES[qtype][0]):
                 layouts.append(gguf_linear.interleave(weight, wide=False))
             x = torch.randn(9, width) * 3
