@@ -91,11 +91,22 @@ static inline __attribute__((always_inline)) void V_NAME(dot)(int base, const ui
             const int32_t *quads = (const int32_t *)(act->q + i * QK);
             V_I sums = V_SET32(V_SIGNED_PAIRS(base) ? 0 : act->start[i]);
 #if V_LANES == 8 && !KV_VNNI
-            if (V_SIGNED_PAIRS(base))
+            if (V_SIGNED_PAIRS(base)) {
                 for (int v = 0; v < 8; v++) sums = V_DOT(sums, t.w[v], _mm256_sign_epi8(V_SET32(quads[v]), sign[v]));
-            else
+            } else {
+                /* vpmaddubsw's 16-bit pair sums added in 16 bits before one vpmaddwd widens them: a 4-bit weight's
+                 * pair sums (at most 2 * 15 * 127) fit 8 at a time, a 5-bit one's (2 * 31 * 127) 4 at a time */
+                const int run = interleaved_is_5bit(base) ? 4 : 8;
+                for (int v0 = 0; v0 < 8; v0 += run) {
+                    __m256i pairs = _mm256_maddubs_epi16(t.w[v0], V_SET32(quads[v0]));
+                    for (int v = v0 + 1; v < v0 + run; v++)
+                        pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(t.w[v], V_SET32(quads[v])));
+                    sums = _mm256_add_epi32(sums, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+                }
+            }
+#else
+            for (int v = 0; v < 8; v++) sums = V_DOT(sums, t.w[v], V_SET32(quads[v]));
 #endif
-                for (int v = 0; v < 8; v++) sums = V_DOT(sums, t.w[v], V_SET32(quads[v]));
             acc[r] = V_FMA(V_CVT(sums), V_MULF(t.d, V_SETF(act->d[i])), acc[r]);
             if (interleaved_has_offset(base)) acc[r] = V_FMA(t.m, V_SETF(act->s[i]), acc[r]);
         }
