@@ -28,12 +28,11 @@ logger = logging.getLogger(__name__)
 
 ROOT = Path(__file__).resolve().parents[2]
 LLAMA_CPP = ROOT / "third_party" / "llama.cpp"
-LLAMA_SERVER = LLAMA_CPP / "build" / "bin" / "llama-server"
 BUILD_SCRIPT = ROOT / "scripts" / "build_llama_cpp.sh"
 # Instruction sets a benchmark can hold both servers to: the build directory of llama.cpp's server made for it
 # (LLAMA_CPP_ISA in the build script), and what kvserve's process is started with.
-ISAS = ("native", "avx2")
 LLAMA_BUILD_DIRS = {"native": "build", "avx2": "build-avx2"}
+ISAS = tuple(LLAMA_BUILD_DIRS)
 # An AVX2-only CPU's instruction sets on a newer CPU: kvserve's own kernels in their AVX2 build (no 512-bit or
 # VNNI products), and torch's kernels capped at AVX2 (ATen's vectorised loops, oneDNN, MKL's float32 products).
 KVSERVE_ISA_ENV = {
@@ -45,6 +44,14 @@ KVSERVE_ISA_ENV = {
         "MKL_ENABLE_INSTRUCTIONS": "AVX2",
     },
 }
+
+
+def llama_server_path(isa: str = "native") -> Path:
+    """Where the build script puts llama-server built for `isa` (one of ISAS)."""
+    return LLAMA_CPP / LLAMA_BUILD_DIRS[isa] / "bin" / "llama-server"
+
+
+LLAMA_SERVER = llama_server_path()
 
 
 def free_port() -> int:
@@ -120,11 +127,6 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=10)
-
-
-def llama_server_path(isa: str = "native") -> Path:
-    """Where the build script puts llama-server built for `isa` (one of ISAS)."""
-    return LLAMA_CPP / LLAMA_BUILD_DIRS[isa] / "bin" / "llama-server"
 
 
 def ensure_llama_server(isa: str = "native") -> Path | None:

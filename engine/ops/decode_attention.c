@@ -21,6 +21,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "absolute_max.c"
+
 enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2, KV_INT8 = 3 };
 
 /* Bytes of one token's key (or value) for one head. */
@@ -99,9 +101,7 @@ static void kv_store_row(void *row, const float *x, int format, int64_t n) {
     }
     case KV_INT8: {
         int8_t *out = row;
-        float largest = 0.0f;
-        for (int64_t i = 0; i < n; i++) largest = fmaxf(largest, fabsf(x[i]));
-        float scale = largest / 127.0f;
+        float scale = absolute_max(x, n) / 127.0f;
         for (int64_t i = 0; i < n; i++) {
             float q = scale > 0.0f ? nearbyintf(x[i] / scale) : 0.0f;
             out[i] = (int8_t)fminf(fmaxf(q, -127.0f), 127.0f);

@@ -44,6 +44,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "absolute_max.c"
+
 /* GGML's type ids, as written in GGUF files; PAIRED marks the repacked 4-bit layout. */
 enum { KV_Q4_0 = 2, KV_Q4_1 = 3, KV_Q5_0 = 6, KV_Q5_1 = 7, KV_Q8_0 = 8, KV_IQ4_NL = 20, KV_PAIRED = 0x100 };
 
@@ -153,21 +155,6 @@ static inline __m256i iq4_lookup(__m256i grid, const uint8_t *qs) {
 
 /* One block of n floats -> int8 values, returning its scale (d = max|x| / 127; an all-zero block gets d = 0)
  * and setting *sum to the values' sum. */
-/* The largest |v[i]|, as a scalar loop of fmaxf(amax, fabsf(v[i])) finds it (a maximum is exact in any order, and
- * vmaxps returns its second operand, the running maximum, where v[i] is NaN, as fmaxf skips a NaN), 8 at a time:
- * the compiler calls libm's fmaxf for each value instead. */
-static inline float absolute_max(const float *v, int64_t n) {
-    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    __m256 best8 = _mm256_setzero_ps();
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) best8 = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(v + i), magnitude), best8);
-    float lanes[8], amax = 0.0f;
-    _mm256_storeu_ps(lanes, best8);
-    for (int l = 0; l < 8; l++) amax = lanes[l] > amax ? lanes[l] : amax;
-    for (; i < n; i++) amax = fmaxf(amax, fabsf(v[i]));
-    return amax;
-}
-
 static inline float round_block(const float *v, int64_t n, int8_t *q, int *sum) {
     float amax = absolute_max(v, n);
     float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;

@@ -28,6 +28,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "absolute_max.c"
+
 #define KCHUNK 4096
 
 /* Sum of the 8 int32 lanes, widened first: the lanes together can exceed int32. */
@@ -118,8 +120,7 @@ static inline int64_t row_dot(const int16_t *xq, const int8_t *row, int64_t K) {
 
 /* The int16 grid of one activation row: scale = max|row| / 32767 (1 for an all-zero row). */
 static inline float row_scale(const float *row, int64_t K) {
-    float amax = 0.0f;
-    for (int64_t k = 0; k < K; k++) amax = fmaxf(amax, fabsf(row[k]));
+    float amax = absolute_max(row, K);
     return amax > 0.0f ? amax / 32767.0f : 1.0f;
 }
 
