@@ -113,11 +113,25 @@ static void kv_store_row(void *row, const float *x, int format, int64_t n) {
     }
 }
 
-/* Query heads of one KV head attended together: each key and value row is loaded (and, for a 16-bit or int8
- * cache, converted) once for all of them. On 2 AVX2 cores this took a 32-sequence, 1,024-token step of a
- * SmolLM2-shaped layer (9 / 3 heads of 64) from 7.1 to 2.9 ms over a float32 cache and from 6.3 to 1.9 ms over a
- * float16 one (python -m engine.bench.decode_attention). */
-#define HEAD_TILE 4
+/* Two ways through a task's keys, both with the query heads of one KV head attended together (each key and value
+ * row loaded, and for a 16-bit or int8 cache converted, once for all of them), chosen by the head size alone so
+ * that a head's numbers do not depend on the heads beside it or on the batch:
+ *
+ * Heads of up to 64 values take keys and values 8 at a time ("tiles"). A tile's rows are converted to float32
+ * once into a small buffer, and each query head then
+ *   - scores the 8 keys with 8 accumulators over the head's dimensions, reduced together by one horizontal-add
+ *     tree (not a horizontal sum per key), and
+ *   - adds the 8 weighted value rows to its output held in registers (not a load and store of the output per key);
+ *   while the rows of the next tile are asked for ahead (a sequence's blocks sit anywhere in the cache, where the
+ *   hardware prefetchers do not follow).
+ * Longer heads go key by key (attend_per_key): their horizontal sums are fewer per multiply-add, and there the
+ * tiles measured no faster (0.65-1.1x at 128 and 256 values). On 2 cores of a Zen 5 (32 sequences, 1,024 float16
+ * keys, one layer), the tiles against key by key: SmolLM2's 9 / 3 heads of 64 1.2-1.5x, a 1.1B LLaMA's 32 / 4 heads
+ * of 64 1.5x (python -m engine.bench.decode_attention). */
+#define TILE 8
+#define AHEAD 1 /* tiles ahead whose rows are asked for */
+#define TILE_FLOATS 4096 /* a tile buffer's float32 values, at most (16 KiB: it stays in the first-level cache) */
+#define HEAD_TILE 4 /* query heads a key-by-key step takes together */
 
 static inline float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -209,6 +223,180 @@ static float softmax_weights(float *row, int64_t n, float best) {
     return total;
 }
 
+/* One task: sequence b's query heads g0..g1 of each group of KV heads h0..h1 (the heads of one group sit
+ * together in q and out: query head kvh * group + g reads KV head kvh). */
+typedef struct {
+    const float *q; /* the sequence's query row [Hq, D] */
+    float *o;       /* its output row [Hq, D] */
+    const char *keys, *values; /* the caches' slot 0 */
+    const int64_t *table;      /* the sequence's blocks */
+    const uint8_t *visible;    /* the sequence's mask, or NULL */
+    int64_t h0, h1, g0, g1, group, num_keys, block_size, slot_stride, row_bytes, head_dim;
+    float scale, softcap;
+} AttentionTask;
+
+/* Asks for the rows of the task's KV heads in keys k0 .. k0 + TILE - 1 (a sequence's blocks sit anywhere in the
+ * cache, where the hardware prefetchers do not follow). */
+static inline void prefetch_tile(const AttentionTask *t, const char *cache, int64_t k0) {
+    for (int64_t k = k0; k < k0 + TILE && k < t->num_keys; k++) {
+        const char *first = cache + (t->table[k / t->block_size] * t->block_size + k % t->block_size) * t->slot_stride +
+                            t->h0 * t->row_bytes;
+        const char *end = first + (t->h1 - t->h0) * t->row_bytes;
+        for (const char *line = first; line < end; line += 64) _mm_prefetch(line, _MM_HINT_T0);
+    }
+}
+
+/* tile [KV heads c0..c1, TILE, padded D] = keys k0 .. k0 + TILE - 1 of KV heads c0..c1 as float32 and row_scales
+ * [KV heads c0..c1, TILE] what each row's values are multiplied by (an int8 row's scale, else 1), read slot by slot
+ * (a slot's heads sit together in the cache); zero rows for keys past the end or masked off, so that a masked
+ * key's weight, 0, never meets a stale row. Returns the lanes that are real keys (bit r: key k0 + r). */
+static inline __attribute__((always_inline)) int load_tile(const AttentionTask *t, const char *cache, int64_t k0,
+                                                           int64_t c0, int64_t c1, float *tile, float *row_scales,
+                                                           const int64_t D, const int64_t padded, const int format) {
+    int lanes = 0;
+    for (int r = 0; r < TILE; r++) {
+        const int64_t k = k0 + r;
+        const int real = k < t->num_keys && (!t->visible || t->visible[k]);
+        const char *slot = real ? cache + (t->table[k / t->block_size] * t->block_size + k % t->block_size) *
+                                              t->slot_stride
+                                : NULL;
+        lanes |= real << r;
+        for (int64_t kvh = c0; kvh < c1; kvh++) {
+            float *out = tile + ((kvh - c0) * TILE + r) * padded;
+            row_scales[(kvh - c0) * TILE + r] = 0.0f;
+            if (!real) {
+                for (int64_t i = 0; i < padded; i += 8) _mm256_storeu_ps(out + i, _mm256_setzero_ps());
+                continue;
+            }
+            const char *row = slot + kvh * t->row_bytes;
+            row_scales[(kvh - c0) * TILE + r] = kv_row_scale(row, format, D);
+            int64_t i = 0;
+            for (; i + 8 <= D; i += 8) _mm256_storeu_ps(out + i, kv_load8(row, format, i));
+            for (; i < padded; i++) out[i] = i < D ? kv_load1(row, format, i) : 0.0f;
+        }
+    }
+    return lanes;
+}
+
+/* The first 8 values of x from i on, or those below n and zeros past it. */
+static inline __m256 load_upto(const float *x, int64_t i, int64_t n) {
+    if (i + 8 <= n) return _mm256_loadu_ps(x + i);
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    return _mm256_maskload_ps(x + i, _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n - i)), lane));
+}
+
+/* [sum(a[0]), ..., sum(a[7])]: the lanes of each of 8 vectors summed, by one horizontal-add tree. */
+static inline __m256 sum_lanes8(const __m256 a[TILE]) {
+    __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+    __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+    __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+/* scores[0..8) = scale * row_scales[r] * q . tile row r (capped, -inf where the lane is not a real key). */
+static inline __attribute__((always_inline)) void score_tile(const float *q, const float *tile,
+                                                            const float *row_scales, int64_t D, int64_t padded,
+                                                            float scale, float softcap, int lanes, float *scores) {
+    __m256 acc[TILE];
+    for (int r = 0; r < TILE; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < padded; i += 8) {
+        const __m256 x = load_upto(q, i, D);
+        for (int r = 0; r < TILE; r++) acc[r] = _mm256_fmadd_ps(x, _mm256_loadu_ps(tile + r * padded + i), acc[r]);
+    }
+    const __m256 scales = _mm256_mul_ps(_mm256_loadu_ps(row_scales), _mm256_set1_ps(scale));
+    _mm256_storeu_ps(scores, _mm256_mul_ps(sum_lanes8(acc), scales));
+    for (int r = 0; r < TILE; r++) {
+        if (!(lanes >> r & 1))
+            scores[r] = -INFINITY;
+        else if (softcap > 0.0f)
+            scores[r] = tanhf(scores[r] / softcap) * softcap;
+    }
+}
+
+/* o[0..D) += sum over r of p[r] * row_scales[r] * tile row r, 64 dimensions at a time in registers. */
+static inline __attribute__((always_inline)) void add_tile(float *o, const float *p, const float *tile,
+                                                          const float *row_scales, int64_t D, int64_t padded) {
+    __m256 weight[TILE];
+    for (int r = 0; r < TILE; r++) weight[r] = _mm256_set1_ps(p[r] * row_scales[r]);
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int64_t i0 = 0; i0 < padded; i0 += 64) {
+        const int chunks = (int)((padded - i0) / 8 < 8 ? (padded - i0) / 8 : 8);
+        __m256 acc[8];
+        for (int c = 0; c < chunks; c++) acc[c] = load_upto(o, i0 + 8 * c, D);
+        for (int r = 0; r < TILE; r++)
+            for (int c = 0; c < chunks; c++)
+                acc[c] = _mm256_fmadd_ps(weight[r], _mm256_loadu_ps(tile + r * padded + i0 + 8 * c), acc[c]);
+        for (int c = 0; c < chunks; c++) {
+            const int64_t i = i0 + 8 * c;
+            if (i + 8 <= D)
+                _mm256_storeu_ps(o + i, acc[c]);
+            else
+                _mm256_maskstore_ps(o + i, _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(D - i)), lane), acc[c]);
+        }
+    }
+}
+
+/* KV heads whose tile is converted at a time: as many as fill TILE_FLOATS (at least one), so that the tile stays in
+ * the first-level cache beside the rows asked for ahead. */
+static inline int64_t heads_per_tile(int64_t padded) {
+    return TILE_FLOATS / (TILE * padded) > 1 ? TILE_FLOATS / (TILE * padded) : 1;
+}
+
+/* scores: scratch for [heads of the task, num_keys rounded up to TILE]; best and total for [heads]; tile for
+ * [heads_per_tile, TILE, D rounded up to 8] and its row scales [heads_per_tile, TILE]. */
+static inline __attribute__((always_inline)) void attend_tiled(const AttentionTask *t, float *scores, float *best,
+                                                               float *total, float *tile, const int format,
+                                                               const int64_t fixed_head_dim) {
+    const int64_t D = fixed_head_dim ? fixed_head_dim : t->head_dim, padded = (D + 7) / 8 * 8;
+    const int64_t stride = (t->num_keys + TILE - 1) / TILE * TILE, chunk = heads_per_tile(padded);
+    const int64_t per_kv = t->g1 - t->g0, heads = (t->h1 - t->h0) * per_kv;
+    float *row_scales = tile + chunk * TILE * padded;
+    for (int64_t k0 = 0; k0 < t->num_keys; k0 += TILE) {
+        prefetch_tile(t, t->keys, k0 + AHEAD * TILE);
+        for (int64_t c0 = t->h0; c0 < t->h1; c0 += chunk) {
+            const int64_t c1 = c0 + chunk < t->h1 ? c0 + chunk : t->h1;
+            const int lanes = load_tile(t, t->keys, k0, c0, c1, tile, row_scales, D, padded, format);
+            for (int64_t kvh = c0; kvh < c1; kvh++)
+                for (int64_t g = 0; g < per_kv; g++) {
+                    const int64_t local = (kvh - t->h0) * per_kv + g;
+                    score_tile(t->q + (kvh * t->group + t->g0 + g) * D, tile + (kvh - c0) * TILE * padded,
+                               row_scales + (kvh - c0) * TILE, D, padded, t->scale, t->softcap, lanes,
+                               scores + local * stride + k0);
+                }
+        }
+    }
+    for (int64_t kvh = t->h0; kvh < t->h1; kvh++)
+        for (int64_t i = 0; i < per_kv * D; i++) t->o[(kvh * t->group + t->g0) * D + i] = 0.0f;
+    for (int64_t i = 0; i < heads; i++) {
+        __m256 most = _mm256_set1_ps(-INFINITY);
+        for (int64_t k = 0; k < stride; k += 8) most = _mm256_max_ps(most, _mm256_loadu_ps(scores + i * stride + k));
+        float lanes[8];
+        _mm256_storeu_ps(lanes, most);
+        best[i] = lanes[0];
+        for (int l = 1; l < 8; l++) best[i] = lanes[l] > best[i] ? lanes[l] : best[i];
+    }
+    if (best[0] == -INFINITY) return; /* no visible key: zeros (never happens for real rows) */
+    for (int64_t i = 0; i < heads; i++) total[i] = softmax_weights(scores + i * stride, stride, best[i]);
+    for (int64_t k0 = 0; k0 < t->num_keys; k0 += TILE) {
+        prefetch_tile(t, t->values, k0 + AHEAD * TILE);
+        for (int64_t c0 = t->h0; c0 < t->h1; c0 += chunk) {
+            const int64_t c1 = c0 + chunk < t->h1 ? c0 + chunk : t->h1;
+            load_tile(t, t->values, k0, c0, c1, tile, row_scales, D, padded, format);
+            for (int64_t kvh = c0; kvh < c1; kvh++)
+                for (int64_t g = 0; g < per_kv; g++) {
+                    const int64_t local = (kvh - t->h0) * per_kv + g;
+                    add_tile(t->o + (kvh * t->group + t->g0 + g) * D, scores + local * stride + k0,
+                             tile + (kvh - c0) * TILE * padded, row_scales + (kvh - c0) * TILE, D, padded);
+                }
+        }
+    }
+    for (int64_t kvh = t->h0; kvh < t->h1; kvh++)
+        for (int64_t g = 0; g < per_kv; g++) {
+            float inv = 1.0f / total[(kvh - t->h0) * per_kv + g], *o = t->o + (kvh * t->group + t->g0 + g) * D;
+            for (int64_t i = 0; i < D; i++) o[i] *= inv;
+        }
+}
+
 /* kv_dot_rows / kv_axpy_rows with n (1..HEAD_TILE) made a constant, so each is compiled for its tile. */
 static inline __attribute__((always_inline)) void dot_tile(const float *q, int n, const void *row, const int format,
                                                            int64_t D, float *s) {
@@ -230,22 +418,11 @@ static inline __attribute__((always_inline)) void axpy_tile(float *o, int n, con
     }
 }
 
-/* One task: sequence b's query heads g0..g1 of each group of KV heads h0..h1 (the heads of one group sit
- * together in q and out: query head kvh * group + g reads KV head kvh). */
-typedef struct {
-    const float *q; /* the sequence's query row [Hq, D] */
-    float *o;       /* its output row [Hq, D] */
-    const char *keys, *values; /* the caches' slot 0 */
-    const int64_t *table;      /* the sequence's blocks */
-    const uint8_t *visible;    /* the sequence's mask, or NULL */
-    int64_t h0, h1, g0, g1, group, num_keys, block_size, slot_stride, row_bytes, head_dim;
-    float scale, softcap;
-} AttentionTask;
-
-/* scores: scratch for [heads of the task, num_keys]; best and total for [heads]. Keys are walked block by block
+/* For heads longer than 64 values. scores: scratch for [heads of the task, num_keys]; best and total for
+ * [heads]. Keys are walked block by block
  * and each slot's rows for every KV head of the task are read together (a task of every KV head reads a block's
  * bytes in order). */
-static inline __attribute__((always_inline)) void attend(const AttentionTask *t, float *scores, float *best,
+static inline __attribute__((always_inline)) void attend_per_key(const AttentionTask *t, float *scores, float *best,
                                                          float *total, const int format) {
     const int64_t D = t->head_dim, num_keys = t->num_keys, block_size = t->block_size;
     const int64_t per_kv = t->g1 - t->g0, heads = (t->h1 - t->h0) * per_kv;
@@ -301,13 +478,25 @@ static inline __attribute__((always_inline)) void attend(const AttentionTask *t,
         }
 }
 
-/* attend with the cache format a constant, so each format's loop is compiled on its own. */
-static void attend_in_format(const AttentionTask *t, float *scores, float *best, float *total, int format) {
+/* A task by tiles (heads of up to 64 values) or key by key, with the cache format (and the usual tiled head size)
+ * a constant: each is compiled on its own, its loops over a head's dimensions unrolled. */
+static inline __attribute__((always_inline)) void attend_in_size(const AttentionTask *t, float *scores, float *best,
+                                                                 float *total, float *tile, const int format) {
+    if (t->head_dim == 64)
+        attend_tiled(t, scores, best, total, tile, format, 64);
+    else if (t->head_dim < 64)
+        attend_tiled(t, scores, best, total, tile, format, 0);
+    else
+        attend_per_key(t, scores, best, total, format);
+}
+
+static void attend_in_format(const AttentionTask *t, float *scores, float *best, float *total, float *tile,
+                             int format) {
     switch (format) {
-    case KV_F16: attend(t, scores, best, total, KV_F16); return;
-    case KV_BF16: attend(t, scores, best, total, KV_BF16); return;
-    case KV_INT8: attend(t, scores, best, total, KV_INT8); return;
-    default: attend(t, scores, best, total, KV_F32); return;
+    case KV_F16: attend_in_size(t, scores, best, total, tile, KV_F16); return;
+    case KV_BF16: attend_in_size(t, scores, best, total, tile, KV_BF16); return;
+    case KV_INT8: attend_in_size(t, scores, best, total, tile, KV_INT8); return;
+    default: attend_in_size(t, scores, best, total, tile, KV_F32); return;
     }
 }
 
@@ -322,6 +511,7 @@ static int decode_attention_capped(const float *query, int64_t query_row_stride,
                                    int kv_format, int num_threads) {
     int64_t num_keys = num_blocks_per_seq * block_size, group = num_heads / num_kv_heads;
     int64_t row_bytes = kv_row_bytes(kv_format, head_dim);
+    const int64_t stride = (num_keys + TILE - 1) / TILE * TILE, padded = (head_dim + 7) / 8 * 8;
     int64_t enough = 2 * (int64_t)num_threads;
     /* per task: KV heads and query heads of each of their groups */
     int64_t kv_per_task = num_seqs >= enough ? num_kv_heads : 1;
@@ -331,7 +521,10 @@ static int decode_attention_capped(const float *query, int64_t query_row_stride,
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
-        float *scratch = malloc((size_t)(task_heads * (num_keys + 2)) * sizeof(float));
+        /* scores [task_heads, stride] | best [task_heads] | total [task_heads] | tile [heads_per_tile, TILE,
+         * padded D] | its row scales [heads_per_tile, TILE] */
+        float *scratch =
+            malloc((size_t)(task_heads * (stride + 2) + heads_per_tile(padded) * TILE * (padded + 1)) * sizeof(float));
         if (!scratch) {
 #pragma omp atomic write
             failed = 1;
@@ -359,7 +552,8 @@ static int decode_attention_capped(const float *query, int64_t query_row_stride,
                                head_dim,
                                scale,
                                softcap};
-            attend_in_format(&t, scratch, scratch + task_heads * num_keys, scratch + task_heads * (num_keys + 1),
+            attend_in_format(&t, scratch, scratch + task_heads * stride, scratch + task_heads * (stride + 1),
+                             scratch + task_heads * (stride + 2),
                              kv_format);
         }
         free(scratch);
