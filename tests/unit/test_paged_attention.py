@@ -179,12 +179,14 @@ def test_softcap_reaches_the_probe_and_bounds_the_scores():
 
 @pytest.mark.skipif(not available(), reason="native decode attention kernel unavailable")
 @pytest.mark.parametrize("kv_cache_dtype", ["float32", "float16", "bfloat16", "int8"])
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (8, 1, 24), (10, 2, 16), (4, 4, 12)])
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_dim", [(9, 3, 64), (8, 1, 24), (10, 2, 16), (4, 4, 12), (8, 2, 128)]
+)
 def test_decode_kernel_heads_give_the_same_numbers_in_every_split(kv_cache_dtype, num_heads, num_kv_heads, head_dim):
-    """The kernel attends a sequence's heads together (tiles of up to 4 query heads of a KV head) when the step
-    has enough sequences, and a KV head or one query head at a time otherwise: a sequence's output is the same
-    alone as in a batch, bit for bit, and matches the torch path over the same cache (groups of 3, 5, 8 and 1;
-    heads of 12 and 24 run the kernel's non-vector tail)."""
+    """The kernel attends a sequence's heads together when the step has enough sequences, and a KV head or one
+    query head at a time otherwise; heads of up to 64 values go by tiles of 8 keys, longer ones key by key. A
+    sequence's output is the same alone as in a batch, bit for bit, and matches the torch path over the same
+    cache (groups of 3, 8, 5, 1 and 4; heads of 12 values end in a partial 8, heads of 128 go key by key)."""
     from engine.ops import kv_format
     from engine.ops.decode_attention import store_rows
 
