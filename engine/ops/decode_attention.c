@@ -125,9 +125,10 @@ static void kv_store_row(void *row, const float *x, int format, int64_t n) {
  *   while the rows of the next tile are asked for ahead (a sequence's blocks sit anywhere in the cache, where the
  *   hardware prefetchers do not follow).
  * Longer heads go key by key (attend_per_key): their horizontal sums are fewer per multiply-add, and there the
- * tiles measured no faster (0.65-1.1x at 128 and 256 values). On 2 cores of a Zen 5 (32 sequences, 1,024 float16
- * keys, one layer), the tiles against key by key: SmolLM2's 9 / 3 heads of 64 1.2-1.5x, a 1.1B LLaMA's 32 / 4 heads
- * of 64 1.5x (python -m engine.bench.decode_attention). */
+ * tiles measured no faster (0.65-1.1x at 128 and 256 values). On 2 cores of a Zen 5, the two ways built side by
+ * side and called in turn in one process, the tiles against key by key: 1.2-1.4x for SmolLM2's 9 / 3 heads of 64
+ * and a 1.1B LLaMA's 32 / 4 at 32 sequences of 208 or 1,024 keys (every cache format), 1.4-1.6x for 1 to 4
+ * sequences of the latter (python -m engine.bench.decode_attention times one build per cache format). */
 #define TILE 8
 #define AHEAD 1 /* tiles ahead whose rows are asked for */
 #define TILE_FLOATS 4096 /* a tile buffer's float32 values, at most (16 KiB: it stays in the first-level cache) */
