@@ -236,12 +236,24 @@ typedef struct {
     float scale, softcap;
 } AttentionTask;
 
+/* n rounded up to a multiple of 8: a tile's keys (TILE), a head's values in 8-wide vectors. */
+static inline int64_t round_up8(int64_t n) { return (n + 7) / 8 * 8; }
+
+/* Where key k's slot (every KV head's row of it) sits in a cache. */
+static inline const char *slot_of(const AttentionTask *t, const char *cache, int64_t k) {
+    return cache + (t->table[k / t->block_size] * t->block_size + k % t->block_size) * t->slot_stride;
+}
+
+/* Lanes 0 .. count - 1 of a mask for maskload / maskstore (count below 8). */
+static inline __m256i first_lanes(int64_t count) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)count), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
 /* Asks for the rows of the task's KV heads in keys k0 .. k0 + TILE - 1 (a sequence's blocks sit anywhere in the
  * cache, where the hardware prefetchers do not follow). */
 static inline void prefetch_tile(const AttentionTask *t, const char *cache, int64_t k0) {
     for (int64_t k = k0; k < k0 + TILE && k < t->num_keys; k++) {
-        const char *first = cache + (t->table[k / t->block_size] * t->block_size + k % t->block_size) * t->slot_stride +
-                            t->h0 * t->row_bytes;
+        const char *first = slot_of(t, cache, k) + t->h0 * t->row_bytes;
         const char *end = first + (t->h1 - t->h0) * t->row_bytes;
         for (const char *line = first; line < end; line += 64) _mm_prefetch(line, _MM_HINT_T0);
     }
@@ -258,9 +270,7 @@ static inline __attribute__((always_inline)) int load_tile(const AttentionTask *
     for (int r = 0; r < TILE; r++) {
         const int64_t k = k0 + r;
         const int real = k < t->num_keys && (!t->visible || t->visible[k]);
-        const char *slot = real ? cache + (t->table[k / t->block_size] * t->block_size + k % t->block_size) *
-                                              t->slot_stride
-                                : NULL;
+        const char *slot = real ? slot_of(t, cache, k) : NULL;
         lanes |= real << r;
         for (int64_t kvh = c0; kvh < c1; kvh++) {
             float *out = tile + ((kvh - c0) * TILE + r) * padded;
@@ -281,9 +291,7 @@ static inline __attribute__((always_inline)) int load_tile(const AttentionTask *
 
 /* The first 8 values of x from i on, or those below n and zeros past it. */
 static inline __m256 load_upto(const float *x, int64_t i, int64_t n) {
-    if (i + 8 <= n) return _mm256_loadu_ps(x + i);
-    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    return _mm256_maskload_ps(x + i, _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n - i)), lane));
+    return i + 8 <= n ? _mm256_loadu_ps(x + i) : _mm256_maskload_ps(x + i, first_lanes(n - i));
 }
 
 /* [sum(a[0]), ..., sum(a[7])]: the lanes of each of 8 vectors summed, by one horizontal-add tree. */
@@ -319,7 +327,6 @@ static inline __attribute__((always_inline)) void add_tile(float *o, const float
                                                           const float *row_scales, int64_t D, int64_t padded) {
     __m256 weight[TILE];
     for (int r = 0; r < TILE; r++) weight[r] = _mm256_set1_ps(p[r] * row_scales[r]);
-    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     for (int64_t i0 = 0; i0 < padded; i0 += 64) {
         const int chunks = (int)((padded - i0) / 8 < 8 ? (padded - i0) / 8 : 8);
         __m256 acc[8];
@@ -332,7 +339,7 @@ static inline __attribute__((always_inline)) void add_tile(float *o, const float
             if (i + 8 <= D)
                 _mm256_storeu_ps(o + i, acc[c]);
             else
-                _mm256_maskstore_ps(o + i, _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(D - i)), lane), acc[c]);
+                _mm256_maskstore_ps(o + i, first_lanes(D - i), acc[c]);
         }
     }
 }
@@ -348,8 +355,8 @@ static inline int64_t heads_per_tile(int64_t padded) {
 static inline __attribute__((always_inline)) void attend_tiled(const AttentionTask *t, float *scores, float *best,
                                                                float *total, float *tile, const int format,
                                                                const int64_t fixed_head_dim) {
-    const int64_t D = fixed_head_dim ? fixed_head_dim : t->head_dim, padded = (D + 7) / 8 * 8;
-    const int64_t stride = (t->num_keys + TILE - 1) / TILE * TILE, chunk = heads_per_tile(padded);
+    const int64_t D = fixed_head_dim ? fixed_head_dim : t->head_dim, padded = round_up8(D);
+    const int64_t stride = round_up8(t->num_keys), chunk = heads_per_tile(padded);
     const int64_t per_kv = t->g1 - t->g0, heads = (t->h1 - t->h0) * per_kv;
     float *row_scales = tile + chunk * TILE * padded;
     for (int64_t k0 = 0; k0 < t->num_keys; k0 += TILE) {
@@ -419,12 +426,11 @@ static inline __attribute__((always_inline)) void axpy_tile(float *o, int n, con
     }
 }
 
-/* For heads longer than 64 values. scores: scratch for [heads of the task, num_keys]; best and total for
- * [heads]. Keys are walked block by block
- * and each slot's rows for every KV head of the task are read together (a task of every KV head reads a block's
- * bytes in order). */
+/* For heads longer than 64 values. scores: scratch for [heads of the task, num_keys]; best and total for [heads].
+ * Keys are walked block by block and each slot's rows for every KV head of the task are read together (a task of
+ * every KV head reads a block's bytes in order). */
 static inline __attribute__((always_inline)) void attend_per_key(const AttentionTask *t, float *scores, float *best,
-                                                         float *total, const int format) {
+                                                                 float *total, const int format) {
     const int64_t D = t->head_dim, num_keys = t->num_keys, block_size = t->block_size;
     const int64_t per_kv = t->g1 - t->g0, heads = (t->h1 - t->h0) * per_kv;
     for (int64_t i = 0; i < heads; i++) best[i] = -INFINITY;
@@ -512,7 +518,7 @@ static int decode_attention_capped(const float *query, int64_t query_row_stride,
                                    int kv_format, int num_threads) {
     int64_t num_keys = num_blocks_per_seq * block_size, group = num_heads / num_kv_heads;
     int64_t row_bytes = kv_row_bytes(kv_format, head_dim);
-    const int64_t stride = (num_keys + TILE - 1) / TILE * TILE, padded = (head_dim + 7) / 8 * 8;
+    const int64_t stride = round_up8(num_keys), padded = round_up8(head_dim); /* as attend_tiled takes them */
     int64_t enough = 2 * (int64_t)num_threads;
     /* per task: KV heads and query heads of each of their groups */
     int64_t kv_per_task = num_seqs >= enough ? num_kv_heads : 1;
