@@ -19,8 +19,9 @@ import torch
 from torch import nn
 
 from engine.attention.metadata import AttentionMetadata, per_token_rows
+from engine.ops.decode_attention import use_wide_attention
 from engine.ops.kv_format import NATIVE_FORMAT_IDS
-from engine.ops.loader import I64, PTR, bind, unavailable_reason
+from engine.ops.loader import I64, PTR, avx512_kernels_allowed, bind, unavailable_reason
 from engine.quantization import KernelWeight, kernel_weight
 
 if TYPE_CHECKING:
@@ -161,7 +162,10 @@ class _DecodeStep(ctypes.Structure):
 def _kernel():
     """kv_fused_decode_layers(layers, num_layers, step, hidden) -> status, or None when it cannot be used."""
     argtypes = [ctypes.POINTER(_DecoderLayer), I64, ctypes.POINTER(_DecodeStep), PTR]
-    return bind("fused_decode", "kv_fused_decode_layers", argtypes, ctypes.c_int)
+    kernel = bind("fused_decode", "kv_fused_decode_layers", argtypes, ctypes.c_int)
+    if kernel is not None:
+        use_wide_attention("fused_decode", avx512_kernels_allowed())
+    return kernel
 
 
 def available() -> bool:

@@ -113,9 +113,10 @@ static void kv_store_row(void *row, const float *x, int format, int64_t n) {
     }
 }
 
-/* Two ways through a task's keys, both with the query heads of one KV head attended together (each key and value
- * row loaded, and for a 16-bit or int8 cache converted, once for all of them), chosen by the head size alone so
- * that a head's numbers do not depend on the heads beside it or on the batch:
+/* Ways through a task's keys, each with the query heads of one KV head attended together (each key and value
+ * row loaded, and for a 16-bit or int8 cache converted, once for all of them), chosen by the head size (and for
+ * heads of 96, 128 or 256 values by the machine: decode_attention_wide.c) so that a head's numbers do not depend
+ * on the heads beside it or on the batch:
  *
  * Heads of up to 64 values take keys and values 8 at a time ("tiles"). A tile's rows are converted to float32
  * once into a small buffer, and each query head then
@@ -124,8 +125,9 @@ static void kv_store_row(void *row, const float *x, int format, int64_t n) {
  *   - adds the 8 weighted value rows to its output held in registers (not a load and store of the output per key);
  *   while the rows of the next tile are asked for ahead (a sequence's blocks sit anywhere in the cache, where the
  *   hardware prefetchers do not follow).
- * Longer heads go key by key (attend_per_key): their horizontal sums are fewer per multiply-add, and there the
- * tiles measured no faster (0.65-1.1x at 128 and 256 values). On 2 cores of a Zen 5, the two ways built side by
+ * Longer heads go key by key (attend_per_key, in 8-wide vectors; in 512-bit registers where decode_attention_wide.c
+ * takes them): their horizontal sums are fewer per multiply-add, and there the tiles measured no faster (0.65-1.1x
+ * at 128 and 256 values). On 2 cores of a Zen 5, the two ways built side by
  * side and called in turn in one process, the tiles against key by key: 1.2-1.4x for SmolLM2's 9 / 3 heads of 64
  * and a 1.1B LLaMA's 32 / 4 at 32 sequences of 208 or 1,024 keys (every cache format), 1.4-1.6x for 1 to 4
  * sequences of the latter (python -m engine.bench.decode_attention times one build per cache format). */
@@ -485,14 +487,19 @@ static inline __attribute__((always_inline)) void attend_per_key(const Attention
         }
 }
 
-/* A task by tiles (heads of up to 64 values) or key by key, with the cache format (and the usual tiled head size)
- * a constant: each is compiled on its own, its loops over a head's dimensions unrolled. */
+#include "decode_attention_wide.c"
+
+/* A task by tiles (heads of up to 64 values) or key by key (in 512-bit registers where takes_wide), with the cache
+ * format (and the usual tiled head size) a constant: each is compiled on its own, its loops over a head's
+ * dimensions unrolled. */
 static inline __attribute__((always_inline)) void attend_in_size(const AttentionTask *t, float *scores, float *best,
                                                                  float *total, float *tile, const int format) {
     if (t->head_dim == 64)
         attend_tiled(t, scores, best, total, tile, format, 64);
     else if (t->head_dim < 64)
         attend_tiled(t, scores, best, total, tile, format, 0);
+    else if (takes_wide(t->head_dim))
+        attend_wide(t, scores, best, total, format);
     else
         attend_per_key(t, scores, best, total, format);
 }

@@ -16,8 +16,11 @@ import functools
 import torch
 
 from engine.ops import kv_format
-from engine.ops.loader import I64, PTR, bind
+from engine.ops.loader import I64, PTR, avx512_kernels_allowed, bind
 from engine.ops.sdpa import sdpa
+
+# Head sizes the native kernel attends in 512-bit registers where the CPU has AVX-512 (decode_attention_wide.c).
+WIDE_HEAD_SIZES = (96, 128, 256)
 
 
 @functools.cache
@@ -25,7 +28,29 @@ def _kernel():
     """kv_decode_attention(...) -> status, or None when the library cannot be used."""
     # query, caches, blocks, mask, out; B, H_q, H_kv, D, block_size, N; scale, softcap (0: off), cache format, threads
     argtypes = [PTR] * 6 + [I64] * 6 + [ctypes.c_float, ctypes.c_float, ctypes.c_int, ctypes.c_int]
-    return bind("decode_attention", "kv_decode_attention", argtypes, ctypes.c_int)
+    kernel = bind("decode_attention", "kv_decode_attention", argtypes, ctypes.c_int)
+    if kernel is not None:
+        use_wide_attention("decode_attention", avx512_kernels_allowed())
+    return kernel
+
+
+def use_wide_attention(library: str, on: bool | None) -> bool:
+    """Turns on (where the CPU has AVX-512 F, BW and VL) or off the 512-bit key-by-key way for heads of 96, 128 or
+    256 values in `library`'s copy of the decode attention (decode_attention, or fused_decode, which includes it),
+    or with `on` None leaves it; returns whether it is on. Each library turns it on when it loads, unless
+    KVSERVE_NATIVE_ISA names a 256-bit build; other head sizes and CPUs take the 8-wide way."""
+    setter = bind(library, "kv_decode_attention_use_wide", [ctypes.c_int], ctypes.c_int)
+    return setter is not None and bool(setter(-1 if on is None else int(on)))
+
+
+def wide_attention() -> bool:
+    """Whether decode steps of heads of WIDE_HEAD_SIZES values run the 512-bit way on this machine."""
+    return available() and use_wide_attention("decode_attention", None)
+
+
+def takes_wide(head_dim: int) -> bool:
+    """Whether this machine's decode steps attend heads of `head_dim` values in 512-bit registers."""
+    return head_dim in WIDE_HEAD_SIZES and wide_attention()
 
 
 def available() -> bool:

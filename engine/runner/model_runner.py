@@ -23,7 +23,7 @@ from engine.core.scheduler import ScheduledBatch
 from engine.core.sequence import Sequence
 from engine.models import registry
 from engine.models.fused_decode import FusedDecode, decode_rows, token_rows
-from engine.ops import gguf_linear, kv_format, loader
+from engine.ops import decode_attention, gguf_linear, kv_format, loader
 from engine.ops.cpu_features import cpu_features
 from engine.outputs import EmittedTokens, TokenLogprob
 from engine.runner.decode_path import DecodePath, choose_decode_path
@@ -127,6 +127,10 @@ class ModelRunner:
         if self.device.type != "cpu":
             return ""
         build = f"; kernels built for {loader.chosen_isa()}" if self.decode_plan.native_ops else ""
+        if "decode_attention" in self.decode_plan.native_ops and decode_attention.takes_wide(
+            self.model_config.head_dim
+        ):
+            build += "; decode attention in 512-bit registers"
         kernel_types = [getattr(module, "kernel_type", 0) for module in self.model.modules()]
         interleaved = [t for t in kernel_types if t & gguf_linear.INTERLEAVED]
         if interleaved:

@@ -82,6 +82,23 @@ def test_fused_step_equals_torch_layers_over_every_cache_format(tiny_model_dirs,
 
 
 @needs_kernels
+def test_fused_step_with_heads_of_128_values(tmp_path):
+    """Heads of 128 values (Qwen3's, LLaMA 3's) go key by key, in 512-bit registers where the CPU has AVX-512:
+    the fused kernel's copy of the attention takes the same way as the torch layers' and gives their step."""
+    from engine.ops.decode_attention import use_wide_attention, wide_attention
+
+    engine = _engine(str(make_tiny_model(tmp_path, "qwen3", head_dim=128)), kv_cache_dtype="float16")
+    runner = engine.engine.runner
+    assert runner.decode_plan.path is DecodePath.FUSED_NATIVE, runner.decode_plan.reason
+    input_ids, positions, metas = _decode_metadata(engine, _prompts(engine, 5))
+    fused = runner.forward(input_ids, positions, metas)
+    assert use_wide_attention("fused_decode", None) == wide_attention()
+    assert ("decode attention in 512-bit registers" in runner._machine_line()) == wide_attention()
+    reference = runner.model(input_ids, positions, runner.kv_caches, metas)
+    assert (fused - reference).abs().max() <= 1e-4 * reference.abs().max()
+
+
+@needs_kernels
 def test_fused_step_of_a_gemma_with_exact_gelu_and_every_window_kind(tmp_path):
     """Gemma 2 with the exact (erf) GELU and softcapped scores: each of its two attention groups (sliding
     layers under a window of 8, full layers) gets its own block tables and mask in the one native call."""

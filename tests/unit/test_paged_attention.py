@@ -177,29 +177,42 @@ def test_softcap_reaches_the_probe_and_bounds_the_scores():
             paged_attention(queries, key_cache, value_cache, meta, head_dim**-0.5, softcap=bad)
 
 
-@pytest.mark.skipif(not available(), reason="native decode attention kernel unavailable")
-@pytest.mark.parametrize("kv_cache_dtype", ["float32", "float16", "bfloat16", "int8"])
-@pytest.mark.parametrize(
-    "num_heads,num_kv_heads,head_dim", [(9, 3, 64), (8, 1, 24), (10, 2, 16), (4, 4, 12), (8, 2, 128)]
-)
-def test_decode_kernel_heads_give_the_same_numbers_in_every_split(kv_cache_dtype, num_heads, num_kv_heads, head_dim):
-    """The kernel attends a sequence's heads together when the step has enough sequences, and a KV head or one
-    query head at a time otherwise; heads of up to 64 values go by tiles of 8 keys, longer ones key by key. A
-    sequence's output is the same alone as in a batch, bit for bit, and matches the torch path over the same
-    cache (groups of 3, 8, 5, 1 and 4; heads of 12 values end in a partial 8, heads of 128 go key by key)."""
+def _random_paged_cache(
+    kv_cache_dtype: str, num_seqs: int, blocks_per_seq: int, block_size: int, num_kv_heads: int, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Key and value caches of random rows in `kv_cache_dtype`, each sequence's blocks spread over the pool
+    ([num_seqs, blocks_per_seq] tables), and a visibility mask hiding ~15% of keys (never a sequence's first)."""
     from engine.ops import kv_format
     from engine.ops.decode_attention import store_rows
 
-    torch.manual_seed(num_heads)
-    block_size, blocks_per_seq, num_seqs = 4, 6, 7
     rows = num_seqs * blocks_per_seq * block_size
     key_cache = kv_format.allocate(kv_cache_dtype, num_seqs * blocks_per_seq, block_size, num_kv_heads, head_dim, "cpu")
     value_cache = torch.zeros_like(key_cache)
     store_rows(key_cache, torch.randn(rows, num_kv_heads, head_dim), torch.arange(rows))
     store_rows(value_cache, torch.randn(rows, num_kv_heads, head_dim), torch.arange(rows))
     tables = torch.randperm(num_seqs * blocks_per_seq).view(num_seqs, blocks_per_seq)
-    visible = torch.rand(num_seqs, blocks_per_seq * block_size) < 0.8
+    visible = torch.rand(num_seqs, blocks_per_seq * block_size) < 0.85
     visible[:, 0] = True
+    return key_cache, value_cache, tables, visible
+
+
+@pytest.mark.skipif(not available(), reason="native decode attention kernel unavailable")
+@pytest.mark.parametrize("kv_cache_dtype", ["float32", "float16", "bfloat16", "int8"])
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_dim",
+    [(9, 3, 64), (8, 1, 24), (10, 2, 16), (4, 4, 12), (8, 2, 128), (6, 2, 96), (4, 4, 256)],
+)
+def test_decode_kernel_heads_give_the_same_numbers_in_every_split(kv_cache_dtype, num_heads, num_kv_heads, head_dim):
+    """The kernel attends a sequence's heads together when the step has enough sequences, and a KV head or one
+    query head at a time otherwise; heads of up to 64 values go by tiles of 8 keys, longer ones key by key. A
+    sequence's output is the same alone as in a batch, bit for bit, and matches the torch path over the same
+    cache (groups of 3, 8, 5, 1, 4 and 3; heads of 12 values end in a partial 8, heads of 96, 128 and 256 go key
+    by key, in 512-bit registers where the CPU has AVX-512; blocks of 4 keys are half of the wide way's 8)."""
+    torch.manual_seed(num_heads)
+    num_seqs = 7
+    key_cache, value_cache, tables, visible = _random_paged_cache(
+        kv_cache_dtype, num_seqs, 6, 4, num_kv_heads, head_dim
+    )
     queries = torch.randn(num_seqs, num_heads, head_dim) * 3
     args = (key_cache, value_cache)
     batched = decode_attention_native(queries, *args, tables, visible, head_dim**-0.5, softcap=6.0)
@@ -210,3 +223,34 @@ def test_decode_kernel_heads_give_the_same_numbers_in_every_split(kv_cache_dtype
         assert torch.equal(alone[0], batched[b])
     reference = decode_attention_torch(queries, *args, tables, visible, head_dim**-0.5, softcap=6.0)
     torch.testing.assert_close(batched, reference, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not available(), reason="native decode attention kernel unavailable")
+@pytest.mark.parametrize("kv_cache_dtype", ["float16", "int8"])
+def test_decode_kernel_wide_way_matches_the_8_wide_way(kv_cache_dtype):
+    """Heads of 96, 128 and 256 values run in 512-bit registers where the CPU has AVX-512 F/BW/VL: their outputs
+    match the 8-wide way's over the same cache within float32 rounding (the scores sum in another order), with
+    masked keys, a softcap, groups of 1 to 4 query heads and blocks of 16 keys (two groups of 8)."""
+    from engine.ops.decode_attention import use_wide_attention, wide_attention
+
+    if not wide_attention():
+        pytest.skip(
+            "the 512-bit decode attention is off: no AVX-512 F/BW/VL, or KVSERVE_NATIVE_ISA names a 256-bit build"
+        )
+    torch.manual_seed(5)
+    num_seqs = 5
+    try:
+        for num_heads, num_kv_heads, head_dim in [(8, 2, 128), (3, 3, 96), (8, 2, 256), (12, 3, 128)]:
+            key_cache, value_cache, tables, visible = _random_paged_cache(
+                kv_cache_dtype, num_seqs, 3, 16, num_kv_heads, head_dim
+            )
+            queries = torch.randn(num_seqs, num_heads, head_dim) * 2
+            args = (queries, key_cache, value_cache, tables, visible, head_dim**-0.5)
+            assert use_wide_attention("decode_attention", True)
+            wide = decode_attention_native(*args, softcap=8.0)
+            assert not use_wide_attention("decode_attention", False)
+            narrow = decode_attention_native(*args, softcap=8.0)
+            assert not torch.equal(wide, narrow)  # the two ways ran
+            torch.testing.assert_close(wide, narrow, atol=2e-6, rtol=2e-5)
+    finally:
+        use_wide_attention("decode_attention", True)
