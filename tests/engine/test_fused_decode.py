@@ -84,13 +84,16 @@ def test_fused_step_equals_torch_layers_over_every_cache_format(tiny_model_dirs,
 @needs_kernels
 def test_fused_step_with_heads_of_128_values(tmp_path):
     """Heads of 128 values (Qwen3's, LLaMA 3's) go key by key, in 512-bit registers where the CPU has AVX-512:
-    the fused kernel's copy of the attention takes the same way as the torch layers' and gives their step."""
+    the fused kernel's copy of the attention takes the same way as the torch layers' and gives their step, over
+    a sequence of 600 keys (two spans of 512) beside short ones."""
     from engine.ops.decode_attention import use_wide_attention, wide_attention
 
-    engine = _engine(str(make_tiny_model(tmp_path, "qwen3", head_dim=128)), kv_cache_dtype="float16")
+    model_dir = make_tiny_model(tmp_path, "qwen3", head_dim=128, max_position_embeddings=1024)
+    engine = _engine(str(model_dir), kv_cache_dtype="float16")
     runner = engine.engine.runner
     assert runner.decode_plan.path is DecodePath.FUSED_NATIVE, runner.decode_plan.reason
-    input_ids, positions, metas = _decode_metadata(engine, _prompts(engine, 5))
+    long_prompt = [10 + (7 * i) % 290 for i in range(600)]
+    input_ids, positions, metas = _decode_metadata(engine, _prompts(engine, 4) + [long_prompt])
     fused = runner.forward(input_ids, positions, metas)
     assert use_wide_attention("fused_decode", None) == wide_attention()
     assert ("decode attention in 512-bit registers" in runner._machine_line()) == wide_attention()

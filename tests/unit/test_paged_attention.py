@@ -226,6 +226,42 @@ def test_decode_kernel_heads_give_the_same_numbers_in_every_split(kv_cache_dtype
 
 
 @pytest.mark.skipif(not available(), reason="native decode attention kernel unavailable")
+@pytest.mark.parametrize("kv_cache_dtype", ["float32", "float16", "int8"])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (8, 2, 128), (4, 4, 12)])
+def test_decode_kernel_long_sequences_in_spans_give_the_same_numbers_alone(
+    kv_cache_dtype, num_heads, num_kv_heads, head_dim
+):
+    """Keys past 512 go in spans of 512 whose outputs are merged: 1,300 keys are 3 spans, 513 keys 2 (the second
+    of one key), 512 and fewer one. Alone, each sequence's table and mask end at its own last block; in the batch
+    they run to the widest's, so a short sequence's keys fill its first span and the spans after it see nothing.
+    Alone equals batched bit for bit, and both match the torch path."""
+    torch.manual_seed(head_dim)
+    lengths, block_size = [1300, 37, 512, 513, 1030], 16
+    blocks_per_seq = -(-max(lengths) // block_size)
+    key_cache, value_cache, tables, visible = _random_paged_cache(
+        kv_cache_dtype, len(lengths), blocks_per_seq, block_size, num_kv_heads, head_dim
+    )
+    for b, length in enumerate(lengths):
+        visible[b, length:] = False
+    queries = torch.randn(len(lengths), num_heads, head_dim) * 3
+    args = (key_cache, value_cache)
+    batched = decode_attention_native(queries, *args, tables, visible, head_dim**-0.5, softcap=6.0)
+    for b, length in enumerate(lengths):
+        own_blocks = -(-length // block_size)
+        alone = decode_attention_native(
+            queries[b : b + 1],
+            *args,
+            tables[b : b + 1, :own_blocks],
+            visible[b : b + 1, : own_blocks * block_size],
+            head_dim**-0.5,
+            softcap=6.0,
+        )
+        assert torch.equal(alone[0], batched[b]), f"{length} keys"
+    reference = decode_attention_torch(queries, *args, tables, visible, head_dim**-0.5, softcap=6.0)
+    torch.testing.assert_close(batched, reference, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not available(), reason="native decode attention kernel unavailable")
 @pytest.mark.parametrize("kv_cache_dtype", ["float16", "int8"])
 def test_decode_kernel_wide_way_matches_the_8_wide_way(kv_cache_dtype):
     """Heads of 96, 128 and 256 values run in 512-bit registers where the CPU has AVX-512 F/BW/VL: their outputs
