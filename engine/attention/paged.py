@@ -13,6 +13,7 @@ import logging
 import torch
 
 from engine.attention.metadata import AttentionMetadata
+from engine.attention.prefix_split import prefix_then_causal, split_prefix_length
 from engine.ops.decode_attention import decode_attention, gather_kv, store_rows
 from engine.ops.sdpa import sdpa
 
@@ -108,6 +109,9 @@ def paged_attention_torch(
     num_tokens, num_heads, head_dim = query.shape
     keys = gather_kv(key_cache, meta.key_blocks, query.dtype)  # [B, H_kv, K, D]
     values = gather_kv(value_cache, meta.key_blocks, query.dtype)
+    prefix = split_prefix_length(query, meta, softcap)
+    if prefix is not None:  # one long chunk after its cached prefix (engine/attention/prefix_split.py)
+        return prefix_then_causal(query, keys, values, prefix, scale)
     # One scratch row at index T receives the padding queries.
     scratch = torch.cat([query, query.new_zeros(1, num_heads, head_dim)])
     padded_query = scratch[meta.query_index]  # [B, Q, H_q, D]

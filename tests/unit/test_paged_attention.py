@@ -177,6 +177,39 @@ def test_softcap_reaches_the_probe_and_bounds_the_scores():
             paged_attention(queries, key_cache, value_cache, meta, head_dim**-0.5, softcap=bad)
 
 
+@pytest.mark.parametrize("prefix,count,num_heads,num_kv_heads", [(300, 600, 6, 2), (2000, 512, 4, 4)])
+def test_long_chunk_after_its_prefix_attends_in_two_parts(prefix, count, num_heads, num_kv_heads):
+    """One sequence's chunk of 512 or more tokens after its cached prefix (at most 4 tokens of prefix per
+    chunk token) attends to the prefix unmasked and to itself causally, merged by log-sum-exps: it equals the
+    dense reference. Shorter chunks, longer prefixes, batches and windows keep the masked call."""
+    from engine.attention.prefix_split import split_prefix_length
+
+    torch.manual_seed(prefix)
+    block_size, head_dim = 16, 16
+    total = prefix + count
+    table = torch.randperm(-(-total // block_size) + 3)[: -(-total // block_size)].tolist()
+    key_cache = torch.zeros(len(table) + 3, block_size, num_kv_heads, head_dim)
+    value_cache = torch.zeros_like(key_cache)
+    keys, values = torch.randn(total, num_kv_heads, head_dim), torch.randn(total, num_kv_heads, head_dim)
+    meta = build_attention_metadata([0], [total], [table], block_size, None, 0, torch.device("cpu"))
+    write_kv(key_cache, value_cache, keys, values, meta.slot_mapping)
+    meta = build_attention_metadata([prefix], [count], [table], block_size, None, 0, torch.device("cpu"))
+    queries = torch.randn(count, num_heads, head_dim) * 2
+    assert split_prefix_length(queries, meta, None) == prefix
+    out = paged_attention(queries, key_cache, value_cache, meta, head_dim**-0.5)
+    positions = torch.arange(total)
+    expected = dense_reference_attention(queries, keys, values, positions[prefix:], positions, head_dim**-0.5)
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
+
+    assert split_prefix_length(queries, meta, 5.0) is None  # a softcap
+    short = build_attention_metadata([prefix], [100], [table], block_size, None, 0, torch.device("cpu"))
+    assert split_prefix_length(queries[:100], short, None) is None
+    windowed = build_attention_metadata([prefix], [count], [table], block_size, 64, 0, torch.device("cpu"))
+    assert split_prefix_length(queries, windowed, None) is None
+    batch = build_attention_metadata([prefix, 0], [count, 4], [table, table], block_size, None, 0, torch.device("cpu"))
+    assert split_prefix_length(torch.randn(count + 4, num_heads, head_dim), batch, None) is None
+
+
 def _random_paged_cache(
     kv_cache_dtype: str, num_seqs: int, blocks_per_seq: int, block_size: int, num_kv_heads: int, head_dim: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
