@@ -7,6 +7,7 @@ see exactly the text and stop-string handling that streamed requests see.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from engine.config import EngineConfig
@@ -27,8 +28,14 @@ class LLM:
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLM:
-        """Load the model, its tokenizer and its engine (engine/loader.py)."""
-        engine, tokenizer = load_generation(config)
+        """Load the model, its tokenizer and its engine (engine/loader.py), on a thread that ends with the load.
+
+        A thread that runs the native kernels keeps an OpenMP team while it lives; with a second team beside
+        the one that steps, the runtime counts more threads than cores and makes every parallel region wait to
+        be woken. Loaded on the caller's thread and generating on another (a web app's worker thread), decode
+        steps of the default model took 8.7-9.3 ms instead of 3.6 on 2 cores."""
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-load") as loader:
+            engine, tokenizer = loader.submit(load_generation, config).result()
         return cls(engine, tokenizer)
 
     def generate(
