@@ -17,8 +17,9 @@
 static inline float absolute_max(const float *v, int64_t n) {
     const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     __m256 best8 = _mm256_setzero_ps();
+    const int64_t whole = n - n % 8; /* the values the vector loop takes (a bound gcc sees cannot overflow) */
     int64_t i = 0;
-    for (; i + 8 <= n; i += 8) best8 = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(v + i), magnitude), best8);
+    for (; i < whole; i += 8) best8 = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(v + i), magnitude), best8);
     float lanes[8], amax = 0.0f;
     _mm256_storeu_ps(lanes, best8);
     for (int l = 0; l < 8; l++) amax = lanes[l] > amax ? lanes[l] : amax;
