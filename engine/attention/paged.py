@@ -3,12 +3,18 @@
 `paged_attention` picks the kernel for a step: the Triton kernels on CUDA (engine/attention/triton_decode.py,
 engine/attention/triton_prefill.py), the native decode kernel for decode-only CPU steps
 (engine/ops/decode_attention.py), and `paged_attention_torch` (torch ops only) for everything else.
+
+`paged_attention_torch` pads every sequence to the step's most queries and keys. Where that padding is most of
+the work (a long prompt chunk beside decoding sequences: each decoding row padded to the chunk's thousands of
+queries), it attends sequence by sequence instead, the decoding rows together in the decode kernel. With 8
+sequences decoding, a step with a 2,000-token chunk of the default model took 17.7 s with padding, 1.9 s alone.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+from dataclasses import replace
 
 import torch
 
@@ -106,6 +112,9 @@ def paged_attention_torch(
     softcap: float | None = None,
 ) -> torch.Tensor:
     """paged_attention for any step in torch ops only, so the same code runs on CPU and CUDA."""
+    ragged = _ragged_shape(meta)
+    if ragged is not None:
+        return _attend_by_sequence(query, key_cache, value_cache, meta, scale, softcap, *ragged)
     num_tokens, num_heads, head_dim = query.shape
     keys = gather_kv(key_cache, meta.key_blocks, query.dtype)  # [B, H_kv, K, D]
     values = gather_kv(value_cache, meta.key_blocks, query.dtype)
@@ -127,3 +136,78 @@ def paged_attention_torch(
     flat = out.new_empty(num_tokens + 1, num_heads, head_dim)
     flat[meta.query_index.reshape(-1)] = out.reshape(-1, num_heads, head_dim)
     return flat[:num_tokens]
+
+
+# A step whose padded [queries x keys] rectangles come to this many times the sequences' own is attended
+# sequence by sequence.
+RAGGED_WASTE = 2.0
+
+
+def _ragged_shape(meta: AttentionMetadata) -> tuple[list[int], list[int], list[int]] | None:
+    """(each sequence's new tokens, key blocks it reads, flat offset) where padding would make the step's
+    attention RAGGED_WASTE times each sequence's own, else None."""
+    if meta.num_seqs == 1 or meta.probe is not None:
+        return None
+    counts = meta.query_lens.tolist()
+    if max(counts) == 1:
+        return None
+    blocks = (meta.key_block_logical >= 0).sum(dim=1).tolist()
+    padded = len(counts) * max(counts) * max(blocks)
+    if padded < RAGGED_WASTE * sum(count * num_blocks for count, num_blocks in zip(counts, blocks)):
+        return None
+    return counts, blocks, meta.query_offsets.tolist()
+
+
+def _attend_by_sequence(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    softcap: float | None,
+    counts: list[int],
+    blocks: list[int],
+    offsets: list[int],
+) -> torch.Tensor:
+    """The decoding rows together in the decode kernel, each other sequence on its own over its own blocks."""
+    block_size = key_cache.shape[1]
+    out = torch.empty_like(query)
+    decoding = [i for i, count in enumerate(counts) if count == 1]
+    if decoding:
+        width = max(blocks[i] for i in decoding)
+        seqs = torch.tensor(decoding, device=query.device)
+        rows = torch.tensor([offsets[i] for i in decoding], device=query.device)
+        visible = meta.attn_mask[seqs, 0, : width * block_size] if meta.attn_mask is not None else None
+        out[rows] = decode_attention(
+            query[rows], key_cache, value_cache, meta.key_blocks[seqs, :width], visible, scale, softcap=softcap
+        )
+    for i, count in enumerate(counts):
+        if count > 1:
+            own = slice(offsets[i], offsets[i] + count)
+            one = _one_sequence(meta, i, count, blocks[i], block_size)
+            out[own] = paged_attention_torch(query[own], key_cache, value_cache, one, scale, softcap=softcap)
+    return out
+
+
+def _one_sequence(meta: AttentionMetadata, i: int, count: int, num_blocks: int, block_size: int) -> AttentionMetadata:
+    """Sequence i's part of the step alone: its own blocks, queries and mask (None where the causal rule says
+    it all, as for a step of that sequence alone)."""
+    start = int(meta.query_starts[i])
+    window = meta.sliding_window
+    is_causal = start == 0 and (window is None or window >= count)
+    mask = None
+    if not is_causal and meta.attn_mask is not None:
+        mask = meta.attn_mask[i : i + 1, :count, : num_blocks * block_size]
+    device = meta.query_index.device
+    return replace(
+        meta,
+        key_blocks=meta.key_blocks[i : i + 1, :num_blocks],
+        attn_mask=mask,
+        query_index=torch.arange(count, device=device).unsqueeze(0),
+        is_decode_only=False,
+        is_causal=is_causal,
+        key_block_logical=meta.key_block_logical[i : i + 1, :num_blocks],
+        query_starts=meta.query_starts[i : i + 1],
+        query_lens=meta.query_lens[i : i + 1],
+        query_offsets=torch.zeros(1, dtype=meta.query_offsets.dtype, device=device),
+    )

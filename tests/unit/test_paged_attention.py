@@ -210,6 +210,46 @@ def test_long_chunk_after_its_prefix_attends_in_two_parts(prefix, count, num_hea
     assert split_prefix_length(torch.randn(count + 4, num_heads, head_dim), batch, None) is None
 
 
+@pytest.mark.parametrize("window,sinks", [(None, 0), (16, 2)])
+@SOFTCAPS
+def test_a_long_chunk_beside_decoding_sequences_attends_sequence_by_sequence(window, sinks, softcap):
+    """Padded to a chunk's queries, decoding sequences would multiply the step's attention; it runs sequence by
+    sequence instead (decoding rows together in the decode kernel). Each sequence's output equals the dense
+    reference, and equals the same sequence's step alone, bit for bit."""
+    from engine.attention.paged import _ragged_shape
+
+    torch.manual_seed(7)
+    block_size, num_kv_heads, num_heads, head_dim = 4, 2, 4, 16
+    # (cached tokens, new tokens): three decoding, a chunk after its prefix, a prompt from its first token
+    shapes = [(30, 1), (47, 1), (12, 1), (20, 40), (0, 25)]
+    pool = torch.randperm(200).tolist()
+    key_cache = torch.randn(200, block_size, num_kv_heads, head_dim)
+    value_cache = torch.randn(200, block_size, num_kv_heads, head_dim)
+    tables = [[pool.pop() for _ in range(-(-(start + count) // block_size))] for start, count in shapes]
+    starts, counts = [start for start, _ in shapes], [count for _, count in shapes]
+    cpu = torch.device("cpu")
+    meta = build_attention_metadata(starts, counts, tables, block_size, window, sinks, cpu)
+    assert _ragged_shape(meta) is not None
+    queries = torch.randn(sum(counts), num_heads, head_dim) * (QUERY_GAIN_WITH_SOFTCAP if softcap else 1.0)
+    scale = head_dim**-0.5
+    out = paged_attention(queries, key_cache, value_cache, meta, scale, softcap=softcap)
+    offset = 0
+    for (start, count), table in zip(shapes, tables):
+        own = queries[offset : offset + count]
+        alone = build_attention_metadata([start], [count], [table], block_size, window, sinks, cpu)
+        assert torch.equal(
+            out[offset : offset + count], paged_attention(own, key_cache, value_cache, alone, scale, softcap=softcap)
+        )
+        slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(start + count)])
+        keys, values = key_cache.flatten(0, 1)[slots], value_cache.flatten(0, 1)[slots]
+        positions = torch.arange(start + count)
+        expected = dense_reference_attention(
+            own, keys, values, positions[start:], positions, scale, window, sinks if window else 0, softcap=softcap
+        )
+        torch.testing.assert_close(out[offset : offset + count], expected, atol=1e-5, rtol=1e-5)
+        offset += count
+
+
 def _random_paged_cache(
     kv_cache_dtype: str, num_seqs: int, blocks_per_seq: int, block_size: int, num_kv_heads: int, head_dim: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
