@@ -90,6 +90,8 @@ class EngineConfig:
     kv_cache_memory_bytes: budget for the KV block pool; num_blocks overrides it.
     sliding_window: force a window on any model (None: the model's own, if any).
     num_sink_tokens: with a window, the first S tokens stay visible forever.
+    long_prefill_token_threshold: while more than one request is in the engine, a prompt's chunk per step is
+        at most this many tokens, so one long prompt does not stop every stream for seconds (0: no cap).
     quantization: one of QUANTIZATION_MODES; engine/loader.py resolves auto (engine.quantization.resolve).
     prefill_dtype: one of PREFILL_DTYPES: the dtype of the GGUF block layers' products over more rows than
         their integer kernel takes (prefill): the weight tile dequantized to it and the rounded activations
@@ -115,6 +117,7 @@ class EngineConfig:
     num_blocks: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    long_prefill_token_threshold: int = 512
     sliding_window: int | None = None
     num_sink_tokens: int = 0
     enable_prefix_caching: bool = True
@@ -148,6 +151,10 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(
+                f"long_prefill_token_threshold must be 0 (no cap) or positive, got {self.long_prefill_token_threshold}"
+            )
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window must be positive, got {self.sliding_window}")
         if self.num_sink_tokens < 0:

@@ -147,6 +147,7 @@ class LLMEngine:
             self.max_model_len,
             plan_drafts=self.speculative.plan_drafts if self.speculative is not None else None,
             on_finish=self.speculative.forget if self.speculative is not None else None,
+            long_prefill_token_threshold=config.long_prefill_token_threshold,
         )
         self._requests: dict[str, _EngineRequest] = {}
         self._seq_ids = itertools.count()

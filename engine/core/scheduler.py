@@ -18,6 +18,11 @@ Prompt tokens whose logprobs a request asked for cost far more than other prompt
 output-head row over the vocabulary, a softmax and a top-k each), so a step scores at most
 PROMPT_LOGPROB_ROWS_PER_STEP of them: a long scored prompt spreads over many steps, and the
 rest of each step's budget goes to everyone else (a waiting sequence behind it is not held back).
+
+While more than one request is in the engine, a prompt computes at most `long_prefill_token_threshold`
+tokens a step (0: no cap). A step lasts as long as its largest chunk, and every decoding stream waits for
+the step: on a CPU, a 2,048-token chunk is seconds of silence for every stream, where a 512-token one is a
+quarter of that at about the same prompt throughput. A request alone keeps the whole budget.
 """
 
 from __future__ import annotations
@@ -130,6 +135,7 @@ class Scheduler:
         max_model_len: int,
         plan_drafts: Callable[[list[Sequence], int], list[int]] | None = None,
         on_finish: Callable[[Sequence], None] | None = None,
+        long_prefill_token_threshold: int = 0,
     ) -> None:
         """plan_drafts(candidates, num_seqs): how many draft tokens each decoding candidate of a step of
         num_seqs sequences verifies (None: no speculation). on_finish(seq): called once for each sequence
@@ -141,6 +147,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.long_prefill_token_threshold = long_prefill_token_threshold
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # oldest first; the newest is preempted first
         self.counters = StepCounters()
@@ -192,9 +199,20 @@ class Scheduler:
             return False
         return not parent.is_finished and parent.num_computed_tokens < parent.num_prompt_tokens
 
+    def _prompt_chunk_cap(self) -> int:
+        """Most tokens one sequence computes this step: the long-prefill threshold while more than one
+        request is in the engine (samples of one request are one request), else the whole budget."""
+        threshold = self.long_prefill_token_threshold
+        if threshold <= 0:
+            return self.max_num_batched_tokens
+        requests = {seq.request_id for seq in self.running}
+        requests.update(seq.request_id for seq in self.waiting)
+        return threshold if len(requests) > 1 else self.max_num_batched_tokens
+
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
+        chunk_cap = self._prompt_chunk_cap()
         scored_rows_left = PROMPT_LOGPROB_ROWS_PER_STEP
         bm = self.kv_manager
 
@@ -202,7 +220,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = min(seq.num_uncomputed_tokens, budget)
+            num_new = min(seq.num_uncomputed_tokens, budget, chunk_cap)
             if seq.needs_prompt_logprobs:
                 num_new = min(num_new, scored_rows_left)
                 if num_new == 0:  # this step's scored rows are spent: it goes on next step
@@ -236,7 +254,7 @@ class Scheduler:
                 # owes prompt logprobs computes its whole prompt (its blocks are then cached for others).
                 seq.num_computed_tokens = bm.take_cached_prefix(seq)
             bm.release_out_of_window(seq)
-            num_new = min(seq.num_uncomputed_tokens, budget)
+            num_new = min(seq.num_uncomputed_tokens, budget, chunk_cap)
             if seq.needs_prompt_logprobs:
                 num_new = min(num_new, scored_rows_left)
             if not bm.grow(seq, seq.num_computed_tokens + num_new):

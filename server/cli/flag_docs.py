@@ -150,6 +150,13 @@ FLAG_DOCS: dict[str, FlagDoc] = {
     "max_num_batched_tokens": FlagDoc(
         "token budget of one engine step (chunked prefill above it)",
     ),
+    "long_prefill_token_threshold": FlagDoc(
+        (
+            "while other requests run, a prompt computes at most this many tokens a step: streams pause for a "
+            "512-token chunk, not a whole budget's; a request alone keeps the whole budget; `0`: no cap "
+            "([scheduling](../engine/architecture.md))"
+        ),
+    ),
     "sliding_window": FlagDoc(
         "force a sliding attention window of this many tokens",
         default_note="model's own / none",

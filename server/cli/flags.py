@@ -210,6 +210,13 @@ FLAGS: tuple[Flag, ...] = (
     _flag("max_num_seqs", "engine", int, "most sequences in one running batch"),
     _flag("max_num_batched_tokens", "engine", int, "token budget of one engine step (chunked prefill above it)"),
     _flag(
+        "long_prefill_token_threshold",
+        "engine",
+        int,
+        "while other requests run, a prompt computes at most this many tokens a step, so a long prompt does not "
+        "stop every stream for seconds; a request alone keeps the whole budget (0: no cap)",
+    ),
+    _flag(
         "sliding_window",
         "engine",
         optional(int),

@@ -157,3 +157,13 @@ def test_the_prompt_logprobs_benchmark_prints_a_ratio_per_case(tiny_llama_dir, c
     prompt_logprobs.main(["--model", tiny_llama_dir, "--num-tokens", "40", "--repeats", "1"])
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "x |" in line]
     assert len(rows) == 3 and rows[0].endswith("| 1.00x |")
+
+
+def test_the_prompt_beside_streams_benchmark_caps_the_long_prompts_chunks(tiny_llama_dir, capsys):
+    from engine.bench import prompt_beside_streams
+
+    argv = ["--model", tiny_llama_dir, "--prompt-tokens", "40", "--streams", "2", "--rounds", "1", "--threshold", "16"]
+    prompt_beside_streams.main(argv)
+    rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith("| 40 |")]
+    assert [row[2] for row in rows] == ["3", "1"]  # steps: 16 + 16 + 8 tokens capped, 40 at once without
+    assert rows[1][4] == "1.00x"

@@ -23,6 +23,12 @@ def test_both_model_configs_follow_the_same_dtype_rules(config_class):
         config_class(model="")
 
 
+def test_engine_config_takes_a_prompt_chunk_cap_or_zero_for_none():
+    assert EngineConfig(model="m", long_prefill_token_threshold=0).long_prefill_token_threshold == 0
+    with pytest.raises(ValueError, match="long_prefill_token_threshold must be 0 .no cap. or positive"):
+        EngineConfig(model="m", long_prefill_token_threshold=-1)
+
+
 def test_embedder_config_checks_pooling_and_its_limits():
     assert EmbedderConfig(model="m", pooling="last").pooling == "last"
     with pytest.raises(ValueError, match=r"pooling must be one of \('mean', 'cls', 'last'\)"):

@@ -219,3 +219,35 @@ def test_scored_prompt_rows_are_capped_per_step_and_others_go_on(monkeypatch):
         assert scored_rows <= 8
         assert (c, 1) in _plan(batch)  # the plain request decodes in every step
     assert [len(a.prompt_logprobs), len(b.prompt_logprobs)] == [39, 39]  # both scored in full, a first
+
+
+def _request(num_prompt_tokens: int, request_id: str) -> Sequence:
+    return dataclasses.replace(_seq(num_prompt_tokens), seq_id=next(_seq_ids), request_id=request_id)
+
+
+def test_a_long_prompt_beside_other_requests_takes_at_most_the_threshold_a_step():
+    manager = KVCacheManager.single(BlockPool(256, False), 2, None)
+    scheduler = Scheduler(manager, 8, 64, eos_token_ids=(), max_model_len=10_000, long_prefill_token_threshold=16)
+    decoding = _request(3, "decoding")
+    scheduler.add(decoding)
+    _run(scheduler, scheduler.schedule())  # its prompt computed: it decodes from now on
+    long_prompt, short_prompt = _request(100, "long"), _request(20, "short")
+    scheduler.add(long_prompt)
+    scheduler.add(short_prompt)
+    # Capped per sequence, and the rest of the budget goes to the next in line.
+    assert _plan(scheduler.schedule()) == [(decoding, 1), (long_prompt, 16), (short_prompt, 16)]
+
+
+def test_a_request_alone_keeps_the_whole_budget_and_zero_is_no_cap():
+    for threshold, others in ((16, False), (0, True)):
+        manager = KVCacheManager.single(BlockPool(256, False), 2, None)
+        scheduler = Scheduler(
+            manager, 8, 64, eos_token_ids=(), max_model_len=10_000, long_prefill_token_threshold=threshold
+        )
+        long_prompt = _request(100, "long")
+        scheduler.add(long_prompt)
+        # Samples of the same request are the same request.
+        scheduler.add(dataclasses.replace(_seq(100, parent=long_prompt), request_id="long"))
+        if others:
+            scheduler.add(_request(3, "other"))
+        assert _plan(scheduler.schedule())[0] == (long_prompt, 64)
