@@ -5,9 +5,9 @@ computes every score of the [Q, P + Q] rectangle and masks the upper triangle of
 afterwards; split in two, the prefix runs without a mask and the chunk with SDPA's causal rule, which skips
 the masked half, and the two are merged by their log-sum-exps. Against the masked call, one sequence on 2
 Zen 5 cores: 1.25-1.54x for chunks of 2,048 tokens after 512-2,048 (heads of 64 and 128), 1.09-1.25x after
-6,144; chunks of 512 tokens 1.00-1.10x after 2,048 and 1.15-1.39x after 3,072-12,288 (the unmasked prefix
-call reads each KV head's keys once for its whole group of query heads); 256 tokens 0.99-1.05x and 100
-tokens after 4,000 0.90-0.94x, so chunks under 512 keep the mask.
+6,144, and 0.90-0.94x for 100 tokens after 4,000; on 2 Zen 4 cores, chunks of 512 tokens 1.00-1.10x after
+2,048 and 1.15-1.39x after 3,072-12,288 (the unmasked prefix call reads each KV head's keys once for its whole
+group of query heads), and 256 tokens 0.99-1.05x. So chunks under 512 keep the mask.
 
 torch's CPU flash-attention op gives the log-sum-exp beside the output; it takes as many key heads as query
 heads, so the prefix folds each group's query heads into one longer run of queries of its KV head (no copy of

@@ -32,6 +32,7 @@ SERVE_FLAGS = (
     "block_size",
     "max_num_seqs",
     "max_num_batched_tokens",
+    "long_prefill_token_threshold",
     "sliding_window",
     "num_sink_tokens",
     "enable_prefix_caching",
