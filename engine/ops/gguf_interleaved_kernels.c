@@ -238,13 +238,17 @@ static inline __attribute__((always_inline)) void V_NAME(dot_k)(int type, const 
     V_F acc[V_MAX_R_K];
     for (int r = 0; r < R; r++) acc[r] = V_ZEROF;
     const int64_t stride = GROUP_ROWS * bytes_per_k_block(type);
+    const int64_t lines = (stride + 63) / 64;
     const int has_min = type == KV_Q4_K || type == KV_Q5_K;
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *p = w + b * stride;
-        for (int64_t ahead = 0; ahead < stride; ahead += 64) __builtin_prefetch(p + PREFETCH_BYTES + ahead);
         V_I sums[V_MAX_R_K];
         for (int r = 0; r < R; r++) sums[r] = V_ZEROI;
         for (int j = 0; j < 8; j++) {
+            /* the block's lines PREFETCH_BYTES ahead, an eighth with each sub-block: with all 36-53 asked for at
+             * the top of the block, 1-row products on a Zen 4 core streamed 19-27 GB/s instead of 31-32 */
+            for (int64_t line = j * lines / 8; line < (j + 1) * lines / 8; line++)
+                __builtin_prefetch(p + PREFETCH_BYTES + 64 * line);
             V_I q[8], scale, second = V_ZEROI;
             V_NAME(unpack_k)(type, p, h, j, q, &scale, &second);
             for (int r = 0; r < R; r++) {
