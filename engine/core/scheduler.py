@@ -27,6 +27,7 @@ quarter of that at about the same prompt throughput. A request alone keeps the w
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from collections.abc import Callable, Collection, Iterator
@@ -203,11 +204,13 @@ class Scheduler:
         """Most tokens one sequence computes this step: the long-prefill threshold while more than one
         request is in the engine (samples of one request are one request), else the whole budget."""
         threshold = self.long_prefill_token_threshold
-        if threshold <= 0:
+        sequences = itertools.chain(self.running, self.waiting)
+        first = next(sequences, None)
+        if threshold <= 0 or first is None:
             return self.max_num_batched_tokens
-        requests = {seq.request_id for seq in self.running}
-        requests.update(seq.request_id for seq in self.waiting)
-        return threshold if len(requests) > 1 else self.max_num_batched_tokens
+        # Stops at the first other request: the waiting queue can be long, and this runs every step.
+        others = any(seq.request_id != first.request_id for seq in sequences)
+        return threshold if others else self.max_num_batched_tokens
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
