@@ -10,8 +10,8 @@ Zen 5 cores: 1.25-1.54x for chunks of 2,048 tokens after 512-2,048 (heads of 64 
 group of query heads), and 256 tokens 0.99-1.05x. So chunks under 512 keep the mask.
 
 torch's CPU flash-attention op gives the log-sum-exp beside the output; it takes as many key heads as query
-heads, so the prefix folds each group's query heads into one longer run of queries of its KV head (no copy of
-the prefix's keys), and the chunk's own keys (Q of them) are repeated per query head.
+heads, so the prefix folds each group's query heads into one longer run of queries of its KV head (the prefix's
+keys are not repeated per query head), and the chunk's own keys (Q of them) are.
 """
 
 from __future__ import annotations

@@ -91,13 +91,13 @@ def main(argv: list[str] | None = None) -> int:
 
     engines = {f"threshold {args.threshold}": build(args.threshold), "no cap (baseline)": build(0)}
     rng = random.Random(0)
+    vocab = engines["no cap (baseline)"].vocab_size  # the same model in both
     results: dict[tuple[str, int], list[Arrival]] = {}
     for engine in engines.values():  # warm-up: the kernels' first calls
-        prompt_beside_streams(engine, [rng.randrange(100, engine.vocab_size) for _ in range(min(lengths))], 2, rng)
+        prompt_beside_streams(engine, [rng.randrange(100, vocab) for _ in range(min(lengths))], 2, rng)
     with tqdm(total=args.rounds * len(lengths) * len(engines), desc="long prompts") as progress:
         for _ in range(args.rounds):
             for length in lengths:
-                vocab = next(iter(engines.values())).vocab_size
                 prompt_ids = [rng.randrange(100, vocab) for _ in range(length)]
                 for name, engine in engines.items():
                     arrival = prompt_beside_streams(engine, prompt_ids, args.streams, rng)
