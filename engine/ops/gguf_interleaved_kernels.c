@@ -142,12 +142,15 @@ static inline __attribute__((always_inline)) void V_NAME(group)(int base, const 
     }
 }
 
-/* The groups split over the threads; the type is switched on inside the parallel loop, so that each case's calls
- * have it as a constant (a parallel region is outlined before inlining: its own variables are not constants). */
+/* The groups shared out among the threads of the enclosing parallel region (called by each of them), in guided
+ * chunks: contiguous runs that the software prefetch streams through, halving towards the end so that a thread that
+ * fell behind (its core slower, or its memory) is caught up. The type is switched on inside the loop, so that each
+ * case's calls have it as a constant (a parallel region is outlined before inlining: its own variables are not
+ * constants). */
 static void V_NAME(gemm)(int base, const uint8_t *w, int64_t M, int64_t nb, const InterleavedActivations *act,
-                         const float *bias, float *y, int64_t N, int num_threads) {
+                         const float *bias, float *y, int64_t N) {
     const int64_t groups = (N + GROUP_ROWS - 1) / GROUP_ROWS;
-#pragma omp parallel for num_threads(num_threads) schedule(static)
+#pragma omp for schedule(guided, 2)
     for (int64_t g = 0; g < groups; g++) {
         switch (base) {
         case KV_Q4_0: V_NAME(group)(KV_Q4_0, w, g, M, nb, act, bias, y, N); break;
@@ -310,10 +313,11 @@ static inline __attribute__((always_inline)) void V_NAME(group_k)(int type, cons
     }
 }
 
+/* As V_NAME(gemm), for the 256-weight types. */
 static void V_NAME(gemm_k)(int type, const uint8_t *w, int64_t M, int64_t nb, const KActivations *act,
-                           const float *bias, float *y, int64_t N, int num_threads) {
+                           const float *bias, float *y, int64_t N) {
     const int64_t groups = (N + GROUP_ROWS - 1) / GROUP_ROWS;
-#pragma omp parallel for num_threads(num_threads) schedule(static)
+#pragma omp for schedule(guided, 2)
     for (int64_t g = 0; g < groups; g++) {
         switch (type) {
         case KV_Q4_K: V_NAME(group_k)(KV_Q4_K, w, g, M, nb, act, bias, y, N); break;
