@@ -67,7 +67,7 @@ static inline __attribute__((always_inline)) void V_NAME(unpack)(int base, const
 static inline __attribute__((always_inline)) void V_NAME(dot)(int base, const uint8_t *w, int h, int64_t nb,
                                                                const InterleavedActivations *act, int64_t m0,
                                                                const int R, const float *bias, float *y, int64_t N,
-                                                               int64_t n0) {
+                                                               int64_t n0, int once) {
     V_F acc[V_MAX_R];
     for (int r = 0; r < R; r++) acc[r] = V_ZEROF;
     const int64_t stride = interleaved_block_bytes(base);
@@ -75,7 +75,7 @@ static inline __attribute__((always_inline)) void V_NAME(dot)(int base, const ui
         const uint8_t *p = w + b * stride;
         /* every 64-byte line of the block PREFETCH_BYTES ahead: with a hint for only some of them, a 2-core EPYC
          * streamed the weights of 8-row products at 12-18 GB/s instead of 25-55 */
-        for (int64_t ahead = 0; ahead < stride; ahead += 64) __builtin_prefetch(p + PREFETCH_BYTES + ahead);
+        for (int64_t ahead = 0; ahead < stride; ahead += 64) prefetch_weight_line(p + PREFETCH_BYTES + ahead, once);
         V_NAME(Block) t;
         V_NAME(unpack)(base, p, h, &t);
 #if V_LANES == 8 && !KV_VNNI
@@ -124,19 +124,22 @@ static inline __attribute__((always_inline)) void V_NAME(group)(int base, const 
     const uint8_t *group = w + g * nb * interleaved_block_bytes(base);
     for (int h = 0; h < V_HALVES && g * GROUP_ROWS + h * V_LANES < N; h++) {
         const int64_t n0 = g * GROUP_ROWS + h * V_LANES;
+        /* one tile of activation rows and one half: each weight line read once (two halves read the two halves of
+         * each line, the second pass after the whole group) */
+        const int once = V_HALVES == 1 && M <= V_MAX_R;
         for (int64_t m0 = 0; m0 < M; m0 += V_MAX_R) {
             const int R = (int)(M - m0 < V_MAX_R ? M - m0 : V_MAX_R);
             switch (R) {
 #if V_MAX_R > 4
-            case 8: V_NAME(dot)(base, group, h, nb, act, m0, 8, bias, y, N, n0); break;
-            case 7: V_NAME(dot)(base, group, h, nb, act, m0, 7, bias, y, N, n0); break;
-            case 6: V_NAME(dot)(base, group, h, nb, act, m0, 6, bias, y, N, n0); break;
-            case 5: V_NAME(dot)(base, group, h, nb, act, m0, 5, bias, y, N, n0); break;
+            case 8: V_NAME(dot)(base, group, h, nb, act, m0, 8, bias, y, N, n0, once); break;
+            case 7: V_NAME(dot)(base, group, h, nb, act, m0, 7, bias, y, N, n0, once); break;
+            case 6: V_NAME(dot)(base, group, h, nb, act, m0, 6, bias, y, N, n0, once); break;
+            case 5: V_NAME(dot)(base, group, h, nb, act, m0, 5, bias, y, N, n0, once); break;
 #endif
-            case 4: V_NAME(dot)(base, group, h, nb, act, m0, 4, bias, y, N, n0); break;
-            case 3: V_NAME(dot)(base, group, h, nb, act, m0, 3, bias, y, N, n0); break;
-            case 2: V_NAME(dot)(base, group, h, nb, act, m0, 2, bias, y, N, n0); break;
-            default: V_NAME(dot)(base, group, h, nb, act, m0, 1, bias, y, N, n0); break;
+            case 4: V_NAME(dot)(base, group, h, nb, act, m0, 4, bias, y, N, n0, once); break;
+            case 3: V_NAME(dot)(base, group, h, nb, act, m0, 3, bias, y, N, n0, once); break;
+            case 2: V_NAME(dot)(base, group, h, nb, act, m0, 2, bias, y, N, n0, once); break;
+            default: V_NAME(dot)(base, group, h, nb, act, m0, 1, bias, y, N, n0, once); break;
             }
         }
     }
@@ -237,7 +240,8 @@ static inline __attribute__((always_inline)) void V_NAME(minimum_pairs)(const ui
 /* y[m0 .. m0+R, n0 .. n0+V_LANES] for half h of one group of 256-weight blocks (nb blocks from w). */
 static inline __attribute__((always_inline)) void V_NAME(dot_k)(int type, const uint8_t *w, int h, int64_t nb,
                                                                  const KActivations *act, int64_t m0, const int R,
-                                                                 const float *bias, float *y, int64_t N, int64_t n0) {
+                                                                 const float *bias, float *y, int64_t N, int64_t n0,
+                                                                 int once) {
     V_F acc[V_MAX_R_K];
     for (int r = 0; r < R; r++) acc[r] = V_ZEROF;
     const int64_t stride = GROUP_ROWS * bytes_per_k_block(type);
@@ -251,7 +255,7 @@ static inline __attribute__((always_inline)) void V_NAME(dot_k)(int type, const 
             /* the block's lines PREFETCH_BYTES ahead, an eighth with each sub-block: with all 36-53 asked for at
              * the top of the block, 1-row products on a Zen 4 core streamed 19-27 GB/s instead of 31-32 */
             for (int64_t line = j * lines / 8; line < (j + 1) * lines / 8; line++)
-                __builtin_prefetch(p + PREFETCH_BYTES + 64 * line);
+                prefetch_weight_line(p + PREFETCH_BYTES + 64 * line, once);
             V_I q[8], scale, second = V_ZEROI;
             V_NAME(unpack_k)(type, p, h, j, q, &scale, &second);
             for (int r = 0; r < R; r++) {
@@ -298,17 +302,18 @@ static inline __attribute__((always_inline)) void V_NAME(group_k)(int type, cons
                                                                    const float *bias, float *y, int64_t N) {
     const uint8_t *group = w + g * nb * GROUP_ROWS * bytes_per_k_block(type);
     const int64_t n0 = g * GROUP_ROWS;
+    const int once = M <= V_MAX_R_K; /* one tile of activation rows: each weight read once */
     for (int64_t m0 = 0; m0 < M; m0 += V_MAX_R_K) {
         const int R = (int)(M - m0 < V_MAX_R_K ? M - m0 : V_MAX_R_K);
         switch (R) {
-        case 8: V_NAME(dot_k)(type, group, 0, nb, act, m0, 8, bias, y, N, n0); break;
-        case 7: V_NAME(dot_k)(type, group, 0, nb, act, m0, 7, bias, y, N, n0); break;
-        case 6: V_NAME(dot_k)(type, group, 0, nb, act, m0, 6, bias, y, N, n0); break;
-        case 5: V_NAME(dot_k)(type, group, 0, nb, act, m0, 5, bias, y, N, n0); break;
-        case 4: V_NAME(dot_k)(type, group, 0, nb, act, m0, 4, bias, y, N, n0); break;
-        case 3: V_NAME(dot_k)(type, group, 0, nb, act, m0, 3, bias, y, N, n0); break;
-        case 2: V_NAME(dot_k)(type, group, 0, nb, act, m0, 2, bias, y, N, n0); break;
-        default: V_NAME(dot_k)(type, group, 0, nb, act, m0, 1, bias, y, N, n0); break;
+        case 8: V_NAME(dot_k)(type, group, 0, nb, act, m0, 8, bias, y, N, n0, once); break;
+        case 7: V_NAME(dot_k)(type, group, 0, nb, act, m0, 7, bias, y, N, n0, once); break;
+        case 6: V_NAME(dot_k)(type, group, 0, nb, act, m0, 6, bias, y, N, n0, once); break;
+        case 5: V_NAME(dot_k)(type, group, 0, nb, act, m0, 5, bias, y, N, n0, once); break;
+        case 4: V_NAME(dot_k)(type, group, 0, nb, act, m0, 4, bias, y, N, n0, once); break;
+        case 3: V_NAME(dot_k)(type, group, 0, nb, act, m0, 3, bias, y, N, n0, once); break;
+        case 2: V_NAME(dot_k)(type, group, 0, nb, act, m0, 2, bias, y, N, n0, once); break;
+        default: V_NAME(dot_k)(type, group, 0, nb, act, m0, 1, bias, y, N, n0, once); break;
         }
     }
 }
