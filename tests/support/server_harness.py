@@ -218,9 +218,12 @@ def send_and_hang_up(base_url: str, path: str, body: dict, linger: float) -> Non
 
 
 @contextlib.contextmanager
-def smollm2_server(max_model_len: int, kv_cache: str, kv_cache_dtype: str = "auto") -> Iterator[ServerThread]:
+def smollm2_server(
+    max_model_len: int, kv_cache: str, kv_cache_dtype: str = "auto", prefix_caching: bool = True
+) -> Iterator[ServerThread]:
     """The real default generation model (int8, as `kvserve serve` loads it, no embedder) served in a
-    thread; skips the test when the model is not in the local cache. kv_cache_dtype: --kv-cache-dtype."""
+    thread; skips the test when the model is not in the local cache. kv_cache_dtype: --kv-cache-dtype;
+    prefix_caching: --enable-prefix-caching."""
     import pytest
 
     from engine.config import EngineConfig
@@ -236,6 +239,7 @@ def smollm2_server(max_model_len: int, kv_cache: str, kv_cache_dtype: str = "aut
         max_model_len=max_model_len,
         kv_cache_memory_bytes=parse_bytes(kv_cache),
         kv_cache_dtype=kv_cache_dtype,
+        enable_prefix_caching=prefix_caching,
     )
     srv = ServerThread(create_app(ServerConfig(engine=engine, embedder=None, log_level="warning")))
     try:
