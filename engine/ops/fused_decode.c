@@ -105,13 +105,12 @@ static int linear(const float *x, const Int8Weight *w, int64_t rows, int64_t in_
     return failed;
 }
 
-/* The gate's activation, as torch computes it in float32 (F.silu; F.gelu, exact or approximate="tanh"). */
-static inline float activate(float g, int activation) {
-    switch (activation) {
-    case ACT_GELU_TANH: return 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g)));
-    case ACT_GELU: return 0.5f * g * (1.0f + erff(g * 0.7071067811865476f));
-    default: return g / (1.0f + expf(-g));
-    }
+/* A GELU gate (ACT_GELU or ACT_GELU_TANH), as torch computes it in float32 (F.gelu, exact or approximate="tanh");
+ * SiLU gates go through silu.c. */
+static inline float gelu(float g, int activation) {
+    if (activation == ACT_GELU_TANH)
+        return 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g)));
+    return 0.5f * g * (1.0f + erff(g * 0.7071067811865476f));
 }
 
 /* hidden += delta, after an RMSNorm of delta where the layer has one. */
@@ -183,7 +182,7 @@ int kv_fused_decode_layers(const DecoderLayer *layers, int64_t num_layers, const
 #pragma omp parallel for num_threads(threads) schedule(static) if (B * I >= 4096)
             for (int64_t bi = 0; bi < B * I; bi++) {
                 const int64_t b = bi / I, i = bi % I;
-                act[bi] = activate(gate_up[b * 2 * I + i], step->activation) * gate_up[b * 2 * I + I + i];
+                act[bi] = gelu(gate_up[b * 2 * I + i], step->activation) * gate_up[b * 2 * I + I + i];
             }
         }
         failed |= linear(act, &layer->down, B, I, delta, threads);

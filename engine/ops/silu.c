@@ -28,7 +28,8 @@ __attribute__((constructor)) static void silu_build_table(void) {
 static inline __m256d silu_exp4(__m256d x) {
     const __m256d inv_step = _mm256_set1_pd(46.16624130844682647); /* 32 / ln 2 */
     /* ln 2 / 32 in two parts: the first has 32 significant bits, so k times it is exact for |k| < 2^21 */
-    const __m256d step_hi = _mm256_set1_pd(6.93147180369123816490e-01 / 32), step_lo = _mm256_set1_pd(1.90821492927058770002e-10 / 32);
+    const __m256d step_hi = _mm256_set1_pd(6.93147180369123816490e-01 / 32);
+    const __m256d step_lo = _mm256_set1_pd(1.90821492927058770002e-10 / 32);
     x = _mm256_min_pd(_mm256_max_pd(x, _mm256_set1_pd(-105.0)), _mm256_set1_pd(90.0));
     const __m256d k = _mm256_round_pd(_mm256_mul_pd(x, inv_step), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m256d r = _mm256_fnmadd_pd(k, step_hi, x);
@@ -43,7 +44,8 @@ static inline __m256d silu_exp4(__m256d x) {
     const __m128i ki = _mm256_cvtpd_epi32(k); /* exact: k is an integer below 2^13 in magnitude */
     const __m128i j = _mm_and_si128(ki, _mm_set1_epi32(31)), m = _mm_srai_epi32(ki, 5);
     const __m256d scale = _mm256_i32gather_pd(silu_exp2_table, j, 8);
-    const __m256i exponent = _mm256_slli_epi64(_mm256_add_epi64(_mm256_cvtepi32_epi64(m), _mm256_set1_epi64x(1023)), 52);
+    const __m256i biased = _mm256_add_epi64(_mm256_cvtepi32_epi64(m), _mm256_set1_epi64x(1023));
+    const __m256i exponent = _mm256_slli_epi64(biased, 52); /* 2^m as a double's bits */
     return _mm256_mul_pd(_mm256_mul_pd(p, scale), _mm256_castsi256_pd(exponent));
 }
 
@@ -55,22 +57,21 @@ static inline __m256 silu_exp_negated8(__m256 g) {
     return _mm256_insertf128_ps(_mm256_castps128_ps256(low), high, 1);
 }
 
+/* g / (1 + e^-g) * u for 8 floats. */
+static inline __m256 silu_times8(__m256 g, __m256 u) {
+    return _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), silu_exp_negated8(g))), u);
+}
+
 /* act[0..n) = gate[i] / (1 + e^-gate[i]) * up[i]. */
 static void silu_times(const float *gate, const float *up, float *act, int64_t n) {
-    const __m256 one = _mm256_set1_ps(1.0f);
     int64_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        const __m256 g = _mm256_loadu_ps(gate + i);
-        const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(one, silu_exp_negated8(g)));
-        _mm256_storeu_ps(act + i, _mm256_mul_ps(silu, _mm256_loadu_ps(up + i)));
-    }
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(act + i, silu_times8(_mm256_loadu_ps(gate + i), _mm256_loadu_ps(up + i)));
     if (i < n) { /* the last n - i < 8 values through a zero-padded vector */
         const int rest = (int)(n - i);
         float g[8] = {0}, u[8] = {0}, out[8];
         for (int k = 0; k < rest && k < 8; k++) g[k] = gate[i + k], u[k] = up[i + k];
-        const __m256 gv = _mm256_loadu_ps(g);
-        const __m256 silu = _mm256_div_ps(gv, _mm256_add_ps(one, silu_exp_negated8(gv)));
-        _mm256_storeu_ps(out, _mm256_mul_ps(silu, _mm256_loadu_ps(u)));
+        _mm256_storeu_ps(out, silu_times8(_mm256_loadu_ps(g), _mm256_loadu_ps(u)));
         for (int k = 0; k < rest && k < 8; k++) act[i + k] = out[k];
     }
 }
