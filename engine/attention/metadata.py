@@ -253,3 +253,35 @@ def per_token_rows(meta: AttentionMetadata, block_size: int) -> tuple[torch.Tens
     rows = torch.empty((num_tokens, mask.shape[2]), dtype=torch.bool, device=device)
     rows[token] = mask[seq, query]
     return blocks, rows
+
+
+def decode_only_rows(
+    starts: list[int],
+    tables_by_group: list[list[list[int]]],
+    kinds: list[tuple[int | None, int]],
+    block_size: int,
+) -> list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]]:
+    """A step where sequence i computes one token, at position starts[i], as kernels that take one query row per
+    sequence read it: per attention group (arguments as for build_group_metadata), (key_blocks int64 [B, N],
+    visibility bool [B, N * block_size] or None when every key is visible, slot_mapping int64 [B]), the same
+    tensors as build_group_metadata's key_blocks, attn_mask[:, 0] and slot_mapping, without the rest of a
+    step's metadata. Groups of one kind share their mask tensor."""
+    counts = [1] * len(starts)
+    query_positions = np.asarray(starts, dtype=np.int64)[:, None]  # [B, 1]
+    offsets = np.arange(block_size)
+    by_kind: dict[tuple[int | None, int], tuple[np.ndarray, torch.Tensor | None]] = {}
+    rows = []
+    for tables, kind in zip(tables_by_group, kinds, strict=True):
+        if kind not in by_kind:
+            sliding_window, num_sink_tokens = kind
+            logical = _logical_blocks(starts, counts, block_size, sliding_window, num_sink_tokens)
+            key_positions = (logical[:, :, None] * block_size + offsets).reshape(len(starts), -1)
+            key_positions[np.repeat(logical < 0, block_size, axis=1)] = -1
+            visible = (key_positions >= 0) & (key_positions <= query_positions)
+            if sliding_window is not None:
+                visible &= ((query_positions - key_positions) < sliding_window) | (key_positions < num_sink_tokens)
+            by_kind[kind] = (logical, None if visible.all() else torch.from_numpy(visible))
+        logical, mask = by_kind[kind]
+        key_blocks, slot_mapping = _bind_tables(logical, starts, counts, tables, block_size)
+        rows.append((torch.from_numpy(key_blocks), mask, torch.from_numpy(slot_mapping)))
+    return rows

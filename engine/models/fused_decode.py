@@ -95,6 +95,37 @@ def token_rows(meta: AttentionMetadata, block_size: int) -> GroupRows:
     return GroupRows(blocks, mask, meta.slot_mapping)
 
 
+class RopeRows:
+    """Each position's cos and sin rows [rotary_dim] in float32, as `rotary.cos_sin` gives them for that position,
+    kept in a table for the positions below TABLE_POSITIONS (filled TABLE_CHUNK positions at a time as steps
+    reach them): a step looks its rows up instead of computing them (a dozen tensor operations). Positions at
+    or past the table's reach are computed."""
+
+    TABLE_POSITIONS = 16384  # at a 128-dim head, 16 MB of rows at most
+    TABLE_CHUNK = 1024
+
+    def __init__(self, rotary: RotaryEmbedding) -> None:
+        self.rotary = rotary
+        self.cos = torch.empty(0, rotary.rotary_dim)
+        self.sin = torch.empty(0, rotary.rotary_dim)
+
+    def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] int64 -> contiguous cos, sin [T, rotary_dim]."""
+        reach = int(positions.max()) + 1 if positions.numel() else 0
+        if reach > self.TABLE_POSITIONS:
+            return self._computed(positions)
+        if reach > self.cos.shape[0]:
+            chunk = self.TABLE_CHUNK
+            cos, sin = self._computed(torch.arange(self.cos.shape[0], -(-reach // chunk) * chunk))
+            self.cos, self.sin = torch.cat((self.cos, cos)), torch.cat((self.sin, sin))
+        return self.cos.index_select(0, positions), self.sin.index_select(0, positions)
+
+    def _computed(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.rotary.cos_sin(positions, torch.float32)
+        shape = (positions.shape[0], self.rotary.rotary_dim)
+        return cos.reshape(shape).contiguous(), sin.reshape(shape).contiguous()
+
+
 class _Int8Weight(ctypes.Structure):
     pass
 
@@ -268,6 +299,7 @@ class FusedDecode:
         self.block_size = kv_caches[0][0].shape[1]
         self.kv_format = NATIVE_FORMAT_IDS[kv_caches[0][0].dtype]
         self.rotary_dim = recipe.rotaries[0].rotary_dim
+        self.rope_rows = [RopeRows(rotary) for rotary in recipe.rotaries]
         # The model and caches own the tensors behind the pointers above; they must outlive this object.
         self.model = model
         self._kv_caches = kv_caches
@@ -305,10 +337,9 @@ class FusedDecode:
                 )
             )
         rope_steps = []
-        for rotary in recipe.rotaries:
-            cos, sin = rotary.cos_sin(positions, hidden.dtype)
-            shape = (num_rows, self.rotary_dim)
-            rope_steps.append(_RopeStep(held(cos.reshape(shape).contiguous()), held(sin.reshape(shape).contiguous())))
+        for rope_rows in self.rope_rows:
+            cos, sin = rope_rows(positions)
+            rope_steps.append(_RopeStep(held(cos), held(sin)))
         step = _DecodeStep(
             num_rows,
             hidden_size,

@@ -16,13 +16,13 @@ import numpy as np
 import torch
 
 from engine import quantization
-from engine.attention.metadata import AttentionMetadata, build_group_metadata
+from engine.attention.metadata import AttentionMetadata, build_group_metadata, decode_only_rows
 from engine.config import TORCH_DTYPES, EngineConfig, ModelConfig
 from engine.core.kv_layout import KVLayout
 from engine.core.scheduler import ScheduledBatch
 from engine.core.sequence import Sequence
 from engine.models import registry
-from engine.models.fused_decode import FusedDecode, decode_rows, token_rows
+from engine.models.fused_decode import FusedDecode, GroupRows, decode_rows, token_rows
 from engine.ops import decode_attention, gguf_linear, kv_format, loader
 from engine.ops.cpu_features import cpu_features
 from engine.outputs import EmittedTokens, TokenLogprob
@@ -161,6 +161,16 @@ class ModelRunner:
         dev = self.device
         return torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev), metas
 
+    def decode_inputs(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, list[GroupRows]]:
+        """A decode-only step's (one new token per sequence) input ids [B], positions [B] and each attention
+        group's rows, the fused call's inputs: what `forward` takes from build_inputs' metadata for such a
+        step, built without the rest of it."""
+        starts = [seq.num_computed_tokens for seq in batch.seqs]
+        input_ids = torch.tensor([seq.token_ids[start] for seq, start in zip(batch.seqs, starts)], dtype=torch.int64)
+        tables_by_group = [[seq.block_tables[g] for seq in batch.seqs] for g in range(self.layout.num_groups)]
+        rows = decode_only_rows(starts, tables_by_group, self._group_kinds, self.block_size)
+        return input_ids, torch.tensor(starts, dtype=torch.int64), [GroupRows(*group) for group in rows]
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -203,7 +213,9 @@ class ModelRunner:
         for i in speculating:
             end = int(ends[i])
             row_index.extend(range(end - len(batch.draft_token_ids[i]), end + 1))
-        logits = self.model.compute_logits(hidden[torch.tensor(row_index, device=self.device)])
+        if row_index != list(range(hidden.shape[0])):  # a decode step samples every row, in order
+            hidden = hidden[torch.tensor(row_index, device=self.device)]
+        logits = self.model.compute_logits(hidden)
         emitted: dict[int, EmittedTokens] = {}
         if plain:
             plain_logits = logits[: len(plain)]
@@ -228,6 +240,8 @@ class ModelRunner:
 
     def run_model(self, batch: ScheduledBatch) -> torch.Tensor:
         """The batch's final hidden states [T, hidden], one row per new token in batch order."""
+        if self.fused_decode is not None and max(batch.num_new_tokens) == 1:
+            return self.fused_decode(*self.decode_inputs(batch))
         input_ids, positions, metas = self.build_inputs(batch)
         short_queries = max(batch.num_new_tokens) <= FUSED_ROWS_MAX_QUERY
         return self.forward(input_ids, positions, metas, short_queries=short_queries)
