@@ -74,8 +74,19 @@ def _cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
+def _huge_pages_for_large_tensors() -> None:
+    """Large CPU tensors (the weights' blocks, the KV cache) in transparent huge pages, unless the variable is
+    already set (0: 4 KiB pages). torch's CPU allocator reads THP_MEM_ALLOC_ENABLE once, at its first allocation,
+    so this runs before the server imports torch. A 1-row decode step reads every weight once, over ~150,000
+    4 KiB pages of a 1.1B model: whole 1.1B steps with the weights in 2 MiB pages ran 1.011x (Q4_K_M) and 1.015x
+    (Q4_0) on 2 Zen 4 cores (two copies of the weights alternating every 2 steps in one process), at the same
+    resident memory and load time."""
+    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+
+
 def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("serve", help=_SERVE_HELP)
+    _huge_pages_for_large_tensors()
     try:
         from server.cli.args import add_arguments
         from server.cli.runner import run

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 import re
 import subprocess
 import sys
@@ -125,6 +126,22 @@ def test_python_m_server_is_the_cli() -> None:
     assert proc.returncode == 0
     for command in ("serve", "pull", "models", "chat", "bench"):
         assert command in proc.stdout
+
+
+def test_serve_asks_for_huge_pages_before_torch_is_imported_and_keeps_a_value_already_set() -> None:
+    """torch's CPU allocator reads THP_MEM_ALLOC_ENABLE once, at its first allocation: `kvserve serve` sets it
+    before the server (and torch) is imported, and leaves a value the environment gives."""
+    code = (
+        "import os, sys; from server.__main__ import build_parser; assert 'torch' not in sys.modules; "
+        "build_parser(['serve']); print(os.environ.get('THP_MEM_ALLOC_ENABLE'), 'torch' in sys.modules)"
+    )
+    for preset, expected in ((None, "1 True"), ("0", "0 True")):
+        env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+        if preset is not None:
+            env["THP_MEM_ALLOC_ENABLE"] = preset
+        proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.split() == expected.split()
 
 
 def test_readme_starts_with_the_two_commands_and_the_configuration_page_lists_every_serve_flag() -> None:
