@@ -161,6 +161,11 @@ class ModelRunner:
         dev = self.device
         return torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev), metas
 
+    def _fuses_decode(self) -> bool:
+        """Whether decode-only steps run in the fused native call (the plan can be switched to the torch layers,
+        the fused step's reference)."""
+        return self.fused_decode is not None and self.decode_plan.path is DecodePath.FUSED_NATIVE
+
     def decode_inputs(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, list[GroupRows]]:
         """A decode-only step's (one new token per sequence) input ids [B], positions [B] and each attention
         group's rows, the fused call's inputs: what `forward` takes from build_inputs' metadata for such a
@@ -182,7 +187,7 @@ class ModelRunner:
         native call, and so do steps where no sequence computes more than FUSED_ROWS_MAX_QUERY tokens
         (short_queries: a token and its speculative drafts, a draft model catching up): each token is then
         one query row, seeing what the step's mask lets it see."""
-        if self.fused_decode is not None and self.decode_plan.path is DecodePath.FUSED_NATIVE:
+        if self._fuses_decode():
             group_metas = [metas[group.layers[0]] for group in self.layout.groups]
             if group_metas[0].is_decode_only:  # the same for every group: it counts each sequence's new tokens
                 return self.fused_decode(input_ids, positions, [decode_rows(meta) for meta in group_metas])
@@ -240,7 +245,7 @@ class ModelRunner:
 
     def run_model(self, batch: ScheduledBatch) -> torch.Tensor:
         """The batch's final hidden states [T, hidden], one row per new token in batch order."""
-        if self.fused_decode is not None and max(batch.num_new_tokens) == 1:
+        if self._fuses_decode() and max(batch.num_new_tokens) == 1:
             return self.fused_decode(*self.decode_inputs(batch))
         input_ids, positions, metas = self.build_inputs(batch)
         short_queries = max(batch.num_new_tokens) <= FUSED_ROWS_MAX_QUERY

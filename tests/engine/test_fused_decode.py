@@ -160,7 +160,9 @@ def test_fused_verification_step_equals_torch_layers(tiny_model_dirs, arch):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_every_architecture_generates_alike_on_both_paths_or_is_refused_the_fused_one(tiny_model_dirs, arch):
+def test_every_architecture_generates_alike_on_both_paths_or_is_refused_the_fused_one(
+    tiny_model_dirs, arch, monkeypatch
+):
     """An architecture the registry gives fused_decode generates the same tokens and logprobs on the
     fused kernel as on its torch layers; any other never runs the fused kernel, and says why."""
     entry = registry.for_model_type(arch)
@@ -182,7 +184,14 @@ def test_every_architecture_generates_alike_on_both_paths_or_is_refused_the_fuse
         SamplingParams(temperature=0.8, seed=i, max_tokens=20, ignore_eos=True, logprobs=2) for i in range(len(prompts))
     ]
     fused = fused_engine.generate(prompts, params)
+    # The reference runs its decode steps in the torch layers, never in the fused call its runner also holds.
+    fused_calls = []
+    original = type(torch_engine.engine.runner.fused_decode).__call__
+    monkeypatch.setattr(
+        type(torch_engine.engine.runner.fused_decode), "__call__", lambda *a: fused_calls.append(1) or original(*a)
+    )
     reference = torch_engine.generate(prompts, params)
+    assert not fused_calls
     assert [f[0].token_ids for f in fused] == [r[0].token_ids for r in reference]
     for f, r in zip(fused, reference):
         for got, expected in zip(f[0].logprobs, r[0].logprobs):
