@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -73,6 +74,9 @@ AttentionProbe = Callable[
 ]
 
 
+Positions = TypeVar("Positions", torch.Tensor, np.ndarray)
+
+
 def visible_mask(
     query_positions: torch.Tensor,
     key_positions: torch.Tensor,
@@ -84,8 +88,12 @@ def visible_mask(
     Negative key positions mark padding and are never visible.
     query_positions: [..., Q], key_positions: [..., K].
     """
-    q = query_positions.unsqueeze(-1)
-    k = key_positions.unsqueeze(-2)
+    return _visible(query_positions.unsqueeze(-1), key_positions.unsqueeze(-2), sliding_window, num_sink_tokens)
+
+
+def _visible(q: Positions, k: Positions, sliding_window: int | None, num_sink_tokens: int) -> Positions:
+    """visible_mask's rule on query and key positions already shaped to broadcast against each other, in torch
+    or numpy (operators only)."""
     mask = (k >= 0) & (k <= q)
     if sliding_window is not None:
         mask &= ((q - k) < sliding_window) | (k < num_sink_tokens)
@@ -113,6 +121,13 @@ def _logical_blocks(
     for i, row in enumerate(rows):
         logical[i, : len(row)] = row
     return logical
+
+
+def _key_positions(logical: np.ndarray, block_size: int) -> np.ndarray:
+    """int64 [B, N * block_size]: the position each slot of the logical blocks [B, N] holds, -1 in padding."""
+    key_positions = (logical[:, :, None] * block_size + np.arange(block_size)).reshape(logical.shape[0], -1)
+    key_positions[np.repeat(logical < 0, block_size, axis=1)] = -1
+    return key_positions
 
 
 def _bind_tables(
@@ -143,9 +158,7 @@ def build_attention_metadata(
     num_seqs = len(starts)
     logical_blocks = _logical_blocks(starts, counts, block_size, sliding_window, num_sink_tokens)
     key_blocks, slot_mapping = _bind_tables(logical_blocks, starts, counts, block_tables, block_size)
-    offsets = np.arange(block_size)
-    key_positions = (logical_blocks[:, :, None] * block_size + offsets).reshape(num_seqs, -1)
-    key_positions[np.repeat(logical_blocks < 0, block_size, axis=1)] = -1
+    key_positions = _key_positions(logical_blocks, block_size)
 
     max_queries = max(counts)
     num_tokens = sum(counts)
@@ -268,18 +281,12 @@ def decode_only_rows(
     step's metadata. Groups of one kind share their mask tensor."""
     counts = [1] * len(starts)
     query_positions = np.asarray(starts, dtype=np.int64)[:, None]  # [B, 1]
-    offsets = np.arange(block_size)
     by_kind: dict[tuple[int | None, int], tuple[np.ndarray, torch.Tensor | None]] = {}
     rows = []
     for tables, kind in zip(tables_by_group, kinds, strict=True):
         if kind not in by_kind:
-            sliding_window, num_sink_tokens = kind
-            logical = _logical_blocks(starts, counts, block_size, sliding_window, num_sink_tokens)
-            key_positions = (logical[:, :, None] * block_size + offsets).reshape(len(starts), -1)
-            key_positions[np.repeat(logical < 0, block_size, axis=1)] = -1
-            visible = (key_positions >= 0) & (key_positions <= query_positions)
-            if sliding_window is not None:
-                visible &= ((query_positions - key_positions) < sliding_window) | (key_positions < num_sink_tokens)
+            logical = _logical_blocks(starts, counts, block_size, *kind)
+            visible = _visible(query_positions, _key_positions(logical, block_size), *kind)  # [B, K], in numpy
             by_kind[kind] = (logical, None if visible.all() else torch.from_numpy(visible))
         logical, mask = by_kind[kind]
         key_blocks, slot_mapping = _bind_tables(logical, starts, counts, tables, block_size)

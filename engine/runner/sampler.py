@@ -37,13 +37,14 @@ class SamplerOutput:
     logprobs: list[TokenLogprob | None]
 
 
+def _has_penalties(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
 def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     """In place: repetition (prompt + output, HF rule), presence and frequency (output only, OpenAI rule)."""
     vocab = logits.shape[1]
-    needs = [
-        r.params.repetition_penalty != 1.0 or r.params.presence_penalty != 0.0 or r.params.frequency_penalty != 0.0
-        for r in rows
-    ]
+    needs = [_has_penalties(r.params) for r in rows]
     if not any(needs):
         return
     device = logits.device
@@ -235,9 +236,7 @@ def token_logprobs(
 def _needs_adjusting(row: SamplingRow) -> bool:
     """Whether adjusted_logits changes anything in this row's logits."""
     p = row.params
-    if p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.logit_bias:
-        return True
-    return len(row.token_ids) - row.num_prompt_tokens < p.min_tokens
+    return _has_penalties(p) or bool(p.logit_bias) or len(row.token_ids) - row.num_prompt_tokens < p.min_tokens
 
 
 def adjusted_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
