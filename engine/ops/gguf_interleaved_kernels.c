@@ -168,60 +168,71 @@ static void V_NAME(gemm)(int base, const uint8_t *w, int64_t M, int64_t nb, cons
 
 #if V_LANES == 16 /* The 256-weight types on 512-bit registers only: in 256-bit ones they measured no faster than the
                     row kernel (dot_row_k), whose 16-bit products already carry their sub-block scales. */
-/* Sub-block j's 32 weights (8 quads) of half h of the group's 256-weight block at p, unsigned; *scale: each row's
- * integer scale of the sub-block, *second the second 16's (Q6_K). */
-static inline __attribute__((always_inline)) void V_NAME(unpack_k)(int type, const uint8_t *p, int h, int j,
-                                                                    V_I w[8], V_I *scale, V_I *second) {
-    const V_I low4 = V_SET8(0x0F), byte = V_SET32(0xFF);
+/* Quad v (4 weights of each of the group's rows) of sub-block j of half h of the block at p, unsigned: Q4_K, Q5_K,
+ * IQ4_XS. */
+static inline __attribute__((always_inline)) V_I V_NAME(quad_k)(int type, const uint8_t *p, int h, int j, int v) {
+    const V_I low4 = V_SET8(0x0F);
     const int half = V_VECTOR_HALF(h);
-    if (type == KV_Q6_K) {
-        const int part = j / 4, g = j % 4;
-        const uint8_t *ql = p + 288 + 64 * (16 * part + 8 * (g % 2)), *qh = p + 288 + 2048 + 64 * 8 * part;
-        const V_I top2 = V_SET8(0x30);
-        for (int v = 0; v < 8; v++) {
-            V_I lo = V_LOADU(ql + 64 * v + half), hi = V_LOADU(qh + 64 * v + half);
-            lo = g < 2 ? V_AND(lo, low4) : V_AND(V_SRLI16(lo, 4), low4);
-            hi = g < 3 ? V_SLLI16(hi, 4 - 2 * g) : V_SRLI16(hi, 2);
-            w[v] = V_OR(lo, V_AND(hi, top2));
-        }
-        /* sub-blocks 2j and 2j + 1: bytes (2j) % 4 and (2j + 1) % 4 of scale word (2j) / 4, sign-extended */
-        V_I words = V_LOADU(p + 32 + 64 * (j / 2) + half);
-        const int first = (2 * j) % 4;
-        *scale = V_SRAI32(V_SLLI32(words, 24 - 8 * first), 24);
-        *second = V_SRAI32(V_SLLI32(words, 16 - 8 * first), 24);
-        return;
-    }
-    if (type == KV_IQ4_XS) {
+    if (type == KV_IQ4_XS) { /* quads v and v + 4: the low and high nibbles of one load */
         const V_I grid = V_GRID(_mm_xor_si128(_mm_loadu_si128((const __m128i *)IQ4_VALUES), _mm_set1_epi8((char)0x80)));
-        for (int c = 0; c < 4; c++) {
-            V_I raw = V_LOADU(p + 128 + 64 * (4 * j + c) + half);
-            w[c] = V_SHUF8(grid, V_AND(raw, low4));
-            w[c + 4] = V_SHUF8(grid, V_AND(V_SRLI16(raw, 4), low4));
-        }
-        /* the low 4 bits from nibble j of the scales_l word, the top 2 from bits 2j, 2j + 1 of scales_h */
+        V_I raw = V_LOADU(p + 128 + 64 * (4 * j + v % 4) + half);
+        return V_SHUF8(grid, v < 4 ? V_AND(raw, low4) : V_AND(V_SRLI16(raw, 4), low4));
+    }
+    const int five_bit = type == KV_Q5_K;
+    const uint8_t *qs = p + (five_bit ? 768 : 256) + 64 * 8 * (j / 2);
+    V_I raw = V_LOADU(qs + 64 * v + half);
+    V_I w = j % 2 ? V_AND(V_SRLI16(raw, 4), low4) : V_AND(raw, low4);
+    if (five_bit) { /* bit j of the quad's qh bytes, moved to bit 4 */
+        V_I qh = V_LOADU(p + 256 + 64 * v + half);
+        qh = j <= 4 ? V_SLLI16(qh, 4 - j) : V_SRLI16(qh, j - 4);
+        w = V_OR(w, V_AND(qh, V_SET8(0x10)));
+    }
+    return w;
+}
+
+/* Each row's integer scale of sub-block j of half h of the block at p: Q4_K, Q5_K, IQ4_XS. */
+static inline __attribute__((always_inline)) V_I V_NAME(scale_k)(int type, const uint8_t *p, int h, int j) {
+    const int half = V_VECTOR_HALF(h);
+    if (type == KV_IQ4_XS) { /* the low 4 bits from nibble j of the scales_l word, the top 2 from bits 2j, 2j + 1 of
+                                scales_h */
         V_I low = V_AND(V_SRLI32(V_LOADU(p + 64 + half), 4 * j), V_SET32(0x0F));
         V_I high = V_U16(p + 32 + V_ARRAY_HALF(h));
         high = V_SLLI32(V_AND(V_SRLI32(high, 2 * j), V_SET32(3)), 4);
-        *scale = V_SUB32(V_OR(low, high), V_SET32(32));
-        return;
+        return V_SUB32(V_OR(low, high), V_SET32(32));
     }
     /* Q4_K, Q5_K: the packed scales' three words per row, decoded as k_scales_and_mins_vector does */
     const V_I a = V_LOADU(p + 64 + half);
     const V_I scales = j < 4 ? V_AND(a, V_SET8(0x3F))
-                             : V_OR(V_AND(V_LOADU(p + 192 + half), low4),
+                             : V_OR(V_AND(V_LOADU(p + 192 + half), V_SET8(0x0F)),
                                     V_SLLI32(V_AND(V_SRLI32(a, 6), V_SET8(0x03)), 4));
-    *scale = V_AND(V_SRLI32(scales, 8 * (j % 4)), byte);
-    const int five_bit = type == KV_Q5_K;
-    const uint8_t *qs = p + (five_bit ? 768 : 256) + 64 * 8 * (j / 2);
-    for (int v = 0; v < 8; v++) {
-        V_I raw = V_LOADU(qs + 64 * v + half);
-        w[v] = j % 2 ? V_AND(V_SRLI16(raw, 4), low4) : V_AND(raw, low4);
-        if (five_bit) { /* bit j of the quad's qh bytes, moved to bit 4 */
-            V_I qh = V_LOADU(p + 256 + 64 * v + half);
-            qh = j <= 4 ? V_SLLI16(qh, 4 - j) : V_SRLI16(qh, j - 4);
-            w[v] = V_OR(w[v], V_AND(qh, V_SET8(0x10)));
-        }
+    return V_AND(V_SRLI32(scales, 8 * (j % 4)), V_SET32(0xFF));
+}
+
+/* Sub-block j's 32 weights (8 quads) of half h of the group's 256-weight block at p, unsigned; *scale: each row's
+ * integer scale of the sub-block, *second the second 16's (Q6_K). */
+static inline __attribute__((always_inline)) void V_NAME(unpack_k)(int type, const uint8_t *p, int h, int j,
+                                                                    V_I w[8], V_I *scale, V_I *second) {
+    if (type != KV_Q6_K) {
+        *scale = V_NAME(scale_k)(type, p, h, j);
+        for (int v = 0; v < 8; v++) w[v] = V_NAME(quad_k)(type, p, h, j, v);
+        return;
     }
+    const V_I low4 = V_SET8(0x0F);
+    const int half = V_VECTOR_HALF(h);
+    const int part = j / 4, g = j % 4;
+    const uint8_t *ql = p + 288 + 64 * (16 * part + 8 * (g % 2)), *qh = p + 288 + 2048 + 64 * 8 * part;
+    const V_I top2 = V_SET8(0x30);
+    for (int v = 0; v < 8; v++) {
+        V_I lo = V_LOADU(ql + 64 * v + half), hi = V_LOADU(qh + 64 * v + half);
+        lo = g < 2 ? V_AND(lo, low4) : V_AND(V_SRLI16(lo, 4), low4);
+        hi = g < 3 ? V_SLLI16(hi, 4 - 2 * g) : V_SRLI16(hi, 2);
+        w[v] = V_OR(lo, V_AND(hi, top2));
+    }
+    /* sub-blocks 2j and 2j + 1: bytes (2j) % 4 and (2j + 1) % 4 of scale word (2j) / 4, sign-extended */
+    V_I words = V_LOADU(p + 32 + 64 * (j / 2) + half);
+    const int first = (2 * j) % 4;
+    *scale = V_SRAI32(V_SLLI32(words, 24 - 8 * first), 24);
+    *second = V_SRAI32(V_SLLI32(words, 16 - 8 * first), 24);
 }
 
 /* Q4_K, Q5_K: each row's 8 six-bit sub-block minimums of the block at p as int16 pairs, vpdpwssd's operand:
@@ -237,11 +248,19 @@ static inline __attribute__((always_inline)) void V_NAME(minimum_pairs)(const ui
     pairs[3] = V_AND(V_SRLI32(last, 8), even);
 }
 
+/* Tiles of at least this many rows (Q4_K, Q5_K, IQ4_XS) take a sub-block quad by quad, each quad's multiply-adds for
+ * every row in turn, where fewer take it row by row (each row's 8 in turn after all 8 quads are unpacked). A 1.1B
+ * LLaMA's 88 Q4_K products on 2 Zen 4 cores, the two orders alternating on every call: 1.07-1.11x at 3-6 rows,
+ * 1.02-1.06x at 8-32, 1.00-1.04x at 110, but 0.92x at 2 rows and 0.98x at 1 (which stream the weights at the
+ * memory's speed either way). Whole decode steps of its Q4_K_M file, old and new builds alternating every 2 steps:
+ * 4 sequences 1.042x, 8 sequences 1.017x. */
+#define BY_QUAD_ROWS 3
+
 /* y[m0 .. m0+R, n0 .. n0+V_LANES] for half h of one group of 256-weight blocks (nb blocks from w). */
 static inline __attribute__((always_inline)) void V_NAME(dot_k)(int type, const uint8_t *w, int h, int64_t nb,
                                                                  const KActivations *act, int64_t m0, const int R,
                                                                  const float *bias, float *y, int64_t N, int64_t n0,
-                                                                 int once) {
+                                                                 int once, const int by_quad) {
     V_F acc[V_MAX_R_K];
     for (int r = 0; r < R; r++) acc[r] = V_ZEROF;
     const int64_t stride = GROUP_ROWS * bytes_per_k_block(type);
@@ -256,6 +275,22 @@ static inline __attribute__((always_inline)) void V_NAME(dot_k)(int type, const 
              * the top of the block, 1-row products on a Zen 4 core streamed 19-27 GB/s instead of 31-32 */
             for (int64_t line = j * lines / 8; line < (j + 1) * lines / 8; line++)
                 prefetch_weight_line(p + PREFETCH_BYTES + 64 * line, once);
+            if (by_quad) {
+                /* quad by quad, the rows' sums side by side: R independent multiply-adds follow each other */
+                V_I s[V_MAX_R_K];
+                for (int r = 0; r < R; r++)
+                    s[r] = V_SET32(type == KV_IQ4_XS ? -128 * act->sum32[((m0 + r) * nb + b) * 8 + j] : 0);
+                for (int v = 0; v < 8; v++) {
+                    const V_I quad = V_NAME(quad_k)(type, p, h, j, v);
+                    for (int r = 0; r < R; r++) {
+                        const int32_t *quads = (const int32_t *)(act->q + ((m0 + r) * nb + b) * QK_K + 32 * j);
+                        s[r] = V_DOT(s[r], quad, V_SET32(quads[v]));
+                    }
+                }
+                const V_I scale = V_NAME(scale_k)(type, p, h, j);
+                for (int r = 0; r < R; r++) sums[r] = V_ADD32(sums[r], V_MULLO(s[r], scale));
+                continue;
+            }
             V_I q[8], scale, second = V_ZEROI;
             V_NAME(unpack_k)(type, p, h, j, q, &scale, &second);
             for (int r = 0; r < R; r++) {
@@ -296,24 +331,55 @@ static inline __attribute__((always_inline)) void V_NAME(dot_k)(int type, const 
     for (int r = 0; r < R; r++) V_STORE_COLUMNS(y + (m0 + r) * N + n0, columns, V_ADDF(acc[r], b));
 }
 
-/* Every activation tile of group g, for one 256-weight type (a constant at each call). */
+/* Every activation tile of group g, for one 256-weight type (a constant at each call); by_quad (Q4_K, Q5_K,
+ * IQ4_XS): tiles of BY_QUAD_ROWS rows or more quad by quad. */
 static inline __attribute__((always_inline)) void V_NAME(group_k)(int type, const uint8_t *w, int64_t g, int64_t M,
                                                                    int64_t nb, const KActivations *act,
-                                                                   const float *bias, float *y, int64_t N) {
+                                                                   const float *bias, float *y, int64_t N,
+                                                                   const int by_quad) {
     const uint8_t *group = w + g * nb * GROUP_ROWS * bytes_per_k_block(type);
     const int64_t n0 = g * GROUP_ROWS;
     const int once = M <= V_MAX_R_K; /* one tile of activation rows: each weight read once */
     for (int64_t m0 = 0; m0 < M; m0 += V_MAX_R_K) {
         const int R = (int)(M - m0 < V_MAX_R_K ? M - m0 : V_MAX_R_K);
+        if (by_quad && R >= BY_QUAD_ROWS) {
+            switch (R) {
+            case 8: V_NAME(dot_k)(type, group, 0, nb, act, m0, 8, bias, y, N, n0, once, 1); break;
+            case 7: V_NAME(dot_k)(type, group, 0, nb, act, m0, 7, bias, y, N, n0, once, 1); break;
+            case 6: V_NAME(dot_k)(type, group, 0, nb, act, m0, 6, bias, y, N, n0, once, 1); break;
+            case 5: V_NAME(dot_k)(type, group, 0, nb, act, m0, 5, bias, y, N, n0, once, 1); break;
+            case 4: V_NAME(dot_k)(type, group, 0, nb, act, m0, 4, bias, y, N, n0, once, 1); break;
+            default: V_NAME(dot_k)(type, group, 0, nb, act, m0, 3, bias, y, N, n0, once, 1); break;
+            }
+            continue;
+        }
         switch (R) {
-        case 8: V_NAME(dot_k)(type, group, 0, nb, act, m0, 8, bias, y, N, n0, once); break;
-        case 7: V_NAME(dot_k)(type, group, 0, nb, act, m0, 7, bias, y, N, n0, once); break;
-        case 6: V_NAME(dot_k)(type, group, 0, nb, act, m0, 6, bias, y, N, n0, once); break;
-        case 5: V_NAME(dot_k)(type, group, 0, nb, act, m0, 5, bias, y, N, n0, once); break;
-        case 4: V_NAME(dot_k)(type, group, 0, nb, act, m0, 4, bias, y, N, n0, once); break;
-        case 3: V_NAME(dot_k)(type, group, 0, nb, act, m0, 3, bias, y, N, n0, once); break;
-        case 2: V_NAME(dot_k)(type, group, 0, nb, act, m0, 2, bias, y, N, n0, once); break;
-        default: V_NAME(dot_k)(type, group, 0, nb, act, m0, 1, bias, y, N, n0, once); break;
+        case 8: V_NAME(dot_k)(type, group, 0, nb, act, m0, 8, bias, y, N, n0, once, 0); break;
+        case 7: V_NAME(dot_k)(type, group, 0, nb, act, m0, 7, bias, y, N, n0, once, 0); break;
+        case 6: V_NAME(dot_k)(type, group, 0, nb, act, m0, 6, bias, y, N, n0, once, 0); break;
+        case 5: V_NAME(dot_k)(type, group, 0, nb, act, m0, 5, bias, y, N, n0, once, 0); break;
+        case 4: V_NAME(dot_k)(type, group, 0, nb, act, m0, 4, bias, y, N, n0, once, 0); break;
+        case 3: V_NAME(dot_k)(type, group, 0, nb, act, m0, 3, bias, y, N, n0, once, 0); break;
+        case 2: V_NAME(dot_k)(type, group, 0, nb, act, m0, 2, bias, y, N, n0, once, 0); break;
+        default: V_NAME(dot_k)(type, group, 0, nb, act, m0, 1, bias, y, N, n0, once, 0); break;
+        }
+    }
+}
+
+/* gemm_k for Q4_K, Q5_K and IQ4_XS products of BY_QUAD_ROWS rows or more. Its own function: compiled into gemm_k
+ * beside the row-by-row tiles, the quad-by-quad ones made whole 2-sequence decode steps of a 1.1B LLaMA 3-5%
+ * slower, with the row-by-row code unchanged; so did one switch over both kinds of tile in group_k (0.969x against
+ * the two switches below), which the compiler lays out differently. */
+static __attribute__((noinline)) void V_NAME(gemm_k_by_quad)(int type, const uint8_t *w, int64_t M, int64_t nb,
+                                                              const KActivations *act, const float *bias, float *y,
+                                                              int64_t N) {
+    const int64_t groups = (N + GROUP_ROWS - 1) / GROUP_ROWS;
+#pragma omp for schedule(guided, 2)
+    for (int64_t g = 0; g < groups; g++) {
+        switch (type) {
+        case KV_Q4_K: V_NAME(group_k)(KV_Q4_K, w, g, M, nb, act, bias, y, N, 1); break;
+        case KV_Q5_K: V_NAME(group_k)(KV_Q5_K, w, g, M, nb, act, bias, y, N, 1); break;
+        default: V_NAME(group_k)(KV_IQ4_XS, w, g, M, nb, act, bias, y, N, 1); break;
         }
     }
 }
@@ -321,14 +387,18 @@ static inline __attribute__((always_inline)) void V_NAME(group_k)(int type, cons
 /* As V_NAME(gemm), for the 256-weight types. */
 static void V_NAME(gemm_k)(int type, const uint8_t *w, int64_t M, int64_t nb, const KActivations *act,
                            const float *bias, float *y, int64_t N) {
+    if (type != KV_Q6_K && M >= BY_QUAD_ROWS) {
+        V_NAME(gemm_k_by_quad)(type, w, M, nb, act, bias, y, N);
+        return;
+    }
     const int64_t groups = (N + GROUP_ROWS - 1) / GROUP_ROWS;
 #pragma omp for schedule(guided, 2)
     for (int64_t g = 0; g < groups; g++) {
         switch (type) {
-        case KV_Q4_K: V_NAME(group_k)(KV_Q4_K, w, g, M, nb, act, bias, y, N); break;
-        case KV_Q5_K: V_NAME(group_k)(KV_Q5_K, w, g, M, nb, act, bias, y, N); break;
-        case KV_Q6_K: V_NAME(group_k)(KV_Q6_K, w, g, M, nb, act, bias, y, N); break;
-        default: V_NAME(group_k)(KV_IQ4_XS, w, g, M, nb, act, bias, y, N); break;
+        case KV_Q4_K: V_NAME(group_k)(KV_Q4_K, w, g, M, nb, act, bias, y, N, 0); break;
+        case KV_Q5_K: V_NAME(group_k)(KV_Q5_K, w, g, M, nb, act, bias, y, N, 0); break;
+        case KV_Q6_K: V_NAME(group_k)(KV_Q6_K, w, g, M, nb, act, bias, y, N, 0); break;
+        default: V_NAME(group_k)(KV_IQ4_XS, w, g, M, nb, act, bias, y, N, 0); break;
         }
     }
 }
