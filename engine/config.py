@@ -38,6 +38,7 @@ def check_dtype(dtype: str, device: str) -> None:
 
 
 SPECULATIVE_METHODS = ("ngram", "draft")
+MAX_GREEDY_BURST = 64  # greedy decode steps in one native call, at most
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -102,6 +103,12 @@ class EngineConfig:
         CUDA and on unquantized CPU models (float32 there: its tokens equal transformers'), float16 on CPU
         models with quantized weights.
     speculative: speculative decoding (None: off).
+    greedy_burst: on the fused CPU decode path, a batch whose sequences are all plain greedy (no logprobs,
+        penalties, logit bias, grammar or pending min_tokens) runs up to this many decode steps in one native
+        call, with no Python between its tokens, while no other request waits (1: a step at a time). Streams
+        then get their tokens several at a time; the tokens are the same.
+    greedy_burst_ms: and only as many steps as the last decode steps' pace fits in this many milliseconds, so
+        a stream gets tokens at least about this often (0: no such cap).
     tokenizer: a Hugging Face tokenizer directory used instead of the model's own tokenizer (for a GGUF
         file: instead of the one its metadata makes); its ids must fit the model's embedding table.
     chat_template: a Jinja file whose text replaces the chat template (the model's, or `tokenizer`'s).
@@ -126,6 +133,8 @@ class EngineConfig:
     prefill_dtype: str = "float32"
     kv_cache_dtype: str = "auto"
     speculative: SpeculativeConfig | None = None
+    greedy_burst: int = 16
+    greedy_burst_ms: float = 100.0
     tokenizer: str | None = None
     chat_template: str | None = None
 
@@ -155,6 +164,10 @@ class EngineConfig:
             raise ValueError(
                 f"long_prefill_token_threshold must be 0 (no cap) or positive, got {self.long_prefill_token_threshold}"
             )
+        if not 1 <= self.greedy_burst <= MAX_GREEDY_BURST:
+            raise ValueError(f"greedy_burst must be in [1, {MAX_GREEDY_BURST}], got {self.greedy_burst}")
+        if not self.greedy_burst_ms >= 0:
+            raise ValueError(f"greedy_burst_ms must be 0 (no cap) or positive, got {self.greedy_burst_ms}")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window must be positive, got {self.sliding_window}")
         if self.num_sink_tokens < 0:

@@ -148,6 +148,8 @@ class LLMEngine:
             plan_drafts=self.speculative.plan_drafts if self.speculative is not None else None,
             on_finish=self.speculative.forget if self.speculative is not None else None,
             long_prefill_token_threshold=config.long_prefill_token_threshold,
+            # Bursts and speculation both make one step emit several tokens: a speculating engine does not burst.
+            plan_burst=self.runner.plan_burst if self.speculative is None and self.runner.max_burst > 1 else None,
         )
         self._requests: dict[str, _EngineRequest] = {}
         self._seq_ids = itertools.count()
@@ -260,6 +262,13 @@ class LLMEngine:
         return bool(self._requests) or bool(self._pending_outputs)
 
     # --------------------------------------------------------------------- step
+
+    def end_bursts_early(self, on: bool) -> None:
+        """on: a greedy burst under way (or starting) ends after its current step; off: bursts run whole.
+
+        The one method safe to call from another thread than the engine's (a server's event loop calls it while
+        a step runs): it writes one flag that the burst kernel reads between its steps."""
+        self.runner.burst_interrupt.value = int(on)
 
     def stop_sample(self, request_id: str, index: int, stop_reason: str) -> None:
         """Finish one sample that its text already ended (a stop string); no output is emitted for it."""

@@ -65,12 +65,17 @@ class ScheduledBatch:
     A speculating sequence computes its one uncomputed token and then the draft tokens proposed for it
     (`draft_token_ids[i]`, not in seq.token_ids); num_new_tokens[i] counts both. `num_draft_slots[i]` is
     how many drafts the scheduler made room for (blocks and token budget); the proposer may fill fewer.
+
+    `burst` > 1: every sequence decodes `burst` greedy steps in one call (engine/models/greedy_burst.py), each
+    step's chosen token the next step's input; num_draft_slots[i] is then the room for the steps after the
+    first, and no drafts are proposed.
     """
 
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     num_draft_slots: list[int] = field(default_factory=list)
     draft_token_ids: list[list[int]] = field(default_factory=list)
+    burst: int = 1
 
     def __post_init__(self) -> None:
         self.num_draft_slots = self.num_draft_slots or [0] * len(self.seqs)
@@ -123,6 +128,7 @@ class ScheduledBatch:
             [self.num_new_tokens[i] for i in keep],
             [self.num_draft_slots[i] for i in keep],
             [self.draft_token_ids[i] for i in keep],
+            self.burst,
         )
 
 
@@ -137,12 +143,15 @@ class Scheduler:
         plan_drafts: Callable[[list[Sequence], int], list[int]] | None = None,
         on_finish: Callable[[Sequence], None] | None = None,
         long_prefill_token_threshold: int = 0,
+        plan_burst: Callable[[list[Sequence]], int] | None = None,
     ) -> None:
         """plan_drafts(candidates, num_seqs): how many draft tokens each decoding candidate of a step of
         num_seqs sequences verifies (None: no speculation). on_finish(seq): called once for each sequence
-        as it finishes, however it finishes (speculation drops what it keeps for it)."""
+        as it finishes, however it finishes (speculation drops what it keeps for it). plan_burst(seqs): how
+        many greedy steps a decode-only batch of these sequences may run in one call (None or 1: one)."""
         self.kv_manager = kv_manager
         self.plan_drafts = plan_drafts
+        self.plan_burst = plan_burst
         self.on_finish = on_finish
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
@@ -286,7 +295,32 @@ class Scheduler:
             if seq.needs_prompt_logprobs:
                 scored_rows_left -= num_new
         self.waiting.extendleft(reversed(skipped))
+        if self.plan_burst is not None and not self.waiting and batch.seqs and not any(batch.num_draft_slots):
+            self._make_burst_room(batch)
         return batch
+
+    def _tokens_left(self, seq: Sequence) -> int:
+        """Tokens the sequence can still append before its length ends it."""
+        max_tokens = seq.params.max_tokens or self.max_model_len
+        return min(max_tokens - seq.num_generated_tokens, self.max_model_len - len(seq.token_ids))
+
+    def _make_burst_room(self, batch: ScheduledBatch) -> None:
+        """Make a decode-only batch a burst of greedy steps where plan_burst allows one: as many steps as every
+        sequence has tokens left and blocks for, else none (a burst never preempts anyone)."""
+        if not batch.decodes_only:
+            return
+        steps = min(self.plan_burst(batch.seqs), *(self._tokens_left(seq) for seq in batch.seqs))
+        if steps <= 1:
+            return
+        grown: list[Sequence] = []
+        for seq in batch.seqs:
+            if not self.kv_manager.grow(seq, seq.num_computed_tokens + steps):
+                for done in grown:
+                    self.kv_manager.trim(done, done.num_computed_tokens + 1)
+                return
+            grown.append(seq)
+        batch.burst = steps
+        batch.num_draft_slots = [steps - 1] * len(batch.seqs)
 
     def _make_draft_room(self, batch: ScheduledBatch, budget_left: int) -> int:
         """Give the batch's decoding sequences their planned draft slots, within the budget and free blocks;
@@ -353,7 +387,8 @@ class Scheduler:
             counters.num_generation_tokens += count
             if batch.num_draft_slots[i] and not seq.is_finished:
                 # Every appended token but the newest had its K/V computed this step (the accepted
-                # drafts): they count, their full blocks are published, and blocks past them go back.
+                # drafts, or a burst's tokens): they count, their full blocks are published, and blocks past
+                # them go back.
                 seq.num_computed_tokens = len(seq.token_ids) - 1
                 self.kv_manager.register_computed_blocks(seq)
                 self.kv_manager.trim(seq, len(seq.token_ids))

@@ -59,6 +59,18 @@ class FusedLayer:
 
 
 @dataclass(frozen=True)
+class GreedyTail:
+    """What a greedy decode step does around the layers, where the kernel can do it too: the embedding rows of
+    the input tokens (times embed_scale, None: not scaled), the final RMSNorm, the output head's logits."""
+
+    embedding: nn.Module  # a GGUF-block or float32 embedding table [vocab, hidden]
+    embed_scale: float | None
+    final_norm: torch.Tensor  # [hidden] float32 multipliers
+    final_eps: float
+    head: nn.Module  # [vocab, hidden], an int8 or GGUF-block linear layer; logits are its float32 output
+
+
+@dataclass(frozen=True)
 class FusedRecipe:
     """A model's decode step as the kernel runs it: what every layer reads and the step's constants."""
 
@@ -73,6 +85,9 @@ class FusedRecipe:
     num_kv_heads: int
     head_dim: int
     intermediate: int
+    # The model's decode step past the layers, for several greedy steps in one call (engine/models/greedy_burst.py);
+    # None: that step has more to it (a logit softcap, an embedding the kernel cannot read).
+    tail: GreedyTail | None = None
 
 
 class GroupRows(NamedTuple):
@@ -312,37 +327,61 @@ class FusedDecode:
         drafts after it) see each other as the mask allows."""
         if len(groups) != self.num_groups:
             raise ValueError(f"the fused decode needs {self.num_groups} attention groups' rows, got {len(groups)}")
-        recipe = self.recipe
-        hidden = recipe.embed(input_ids).contiguous()  # a fresh tensor: the kernel updates it in place
-        num_rows, hidden_size = hidden.shape
+        hidden = self.recipe.embed(input_ids).contiguous()  # a fresh tensor: the kernel updates it in place
         keep: list[torch.Tensor] = []  # the tensors behind the step's pointers, alive until the call returns
+        group_steps = self.group_steps(groups, keep)
+        rope_steps = self.rope_steps(positions, keep)
+        step = self.decode_step(
+            hidden.shape[0], (_GroupStep * len(group_steps))(*group_steps), (_RopeStep * len(rope_steps))(*rope_steps)
+        )
+        status = _kernel()(self.layers, len(self.layers), ctypes.byref(step), hidden.data_ptr())
+        if status != 0:
+            raise MemoryError("the fused decode kernel could not allocate its scratch buffers")
+        return self.recipe.final_norm(hidden)
+
+    def group_steps(self, groups: Sequence[GroupRows], keep: list[torch.Tensor]) -> list[_GroupStep]:
+        """The kernel's view of each group's rows; the tensors behind its pointers are appended to `keep`."""
 
         def held(tensor: torch.Tensor) -> int:
             keep.append(tensor)
             return tensor.data_ptr()
 
         masks: dict[int, torch.Tensor] = {}  # groups of one kind share their mask tensor: convert it once
-        group_steps = []
+        steps = []
         for rows in groups:
             mask = None
             if rows.mask is not None:
                 mask = masks.setdefault(id(rows.mask), rows.mask.contiguous().view(torch.uint8))
             blocks = rows.blocks.contiguous()
-            group_steps.append(
-                _GroupStep(
-                    held(blocks),
-                    held(mask) if mask is not None else None,
-                    held(rows.slots.contiguous()),
-                    blocks.shape[1],
-                )
+            slots = rows.slots.contiguous()
+            steps.append(
+                _GroupStep(held(blocks), held(mask) if mask is not None else None, held(slots), blocks.shape[1])
             )
-        rope_steps = []
+        return steps
+
+    def rope_steps(self, positions: torch.Tensor, keep: list[torch.Tensor], rows_per_step: int = 0) -> list[_RopeStep]:
+        """Each RoPE kind's cos and sin rows of `positions` [T], held in `keep`. rows_per_step > 0: positions are
+        several steps' rows one step after the other, and the list has one entry per step and kind (step-major)."""
+        tables = []
         for rope_rows in self.rope_rows:
             cos, sin = rope_rows(positions)
-            rope_steps.append(_RopeStep(held(cos), held(sin)))
-        step = _DecodeStep(
+            keep.extend((cos, sin))
+            tables.append((cos, sin))
+        count = positions.shape[0]
+        per_step = rows_per_step or count
+        row_bytes = self.rotary_dim * 4  # float32 rows
+        return [
+            _RopeStep(cos.data_ptr() + first * row_bytes, sin.data_ptr() + first * row_bytes)
+            for first in range(0, count, per_step)
+            for cos, sin in tables
+        ]
+
+    def decode_step(self, num_rows: int, groups: ctypes.Array, ropes: ctypes.Array) -> _DecodeStep:
+        """The kernel's step description for num_rows query rows; groups and ropes must outlive its use."""
+        recipe = self.recipe
+        return _DecodeStep(
             num_rows,
-            hidden_size,
+            recipe.layers[0].attn_norm.shape[0],
             recipe.intermediate,
             recipe.num_heads,
             recipe.num_kv_heads,
@@ -353,11 +392,7 @@ class FusedDecode:
             recipe.scale,
             ACTIVATIONS[recipe.activation],
             self.kv_format,
-            (_GroupStep * len(group_steps))(*group_steps),
-            (_RopeStep * len(rope_steps))(*rope_steps),
+            groups,
+            ropes,
             torch.get_num_threads(),
         )
-        status = _kernel()(self.layers, len(self.layers), ctypes.byref(step), hidden.data_ptr())
-        if status != 0:
-            raise MemoryError("the fused decode kernel could not allocate its scratch buffers")
-        return recipe.final_norm(hidden)

@@ -39,7 +39,7 @@ from engine.models.common import (
     load_linear,
     take,
 )
-from engine.models.fused_decode import FusedLayer, FusedRecipe
+from engine.models.fused_decode import FusedLayer, FusedRecipe, GreedyTail
 from engine.models.llama import RMSNorm
 from engine.ops.gguf_linear import BlockWeight
 from engine.ops.rms_norm import rms_norm
@@ -229,7 +229,15 @@ class Gemma2ForCausalLM(nn.Module):
             num_kv_heads=first.num_kv_heads,
             head_dim=first.head_dim,
             intermediate=first.intermediate,
+            tail=self._greedy_tail(),
         )
+
+    def _greedy_tail(self) -> GreedyTail | None:
+        """The step past the layers for the greedy kernel; None where the logits are capped (Gemma 2), since a cap
+        can make two logits equal that the kernel's argmax over the uncapped ones would tell apart."""
+        if self.final_softcap is not None or self.embed_scale is None or self.embed_scale.dtype != torch.float32:
+            return None
+        return GreedyTail(self.embed_tokens, float(self.embed_scale), self.norm.scale, self.norm.eps, self.lm_head)
 
     def load_weights(self, state: dict[str, torch.Tensor | BlockWeight]) -> None:
         """Fill the model from HF-named tensors; GGUF blocks (BlockWeight) replace the layers they fill."""

@@ -30,7 +30,7 @@ from engine.models.common import (
     load_linear,
     take,
 )
-from engine.models.fused_decode import FusedLayer, FusedRecipe, NotFusable
+from engine.models.fused_decode import FusedLayer, FusedRecipe, GreedyTail, NotFusable
 from engine.ops.gguf_linear import BlockParts, BlockWeight
 from engine.ops.rms_norm import rms_norm
 
@@ -171,6 +171,7 @@ class LlamaForCausalLM(nn.Module):
             num_kv_heads=first.num_kv_heads,
             head_dim=first.head_dim,
             intermediate=first.intermediate,
+            tail=GreedyTail(self.embed_tokens, None, self.norm.weight, self.norm.eps, self.lm_head),
         )
 
     def load_weights(self, state: dict[str, torch.Tensor | BlockWeight]) -> None:

@@ -191,3 +191,88 @@ int kv_fused_decode_layers(const DecoderLayer *layers, int64_t num_layers, const
     free(normed);
     return failed;
 }
+
+/* The rows a greedy step reads its next tokens' hidden states from: an embedding table of float32 rows
+ * (embed_type 0) or of GGUF blocks (their kernel type), each looked-up row times embed_scale where has_scale. */
+typedef struct {
+    const void *embedding; /* [vocab, hidden] */
+    int embed_type;
+    int has_scale;
+    float embed_scale;
+    const float *final_norm; /* [hidden] the final RMSNorm's multipliers */
+    float final_eps;
+    Int8Weight head;    /* [vocab, hidden] the output head */
+    int64_t vocab_size; /* the head's rows */
+} GreedyTail;
+
+/* A run of greedy decode steps in one call: step k reads its groups at groups[k * num_groups] and its RoPE rows at
+ * ropes[k * num_ropes]; each step's input token is the one the step before it chose (the first step's: first_ids). */
+typedef struct {
+    int64_t num_steps, num_groups, num_ropes;
+    const GroupStep *groups;
+    const RopeStep *ropes;
+    const int64_t *stop_ids; /* the run ends after a step that chose one of these for any row */
+    int64_t num_stop_ids;
+    const volatile int32_t *interrupt; /* nonzero: end the run after the step under way (NULL: never) */
+} GreedyRun;
+
+/* The first maximum of row[0 .. n-1], a NaN counting as the maximum (numpy's argmax). */
+static int64_t first_argmax(const float *row, int64_t n) {
+    int64_t best = 0;
+    for (int64_t i = 0; i < n; i++) {
+        if (row[i] != row[i]) return i;
+        if (row[i] > row[best]) best = i;
+    }
+    return best;
+}
+
+static int embed_rows(const GreedyTail *tail, const int64_t *ids, int64_t B, int64_t H, float *hidden, int threads) {
+    if (tail->embed_type != 0) {
+        int status = kv_gguf_dequantize(tail->embed_type, tail->embedding, H, ids, B, hidden, threads);
+        if (status != 0) return status;
+    } else {
+        for (int64_t b = 0; b < B; b++)
+            memcpy(hidden + b * H, (const float *)tail->embedding + ids[b] * H, (size_t)H * sizeof(float));
+    }
+    if (tail->has_scale)
+        for (int64_t i = 0; i < B * H; i++) hidden[i] *= tail->embed_scale;
+    return 0;
+}
+
+/* Up to run->num_steps greedy decode steps of B sequences: out_ids [num_steps, B] gets each step's chosen tokens
+ * and *steps_done how many steps ran (fewer after a stop token or an interrupt). Each step computes what the step
+ * by step path does (embedding rows, kv_fused_decode_layers, the final RMSNorm, the head, the first maximum), with
+ * the same kernels. Returns 0, 1 if a buffer could not be allocated, or a product's status. */
+int kv_fused_decode_greedy(const DecoderLayer *layers, int64_t num_layers, const DecodeStep *step,
+                           const GreedyTail *tail, const GreedyRun *run, const int64_t *first_ids, int64_t *out_ids,
+                           int64_t *steps_done) {
+    const int64_t B = step->num_seqs, H = step->hidden_size, V = tail->vocab_size;
+    float *hidden = malloc((size_t)B * (2 * H + V) * sizeof(float));
+    if (!hidden) return 1;
+    float *normed = hidden + B * H, *logits = normed + B * H;
+    DecodeStep this_step = *step;
+    int failed = 0;
+    *steps_done = 0;
+    for (int64_t k = 0; k < run->num_steps && !failed; k++) {
+        const int64_t *ids = k == 0 ? first_ids : out_ids + (k - 1) * B;
+        failed = embed_rows(tail, ids, B, H, hidden, step->num_threads);
+        if (failed) break;
+        this_step.groups = run->groups + k * run->num_groups;
+        this_step.ropes = run->ropes + k * run->num_ropes;
+        failed = kv_fused_decode_layers(layers, num_layers, &this_step, hidden);
+        if (failed) break;
+        kv_rms_norm(hidden, tail->final_norm, normed, B, H, tail->final_eps);
+        failed = linear(normed, &tail->head, B, H, logits, step->num_threads);
+        if (failed) break;
+        int stop = run->interrupt && *run->interrupt;
+        for (int64_t b = 0; b < B; b++) {
+            const int64_t id = first_argmax(logits + b * V, V);
+            out_ids[k * B + b] = id;
+            for (int64_t s = 0; s < run->num_stop_ids; s++) stop |= id == run->stop_ids[s];
+        }
+        *steps_done = k + 1;
+        if (stop) break;
+    }
+    free(hidden);
+    return failed;
+}

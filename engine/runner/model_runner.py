@@ -9,7 +9,9 @@ a failure one request causes fails that request only.
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,15 +23,16 @@ from engine.config import TORCH_DTYPES, EngineConfig, ModelConfig
 from engine.core.kv_layout import KVLayout
 from engine.core.scheduler import ScheduledBatch
 from engine.core.sequence import Sequence
-from engine.models import registry
+from engine.models import greedy_burst, registry
 from engine.models.fused_decode import FusedDecode, GroupRows, decode_rows, token_rows
-from engine.ops import decode_attention, gguf_linear, kv_format, loader
+from engine.models.greedy_burst import GreedyBurst
+from engine.ops import decode_attention, gguf_linear, int8_linear, kv_format, loader
 from engine.ops.cpu_features import cpu_features
 from engine.outputs import EmittedTokens, TokenLogprob
 from engine.runner.decode_path import DecodePath, choose_decode_path
 from engine.runner.prompt_logprobs import prompt_rows, score_prompt_tokens
 from engine.runner.rejection import verify_drafts
-from engine.runner.sampler import SamplingRow, sample
+from engine.runner.sampler import SamplingRow, needs_adjusting, sample
 from engine.structured.masks import apply_grammar_masks
 
 logger = logging.getLogger(__name__)
@@ -37,6 +40,10 @@ logger = logging.getLogger(__name__)
 # Steps whose sequences each compute at most this many tokens run on the fused kernel, one query row per
 # token; longer queries (prompt chunks) run the torch layers, whose attention handles them as a block.
 FUSED_ROWS_MAX_QUERY = 32
+
+# Most sequences a greedy burst runs: the head products of the step by step path take the integer kernels
+# (the burst's) up to this many rows.
+BURST_MAX_ROWS = min(gguf_linear.MAX_KERNEL_ROWS, int8_linear.MAX_KERNEL_ROWS)
 
 _MODEL_CLASSES = {entry.name: entry.model_class for entry in registry.entries()}
 
@@ -120,6 +127,21 @@ class ModelRunner:
         logger.info("%s%s", self.decode_plan.describe(), self._machine_line())
         is_fused = self.decode_plan.path is DecodePath.FUSED_NATIVE
         self.fused_decode = FusedDecode(self.model, self.kv_caches, layout.layer_group) if is_fused else None
+        # Several greedy steps in one call (greedy_burst > 1); the flag ends a burst early from any thread.
+        self.greedy_burst: GreedyBurst | None = None
+        self.max_burst = 1
+        self.burst_seconds = config.greedy_burst_ms / 1000  # 0: bursts are not capped by their length
+        self.decode_step_seconds: float | None = None  # the last decode-only step's (or burst's per step)
+        self.burst_interrupt = ctypes.c_int32(0)
+        if self.fused_decode is not None and config.greedy_burst > 1:
+            reason = greedy_burst.unsupported_reason(self.fused_decode.recipe.tail)
+            if reason is None:
+                self.greedy_burst = GreedyBurst(self.fused_decode, self.fused_decode.recipe.tail)
+                self.max_burst = config.greedy_burst
+                cap = f", {config.greedy_burst_ms:g} ms of steps at most" if self.burst_seconds else ""
+                logger.info("greedy bursts: up to %d decode steps in one call%s", self.max_burst, cap)
+            else:
+                logger.info("greedy bursts off: %s", reason)
 
     def _machine_line(self) -> str:
         """What the decode-path log line adds on CPU: the features the kernels were chosen by, their build,
@@ -196,11 +218,58 @@ class ModelRunner:
                 return self.fused_decode(input_ids, positions, rows)
         return self.model(input_ids, positions, self.kv_caches, metas)
 
+    def plan_burst(self, seqs: list[Sequence]) -> int:
+        """How many greedy steps a decode-only batch of these sequences may run in one call (1: one step): up to
+        max_burst where every sequence is plain greedy and the batch fits the burst kernel."""
+        if self.greedy_burst is None or len(seqs) > BURST_MAX_ROWS or not self._fuses_decode():
+            return 1
+        for seq in seqs:
+            params = seq.params
+            if not params.is_greedy or params.logprobs is not None or seq.matcher is not None:
+                return 1
+            if needs_adjusting(self._sampling_row(seq)):
+                return 1
+        if not self.burst_seconds:
+            return self.max_burst
+        if self.decode_step_seconds is None:
+            return 1  # a plain step first, which gives the pace
+        return max(1, min(self.max_burst, int(self.burst_seconds / self.decode_step_seconds)))
+
+    def _execute_burst(self, batch: ScheduledBatch) -> StepResult:
+        """Up to batch.burst greedy steps in one call: each sequence emits the tokens its steps chose."""
+        assert self.greedy_burst is not None
+        starts = [seq.num_computed_tokens for seq in batch.seqs]
+        input_ids = torch.tensor([seq.token_ids[start] for seq, start in zip(batch.seqs, starts)], dtype=torch.int64)
+        tables_by_group = [[seq.block_tables[g] for seq in batch.seqs] for g in range(self.layout.num_groups)]
+        steps = []
+        for k in range(batch.burst):
+            rows = decode_only_rows(
+                [start + k for start in starts], tables_by_group, self._group_kinds, self.block_size
+            )
+            steps.append([GroupRows(*group) for group in rows])
+        positions = torch.tensor([start + k for k in range(batch.burst) for start in starts], dtype=torch.int64)
+        stop_ids = set(self.eos_token_ids).union(*(seq.params.stop_token_ids for seq in batch.seqs))
+        tokens = self.greedy_burst(input_ids, positions, steps, sorted(stop_ids), self.burst_interrupt)
+        columns = tokens.t().tolist()  # [B, steps done]
+        return StepResult([EmittedTokens(ids, [None] * len(ids)) for ids in columns], {})
+
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> StepResult:
         """Forward the batch and sample: the tokens each sequence that samples appends this step (one,
-        or accepted drafts and the token after them), and the prompt tokens this step scores for the
-        sequences that asked for prompt logprobs."""
+        or accepted drafts and the token after them, or a burst's tokens), and the prompt tokens this step
+        scores for the sequences that asked for prompt logprobs."""
+        start = time.perf_counter()
+        if batch.burst > 1:
+            result = self._execute_burst(batch)
+            steps = len(result.sampled[0].token_ids) if result.sampled else 1
+            self.decode_step_seconds = (time.perf_counter() - start) / steps
+            return result
+        result = self._execute(batch)
+        if batch.decodes_only and not batch.num_drafts:
+            self.decode_step_seconds = time.perf_counter() - start
+        return result
+
+    def _execute(self, batch: ScheduledBatch) -> StepResult:
         hidden = self.run_model(batch)
         scored_prompts = {}
         wanted_prompt_rows = prompt_rows(batch)

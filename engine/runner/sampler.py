@@ -233,7 +233,7 @@ def token_logprobs(
     return out
 
 
-def _needs_adjusting(row: SamplingRow) -> bool:
+def needs_adjusting(row: SamplingRow) -> bool:
     """Whether adjusted_logits changes anything in this row's logits."""
     p = row.params
     return _has_penalties(p) or bool(p.logit_bias) or len(row.token_ids) - row.num_prompt_tokens < p.min_tokens
@@ -273,7 +273,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
     raw_logprobs = None
     if any(r.params.logprobs is not None for r in rows):
         raw_logprobs = logits.log_softmax(dim=-1)
-    if any(_needs_adjusting(r) for r in rows):  # else the logits are read, never written: no copy
+    if any(needs_adjusting(r) for r in rows):  # else the logits are read, never written: no copy
         logits = adjusted_logits(logits, rows)
     token_ids = argmax_rows(logits)
     random_rows = [i for i, r in enumerate(rows) if not r.params.is_greedy]

@@ -54,13 +54,16 @@ class StepChain:
     def submit(self, deadline: float | None) -> asyncio.Future[tuple[list[RequestOutput], EngineStats]]:
         """Queue a job of one or more steps (event loop); `deadline`: the earliest request deadline (monotonic)."""
         self._interrupted = False
+        self._engine.end_bursts_early(False)
         self._deadline = deadline
         self._loop = asyncio.get_running_loop()
         return self._worker.submit(self._run, kind=GENERATION_TURN)
 
     def interrupt(self) -> None:
-        """The loop has something to apply before the next step (event loop)."""
+        """The loop has something to apply before the next step (event loop); a greedy burst under way ends
+        after its current step."""
         self._interrupted = True
+        self._engine.end_bursts_early(True)
 
     def note_handed_out(self) -> None:
         """The loop has handed out one more step's outputs, in step order (event loop)."""

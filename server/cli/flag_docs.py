@@ -157,6 +157,23 @@ FLAG_DOCS: dict[str, FlagDoc] = {
             "([scheduling](../engine/architecture.md))"
         ),
     ),
+    "greedy_burst": FlagDoc(
+        (
+            "on the fused CPU decode path (GGUF or int8 weights), while every running sequence is plain greedy (no "
+            "logprobs, penalties, logit bias, structured output or pending `min_tokens`) and no request waits: run "
+            "up to this many decode steps in one native call, with no Python between the tokens. Streams get their "
+            "tokens several at a time; the tokens are the same as one step at a time. A request that arrives, "
+            "leaves or hits a stop string ends a burst after its current step; `1`: a step at a time (see "
+            "[Greedy bursts](../engine/architecture.md#greedy-bursts))"
+        ),
+    ),
+    "greedy_burst_ms": FlagDoc(
+        (
+            "and only as many steps as fit in this many milliseconds at the last decode steps' pace, so a stream "
+            "gets tokens at least about this often (a 135M model's ~5 ms steps: 16 a burst; a 1B model's ~25 ms: "
+            "4; a 150 ms step: none); `0`: no such cap"
+        ),
+    ),
     "sliding_window": FlagDoc(
         "force a sliding attention window of this many tokens",
         default_note="model's own / none",

@@ -217,6 +217,21 @@ FLAGS: tuple[Flag, ...] = (
         "stop every stream for seconds; a request alone keeps the whole budget (0: no cap)",
     ),
     _flag(
+        "greedy_burst",
+        "engine",
+        int,
+        "on the fused CPU decode path, while every running sequence is plain greedy and no request waits, run up "
+        "to this many decode steps in one native call (tokens reach streams several at a time; the tokens are "
+        "the same); 1: a step at a time",
+    ),
+    _flag(
+        "greedy_burst_ms",
+        "engine",
+        float,
+        "and only as many steps as fit in this many milliseconds at the last steps' pace, so streams get tokens "
+        "at least about this often (0: no such cap)",
+    ),
+    _flag(
         "sliding_window",
         "engine",
         optional(int),

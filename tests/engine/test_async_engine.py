@@ -37,6 +37,7 @@ class ScriptedEngine:
     max_model_len = 64
 
     def __init__(self, step_delay: float = 0.0, max_num_seqs: int = 8, fail_steps: int = 0) -> None:
+        self.burst_flags: list[bool] = []  # end_bursts_early's calls, in order
         self.step_delay = step_delay
         self.max_num_seqs = max_num_seqs
         self.fail_steps = fail_steps  # the next `fail_steps` steps raise
@@ -76,6 +77,9 @@ class ScriptedEngine:
         self._check()
         if self.requests.pop(request_id, None) is not None:
             self.num_stops += 1
+
+    def end_bursts_early(self, on: bool) -> None:
+        self.burst_flags.append(on)  # the one call allowed from the event loop while a step runs
 
     def has_unfinished_requests(self) -> bool:
         self._check()
@@ -627,6 +631,27 @@ def test_steps_run_on_in_one_job_while_the_loop_has_nothing_to_apply():
     assert tokens == [(3 + k) % 50 for k in range(1, 13)]
     assert steps == 12 and jobs <= steps // 2  # each job ran several steps: no round trip through the loop
     assert scripted.calls_during_step == 0
+
+
+def test_a_request_arriving_mid_job_ends_a_burst_and_the_next_job_lets_bursts_run():
+    """The flag a greedy burst reads between its steps: set when the loop has something to apply while a job
+    runs (here a second request), cleared as each job is queued."""
+    scripted = ScriptedEngine(step_delay=0.01)
+
+    async def main():
+        engine = AsyncEngine(scripted, ScriptedTokenizer(), limits=RequestLimits(256, None))
+        await engine.start(CountingWorker())
+        first = asyncio.create_task(_collect(engine, [3], max_tokens=20))
+        while engine.num_steps < 3:
+            await asyncio.sleep(0.005)
+        await _collect(engine, [4], max_tokens=2)
+        await first
+        await engine.stop()
+
+    run(main())
+    flags = scripted.burst_flags
+    # A job queued (False), the second request arriving while it ran (True), the job after it (False).
+    assert any(flags[i : i + 3] == [False, True, False] for i in range(len(flags) - 2)), flags
 
 
 def test_a_job_running_on_gives_the_worker_up_to_another_models_step():

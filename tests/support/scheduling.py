@@ -31,11 +31,18 @@ def make_scheduler(
     max_model_len: int = MAX_MODEL_LEN,
     prefix_caching: bool = True,
     plan_drafts: Callable[[list[Sequence], int], list[int]] | None = None,
+    plan_burst: Callable[[list[Sequence]], int] | None = None,
 ) -> Scheduler:
     """A scheduler over a pool of num_blocks blocks (block 0 is the null block) of BLOCK_SIZE tokens; EOS ends."""
     manager = KVCacheManager.single(BlockPool(num_blocks, prefix_caching), BLOCK_SIZE, None)
     return Scheduler(
-        manager, max_num_seqs, max_num_batched_tokens, (EOS,), max_model_len=max_model_len, plan_drafts=plan_drafts
+        manager,
+        max_num_seqs,
+        max_num_batched_tokens,
+        (EOS,),
+        max_model_len=max_model_len,
+        plan_drafts=plan_drafts,
+        plan_burst=plan_burst,
     )
 
 
