@@ -131,7 +131,9 @@ class ModelRunner:
         self.greedy_burst: GreedyBurst | None = None
         self.max_burst = 1
         self.burst_seconds = config.greedy_burst_ms / 1000  # 0: bursts are not capped by their length
-        self.decode_step_seconds: float | None = None  # the last decode-only step's (or burst's per step)
+        # The last decode-only step's seconds (a burst's per step), by the number of sequences in it: a step of 32
+        # takes several times one of 1, so a pace is only ever taken from a batch of the same size.
+        self.decode_step_seconds: dict[int, float] = {}
         self.burst_interrupt = ctypes.c_int32(0)
         if self.fused_decode is not None and config.greedy_burst > 1:
             reason = greedy_burst.unsupported_reason(self.fused_decode.recipe.tail)
@@ -231,9 +233,10 @@ class ModelRunner:
                 return 1
         if not self.burst_seconds:
             return self.max_burst
-        if self.decode_step_seconds is None:
+        pace = self.decode_step_seconds.get(len(seqs))
+        if pace is None:
             return 1  # a plain step first, which gives the pace
-        return max(1, min(self.max_burst, int(self.burst_seconds / self.decode_step_seconds)))
+        return max(1, min(self.max_burst, int(self.burst_seconds / pace)))
 
     def _execute_burst(self, batch: ScheduledBatch) -> StepResult:
         """Up to batch.burst greedy steps in one call: each sequence emits the tokens its steps chose."""
@@ -262,11 +265,11 @@ class ModelRunner:
         if batch.burst > 1:
             result = self._execute_burst(batch)
             steps = len(result.sampled[0].token_ids) if result.sampled else 1
-            self.decode_step_seconds = (time.perf_counter() - start) / steps
+            self.decode_step_seconds[len(batch.seqs)] = (time.perf_counter() - start) / steps
             return result
         result = self._execute(batch)
         if batch.decodes_only and not batch.num_drafts:
-            self.decode_step_seconds = time.perf_counter() - start
+            self.decode_step_seconds[len(batch.seqs)] = time.perf_counter() - start
         return result
 
     def _execute(self, batch: ScheduledBatch) -> StepResult:

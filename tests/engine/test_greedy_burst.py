@@ -145,17 +145,20 @@ def test_an_interrupted_burst_runs_one_step(tiny_llama_dir, monkeypatch):
 
 
 @needs_kernels
-def test_bursts_last_as_many_steps_as_the_pace_fits(tiny_llama_dir):
+def test_bursts_last_as_many_steps_as_the_pace_of_the_batch_size_fits(tiny_llama_dir):
     llm = LLM.from_config(EngineConfig(model=tiny_llama_dir, quantization="int8", greedy_burst=16, greedy_burst_ms=100))
     runner = llm.engine.runner
     seqs = [make_seq(3, params=_greedy(50))]
     assert runner.plan_burst(seqs) == 1  # no step timed yet: a plain step first
-    runner.decode_step_seconds = 0.030
+    runner.decode_step_seconds[1] = 0.030
     assert runner.plan_burst(seqs) == 3
-    runner.decode_step_seconds = 0.004
+    runner.decode_step_seconds[1] = 0.004
     assert runner.plan_burst(seqs) == 16
-    runner.decode_step_seconds = 0.2
+    runner.decode_step_seconds[1] = 0.2
     assert runner.plan_burst(seqs) == 1
+    # A pace is a batch size's own: two sequences, never timed together, take a plain step first.
+    runner.decode_step_seconds[1] = 0.004
+    assert runner.plan_burst([*seqs, make_seq(4, params=_greedy(50))]) == 1
 
 
 def test_the_scheduler_makes_room_for_a_burst_only_while_no_request_waits():
