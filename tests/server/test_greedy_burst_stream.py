@@ -1,0 +1,57 @@
+"""Greedy bursts through the server: a streamed greedy completion arrives several tokens a chunk with the text a
+step-at-a-time request gets (logprobs keep a request out of bursts), a stop string inside a burst cuts the text
+where it cuts it without bursts, and the KV blocks all come back."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from server.app import create_app
+from server.state import state_of
+from tests.support.native_kernels import needs_kernels
+from tests.support.server_harness import ServerThread, make_server_config, parse_sse
+from tests.support.tiny_models import make_tiny_llama
+
+MODEL = "tiny-llama"
+PROMPT = [5, 6, 7, 8]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    model_dir = make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+    config = make_server_config(model_dir, quantization="int8", greedy_burst=8, greedy_burst_ms=0)
+    with ServerThread(create_app(config)) as srv:
+        yield srv
+
+
+def _stream(server, **body) -> tuple[list[dict], str, str]:
+    """(the chunks with text, their text, the finish reason) of a streamed greedy completion."""
+    payload = {"model": MODEL, "prompt": PROMPT, "temperature": 0, "stream": True, **body}
+    response = httpx.post(f"{server.base_url}/v1/completions", json=payload, timeout=60)
+    assert response.status_code == 200, response.text
+    events = [e for e in parse_sse(response.text) if isinstance(e, dict) and e.get("choices")]
+    chunks = [e for e in events if e["choices"][0]["text"]]
+    finish = next(e["choices"][0]["finish_reason"] for e in events if e["choices"][0]["finish_reason"])
+    return chunks, "".join(e["choices"][0]["text"] for e in chunks), finish
+
+
+@needs_kernels
+def test_a_streamed_burst_has_the_text_of_steps_one_at_a_time(server):
+    runner = state_of(server.app).engine.llm_engine.runner
+    assert runner.greedy_burst is not None
+    chunks, text, finish = _stream(server, max_tokens=30, ignore_eos=True)
+    one_at_a_time, reference, _ = _stream(server, max_tokens=30, ignore_eos=True, logprobs=0)
+    assert text == reference and finish == "length"
+    assert len(chunks) < len(one_at_a_time)  # several tokens a chunk
+    pool = state_of(server.app).engine.llm_engine.pool
+    assert pool.num_free_blocks == pool.num_blocks - 1
+
+
+@needs_kernels
+def test_a_stop_string_inside_a_burst_cuts_the_text_where_steps_one_at_a_time_do(server):
+    _, reference, _ = _stream(server, max_tokens=30, ignore_eos=True, logprobs=0)
+    stop = reference[len(reference) // 2 : len(reference) // 2 + 3]
+    _, text, finish = _stream(server, max_tokens=30, ignore_eos=True, stop=[stop])
+    _, expected, _ = _stream(server, max_tokens=30, ignore_eos=True, stop=[stop], logprobs=0)
+    assert text == expected == reference[: reference.index(stop)] and finish == "stop"
