@@ -48,12 +48,13 @@ class BenchResult:
     total_output_tokens: int
     ttft_p50_ms: float | None
     ttft_p99_ms: float | None
-    itl_p50_ms: float | None
+    itl_p50_ms: float | None  # between chunks: a chunk may carry several tokens (a greedy burst, accepted drafts)
     itl_p99_ms: float | None
     output_tokens_per_s: float  # all output tokens over the wall time of the run
     output_tokens_per_s_per_request: float | None  # mean over requests of output_tokens / latency
     decode_tokens_per_s_per_request: float | None  # mean over requests of (tokens - 1) / (last - first chunk)
     requests_per_s: float
+    tpot_p50_ms: float | None = None  # per request: (last chunk - first chunk) / (tokens - 1), the p50 over requests
     peak_memory_mib: float | None = None  # peak RSS of the server process tree sampled during the run
     peak_memory_hwm_mib: float | None = None  # kernel's VmHWM of the server process (since its start)
     errors: list[str] = field(default_factory=list)
@@ -96,7 +97,8 @@ def summarize(
     """Turn per-request timings into the reported statistics."""
     ok = [r for r in records if r.ok]
     ttfts = [r.ttft for r in ok if r.ttft is not None]
-    # Inter-token latency: gaps between consecutive text chunks of the same request.
+    # Inter-token latency: gaps between consecutive text chunks of the same request (a chunk may carry several
+    # tokens); time per output token: each request's decode time over the tokens after its first.
     itls = [b - a for r in ok for a, b in zip(r.chunk_times, r.chunk_times[1:])]
     per_request_tps = [r.output_tokens / r.latency for r in ok if r.latency > 0]
     decode_tps = [
@@ -105,6 +107,7 @@ def summarize(
         if r.output_tokens > 1 and len(r.chunk_times) > 1 and r.chunk_times[-1] > r.chunk_times[0]
     ]
     total_out = sum(r.output_tokens for r in ok)
+    tpots = [1 / tps for tps in decode_tps]
     return BenchResult(
         server=server,
         model=model,
@@ -122,6 +125,7 @@ def summarize(
         output_tokens_per_s_per_request=statistics.fmean(per_request_tps) if per_request_tps else None,
         decode_tokens_per_s_per_request=statistics.fmean(decode_tps) if decode_tps else None,
         requests_per_s=len(ok) / duration_s if duration_s > 0 else 0.0,
+        tpot_p50_ms=_ms(percentile(tpots, 50)),
         peak_memory_mib=peak_memory_mib,
         peak_memory_hwm_mib=peak_memory_hwm_mib,
         errors=sorted({r.error for r in records if r.error})[:10],
@@ -138,6 +142,7 @@ _COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("TTFT p99 (ms)", "ttft_p99_ms", "{:.1f}"),
     ("ITL p50 (ms)", "itl_p50_ms", "{:.2f}"),
     ("ITL p99 (ms)", "itl_p99_ms", "{:.2f}"),
+    ("TPOT p50 (ms)", "tpot_p50_ms", "{:.2f}"),
     ("output tok/s", "output_tokens_per_s", "{:.1f}"),
     ("tok/s per request", "output_tokens_per_s_per_request", "{:.1f}"),
     ("req/s", "requests_per_s", "{:.3f}"),

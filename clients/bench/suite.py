@@ -219,6 +219,7 @@ _METRICS: tuple[tuple[str, str, str, bool], ...] = (
     ("TTFT p99 (ms)", "ttft_p99_ms", "{:.0f}", False),
     ("ITL p50 (ms)", "itl_p50_ms", "{:.2f}", False),
     ("ITL p99 (ms)", "itl_p99_ms", "{:.2f}", False),
+    ("time per output token p50 (ms)", "tpot_p50_ms", "{:.2f}", False),
     ("requests/s", "requests_per_s", "{:.3f}", True),
     ("peak memory (MiB)", "peak_memory_mib", "{:.0f}", False),
     ("requests (failed)", "num_requests", "{:d}", True),

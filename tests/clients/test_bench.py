@@ -72,6 +72,15 @@ def test_summarize_from_synthetic_timings() -> None:
     assert result.itl_p99_ms == pytest.approx(100.0)
     assert result.output_tokens_per_s_per_request == pytest.approx(5.0)  # 5 tokens in 1 s each
     assert result.decode_tokens_per_s_per_request == pytest.approx(10.0)  # 4 gaps of 0.1 s
+    assert result.tpot_p50_ms == pytest.approx(100.0)
+
+
+def test_time_per_output_token_counts_every_token_of_a_chunk() -> None:
+    """Chunks of several tokens (a greedy burst): the gaps between chunks are long, the time per token is not."""
+    bursty = RequestRecord(start=0.0, end=1.0, chunk_times=[0.1, 0.5, 0.9], output_tokens=9, ok=True)
+    result = summarize([bursty], 1.0, server="s", model="m", workload=Workload(num_requests=1))
+    assert result.itl_p50_ms == pytest.approx(400.0)
+    assert result.tpot_p50_ms == pytest.approx(100.0)  # 0.8 s over the 8 tokens after the first
 
 
 def test_summarize_with_no_successful_request() -> None:
