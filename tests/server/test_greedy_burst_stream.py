@@ -1,8 +1,11 @@
 """Greedy bursts through the server: a streamed greedy completion arrives several tokens a chunk with the text a
 step-at-a-time request gets (logprobs keep a request out of bursts), a stop string inside a burst cuts the text
-where it cuts it without bursts, and the KV blocks all come back."""
+where it cuts it without bursts, and the KV blocks all come back, also from clients that leave mid-burst."""
 
 from __future__ import annotations
+
+import threading
+import time
 
 import httpx
 import pytest
@@ -10,7 +13,7 @@ import pytest
 from server.app import create_app
 from server.state import state_of
 from tests.support.native_kernels import needs_kernels
-from tests.support.server_harness import ServerThread, make_server_config, parse_sse
+from tests.support.server_harness import ServerThread, make_server_config, parse_sse, send_and_hang_up
 from tests.support.tiny_models import make_tiny_llama
 
 MODEL = "tiny-llama"
@@ -55,3 +58,35 @@ def test_a_stop_string_inside_a_burst_cuts_the_text_where_steps_one_at_a_time_do
     _, text, finish = _stream(server, max_tokens=30, ignore_eos=True, stop=[stop])
     _, expected, _ = _stream(server, max_tokens=30, ignore_eos=True, stop=[stop], logprobs=0)
     assert text == expected == reference[: reference.index(stop)] and finish == "stop"
+
+
+def _read_first_chunk_and_leave(base_url: str, body: dict) -> None:
+    with httpx.Client(base_url=base_url, timeout=30) as http, http.stream("POST", "/v1/completions", json=body) as r:
+        next(r.iter_lines())
+
+
+@needs_kernels
+def test_clients_leaving_mid_burst_free_every_block(server):
+    """Greedy streams long enough to burst many times, dropped after their first chunk or at moments between:
+    the engine ends up with no request, sequence or block, and serves the next request."""
+    body = {"model": MODEL, "prompt": PROMPT, "temperature": 0, "max_tokens": 200, "ignore_eos": True}
+    clients = [
+        threading.Thread(target=send_and_hang_up, args=(server.base_url, "/v1/completions", {**body, "stream": s}, t))
+        for t in (0.0, 0.02, 0.1)
+        for s in (True, False)
+    ]
+    clients += [
+        threading.Thread(target=_read_first_chunk_and_leave, args=(server.base_url, {**body, "stream": True}))
+        for _ in range(3)
+    ]
+    for client in clients:
+        client.start()
+    for client in clients:
+        client.join(timeout=30)
+    engine = state_of(server.app).engine
+    deadline = time.monotonic() + 10
+    while engine.num_active_requests or engine.stats().num_used_blocks or engine.stats().num_running:
+        assert time.monotonic() < deadline, f"still busy: {engine.stats()}"
+        time.sleep(0.01)
+    _, text, finish = _stream(server, max_tokens=5, ignore_eos=True)
+    assert text and finish == "length"
