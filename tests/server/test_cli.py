@@ -33,6 +33,8 @@ SERVE_FLAGS = (
     "max_num_seqs",
     "max_num_batched_tokens",
     "long_prefill_token_threshold",
+    "greedy_burst",
+    "greedy_burst_ms",
     "sliding_window",
     "num_sink_tokens",
     "enable_prefix_caching",
