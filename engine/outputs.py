@@ -108,6 +108,10 @@ class EngineStats:
     num_generation_tokens: int
     num_cached_prompt_tokens: int = 0
     num_computed_prompt_tokens: int = 0
+    # Greedy bursts (engine/models/greedy_burst.py): native calls of several decode steps, and the tokens
+    # appended from them (part of num_generation_tokens).
+    num_greedy_bursts: int = 0
+    num_greedy_burst_tokens: int = 0
     # Speculative decoding (all 0 when it is off): verifications, tokens proposed and verified, of
     # those accepted, and per draft position j the verifications whose token j+1 was accepted.
     num_spec_drafts: int = 0

@@ -56,6 +56,8 @@ class StepCounters:
     num_generation_tokens: int = 0
     num_cached_prompt_tokens: int = 0
     num_computed_prompt_tokens: int = 0
+    num_greedy_bursts: int = 0
+    num_greedy_burst_tokens: int = 0
 
 
 @dataclass
@@ -363,6 +365,8 @@ class Scheduler:
         a stop came first). The step's tokens are counted here (see StepCounters).
         """
         counters = self.counters
+        if batch.burst > 1:
+            counters.num_greedy_bursts += 1
         sampled: list[int] = []
         for i, (seq, num_new) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             is_sampling = batch.is_sampling(i)
@@ -385,6 +389,8 @@ class Scheduler:
             count = self._append_tokens(seq, tokens)
             appended.append((seq, count))
             counters.num_generation_tokens += count
+            if batch.burst > 1:
+                counters.num_greedy_burst_tokens += count
             if batch.num_draft_slots[i] and not seq.is_finished:
                 # Every appended token but the newest had its K/V computed this step (the accepted
                 # drafts, or a burst's tokens): they count, their full blocks are published, and blocks past

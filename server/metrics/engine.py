@@ -127,6 +127,18 @@ ENGINE_SERIES = (
         is_private=True,
     ),
     _counter("generation_tokens", ("generation_tokens",), "Tokens generated.", lambda s: s.num_generation_tokens),
+    _counter(
+        "greedy_bursts",
+        (),
+        "Greedy bursts: native calls that ran several decode steps of a batch (--greedy-burst).",
+        lambda s: s.num_greedy_bursts,
+    ),
+    _counter(
+        "greedy_burst_tokens",
+        (),
+        "Tokens generated in greedy bursts (part of generation_tokens).",
+        lambda s: s.num_greedy_burst_tokens,
+    ),
     _spec_counter(
         "spec_decode_num_drafts",
         "Speculative verifications: steps in which a sequence had at least one draft token checked.",

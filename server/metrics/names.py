@@ -50,9 +50,10 @@ class Naming:
         return cls(model_name, kvserve=metrics_names != "vllm", vllm=metrics_names != "kvserve")
 
     def targets(self, kvserve_name: str | None, vllm_names: tuple[str, ...]) -> list[Target]:
-        """Every name a series goes out under: `kvserve_name` (None: a vLLM alias only) and `vllm_names`."""
+        """Every name a series goes out under: `kvserve_name` (None: a vLLM alias only) and `vllm_names`; a series
+        with no vLLM name keeps its kvserve name whatever the choice."""
         targets = []
-        if self.kvserve and kvserve_name is not None:
+        if kvserve_name is not None and (self.kvserve or not vllm_names):
             targets.append(Target(KVSERVE_PREFIX + kvserve_name, KVSERVE_LABELS, (self.model_name,), False))
         if self.vllm:
             values = (self.model_name, VLLM_ENGINE_INDEX)

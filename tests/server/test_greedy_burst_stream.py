@@ -51,6 +51,26 @@ def test_a_streamed_burst_has_the_text_of_steps_one_at_a_time(server):
     assert pool.num_free_blocks == pool.num_blocks - 1
 
 
+def _counter(server, name: str) -> float:
+    line = next(
+        line for line in httpx.get(f"{server.base_url}/metrics").text.splitlines() if line.startswith(f"{name}{{")
+    )
+    return float(line.rsplit(" ", 1)[1])
+
+
+@needs_kernels
+def test_metrics_count_the_bursts_and_their_tokens(server):
+    before = {name: _counter(server, f"kvserve:{name}_total") for name in ("greedy_bursts", "greedy_burst_tokens")}
+    generated = _counter(server, "kvserve:generation_tokens_total")
+    _stream(server, max_tokens=30, ignore_eos=True)  # the first token from the prefill, then bursts of 8
+    bursts = _counter(server, "kvserve:greedy_bursts_total") - before["greedy_bursts"]
+    tokens = _counter(server, "kvserve:greedy_burst_tokens_total") - before["greedy_burst_tokens"]
+    assert _counter(server, "kvserve:generation_tokens_total") - generated == 30
+    assert bursts >= 3 and 3 * 8 <= tokens <= 29
+    _stream(server, max_tokens=30, ignore_eos=True, logprobs=0)  # never bursts
+    assert _counter(server, "kvserve:greedy_bursts_total") - before["greedy_bursts"] == bursts
+
+
 @needs_kernels
 def test_a_stop_string_inside_a_burst_cuts_the_text_where_steps_one_at_a_time_do(server):
     _, reference, _ = _stream(server, max_tokens=30, ignore_eos=True, logprobs=0)

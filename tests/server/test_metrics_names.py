@@ -262,7 +262,8 @@ def test_kvserve_names_only():
 def test_vllm_names_only_but_for_the_series_vllm_has_none_of():
     families = _families(_page("vllm"))
     kvserve = {name for name in families if name.startswith("kvserve:")}
-    kvserve_always = ("kvserve:embedding_", "kvserve:kv_cache_bytes_per_token")  # series vLLM has none of
+    # series vLLM has none of
+    kvserve_always = ("kvserve:embedding_", "kvserve:kv_cache_bytes_per_token", "kvserve:greedy_burst")
     assert kvserve and all(name.startswith(kvserve_always) for name in kvserve)
     assert not [name for name in families if not name.startswith(("vllm:", *kvserve_always))]
     # Every kvserve series has its vLLM name, and every vLLM name but the aliases is a kvserve series.
