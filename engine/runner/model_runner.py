@@ -190,15 +190,24 @@ class ModelRunner:
         the fused step's reference)."""
         return self.fused_decode is not None and self.decode_plan.path is DecodePath.FUSED_NATIVE
 
-    def decode_inputs(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, list[GroupRows]]:
-        """A decode-only step's (one new token per sequence) input ids [B], positions [B] and each attention
-        group's rows, the fused call's inputs: what `forward` takes from build_inputs' metadata for such a
-        step, built without the rest of it."""
+    def decode_inputs(
+        self, batch: ScheduledBatch, num_steps: int = 1
+    ) -> tuple[torch.Tensor, torch.Tensor, list[list[GroupRows]]]:
+        """num_steps decode-only steps' (one new token per sequence each) inputs: the first step's input ids [B],
+        the positions [num_steps * B] step by step, and each step's rows of every attention group, the fused
+        call's inputs: what `forward` takes from build_inputs' metadata for such a step, built without the rest
+        of it. Step k's rows sit at positions k past the first's (a greedy burst's later steps)."""
         starts = [seq.num_computed_tokens for seq in batch.seqs]
         input_ids = torch.tensor([seq.token_ids[start] for seq, start in zip(batch.seqs, starts)], dtype=torch.int64)
         tables_by_group = [[seq.block_tables[g] for seq in batch.seqs] for g in range(self.layout.num_groups)]
-        rows = decode_only_rows(starts, tables_by_group, self._group_kinds, self.block_size)
-        return input_ids, torch.tensor(starts, dtype=torch.int64), [GroupRows(*group) for group in rows]
+        positions = [start + k for k in range(num_steps) for start in starts]
+        steps = []
+        for k in range(num_steps):
+            rows = decode_only_rows(
+                positions[k * len(starts) : (k + 1) * len(starts)], tables_by_group, self._group_kinds, self.block_size
+            )
+            steps.append([GroupRows(*group) for group in rows])
+        return input_ids, torch.tensor(positions, dtype=torch.int64), steps
 
     def forward(
         self,
@@ -241,16 +250,7 @@ class ModelRunner:
     def _execute_burst(self, batch: ScheduledBatch) -> StepResult:
         """Up to batch.burst greedy steps in one call: each sequence emits the tokens its steps chose."""
         assert self.greedy_burst is not None
-        starts = [seq.num_computed_tokens for seq in batch.seqs]
-        input_ids = torch.tensor([seq.token_ids[start] for seq, start in zip(batch.seqs, starts)], dtype=torch.int64)
-        tables_by_group = [[seq.block_tables[g] for seq in batch.seqs] for g in range(self.layout.num_groups)]
-        steps = []
-        for k in range(batch.burst):
-            rows = decode_only_rows(
-                [start + k for start in starts], tables_by_group, self._group_kinds, self.block_size
-            )
-            steps.append([GroupRows(*group) for group in rows])
-        positions = torch.tensor([start + k for k in range(batch.burst) for start in starts], dtype=torch.int64)
+        input_ids, positions, steps = self.decode_inputs(batch, batch.burst)
         stop_ids = set(self.eos_token_ids).union(*(seq.params.stop_token_ids for seq in batch.seqs))
         tokens = self.greedy_burst(input_ids, positions, steps, sorted(stop_ids), self.burst_interrupt)
         columns = tokens.t().tolist()  # [B, steps done]
@@ -318,7 +318,8 @@ class ModelRunner:
     def run_model(self, batch: ScheduledBatch) -> torch.Tensor:
         """The batch's final hidden states [T, hidden], one row per new token in batch order."""
         if self._fuses_decode() and max(batch.num_new_tokens) == 1:
-            return self.fused_decode(*self.decode_inputs(batch))
+            input_ids, positions, (groups,) = self.decode_inputs(batch)
+            return self.fused_decode(input_ids, positions, groups)
         input_ids, positions, metas = self.build_inputs(batch)
         short_queries = max(batch.num_new_tokens) <= FUSED_ROWS_MAX_QUERY
         return self.forward(input_ids, positions, metas, short_queries=short_queries)
